@@ -1,0 +1,188 @@
+"""Weight-update manifests and bucket packing: the bytes a learner sends and a serve worker stages.
+
+Both sides import this (it imports torch and msgspec, never vLLM). An update is one `UpdateManifest` (sent first, as
+msgpack) followed by `len(manifest.bucket_sizes)` uint8 buckets over the weights group. Every tensor lies wholly in one
+bucket at a 64-byte aligned offset, so the receiver can view it in place; a tensor larger than the bucket size gets a
+bucket of its own. Each tensor carries a CRC32 of its bytes, checked by the receiver before anything is committed.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping
+
+import msgspec
+import torch
+
+MANIFEST_SCHEMA = 1
+ALIGN = 64
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ManifestError(ValueError):
+    """A manifest or a staged update does not match what it claims or what the receiver expects."""
+
+
+class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one HF-named tensor lies in the buckets, and what its bytes must hash to."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    bucket: int
+    offset: int
+    nbytes: int
+    crc32: int = 0
+
+
+class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Announces one weight update: the version it produces and the layout of every bucket that follows."""
+
+    schema: int
+    version: int
+    bucket_sizes: list[int]
+    tensors: list[TensorEntry]
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @staticmethod
+    def decode(data: bytes) -> UpdateManifest:
+        try:
+            manifest = msgspec.msgpack.decode(data, type=UpdateManifest)
+        except msgspec.DecodeError as exc:
+            raise ManifestError(f"update manifest could not be decoded: {exc}") from exc
+        if manifest.schema != MANIFEST_SCHEMA:
+            raise ManifestError(
+                f"manifest.schema is {manifest.schema}, expected {MANIFEST_SCHEMA}: run the same inflight version "
+                "on the learner and the servers"
+            )
+        manifest.validate_layout()
+        return manifest
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    def validate_layout(self) -> None:
+        """Every entry must lie inside its bucket with its byte count matching dtype × shape."""
+        for t in self.tensors:
+            if t.dtype not in DTYPES:
+                raise ManifestError(f"tensor {t.name}: dtype {t.dtype!r} is not one of {sorted(DTYPES)}")
+            want = _numel(t.shape) * _itemsize(t.dtype)
+            if t.nbytes != want:
+                raise ManifestError(f"tensor {t.name}: nbytes {t.nbytes} but dtype×shape gives {want}")
+            if not 0 <= t.bucket < len(self.bucket_sizes):
+                raise ManifestError(f"tensor {t.name}: bucket {t.bucket} outside 0..{len(self.bucket_sizes) - 1}")
+            if t.offset % ALIGN or t.offset < 0 or t.offset + t.nbytes > self.bucket_sizes[t.bucket]:
+                raise ManifestError(f"tensor {t.name}: offset {t.offset}+{t.nbytes} outside its bucket")
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def tensor_crc32(t: torch.Tensor) -> int:
+    return zlib.crc32(_as_bytes(t).numpy()) & 0xFFFFFFFF
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def plan_manifest(
+    state: Mapping[str, torch.Tensor], version: int, bucket_bytes: int, checksums: bool = True
+) -> UpdateManifest:
+    """Lay `state` (HF name → CPU tensor) out in buckets of at most `bucket_bytes` (a bigger tensor gets its own)."""
+    if bucket_bytes < ALIGN:
+        raise ManifestError(f"bucket_bytes is {bucket_bytes}; it must be at least {ALIGN}")
+    entries, sizes, used = [], [], 0
+    for name, tensor in state.items():
+        if tensor.dtype not in DTYPE_NAMES:
+            raise ManifestError(f"tensor {name}: dtype {tensor.dtype} cannot be sent; cast it to bfloat16/float32")
+        nbytes = tensor.numel() * tensor.element_size()
+        if not sizes or used + nbytes > bucket_bytes:
+            sizes.append(0)
+            used = 0
+        offset = used
+        used = _aligned(offset + nbytes)
+        sizes[-1] = max(offset + nbytes, sizes[-1])
+        crc = tensor_crc32(tensor) if checksums else 0
+        entries.append(
+            TensorEntry(name, DTYPE_NAMES[tensor.dtype], list(tensor.shape), len(sizes) - 1, offset, nbytes, crc)
+        )
+    return UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries)
+
+
+def pack_bucket(
+    manifest: UpdateManifest, index: int, state: Mapping[str, torch.Tensor], out: torch.Tensor
+) -> torch.Tensor:
+    """Copy every tensor of bucket `index` into `out` (uint8, at least the bucket's size); return the bucket view."""
+    view = out[: manifest.bucket_sizes[index]]
+    for t in manifest.tensors:
+        if t.bucket == index:
+            view[t.offset : t.offset + t.nbytes].copy_(_as_bytes(state[t.name]))
+    return view
+
+
+def unpack_buckets(manifest: UpdateManifest, buckets: list[torch.Tensor], verify: bool = True) -> dict[str, torch.Tensor]:
+    """Views of every tensor inside the received buckets (no copy); checks sizes and, if asked, checksums."""
+    if len(buckets) != len(manifest.bucket_sizes):
+        raise ManifestError(f"received {len(buckets)} buckets, the manifest announced {len(manifest.bucket_sizes)}")
+    for i, (buf, size) in enumerate(zip(buckets, manifest.bucket_sizes, strict=True)):
+        if buf.numel() != size:
+            raise ManifestError(f"bucket {i} holds {buf.numel()} bytes, the manifest announced {size}")
+    out = {}
+    for t in manifest.tensors:
+        raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
+        if verify and (crc := zlib.crc32(raw.numpy()) & 0xFFFFFFFF) != t.crc32:
+            raise ManifestError(
+                f"tensor {t.name}: checksum {crc:#010x} but the manifest says {t.crc32:#010x} (corrupted in transit)"
+            )
+        out[t.name] = raw.view(DTYPES[t.dtype]).reshape(t.shape)
+    return out
+
+
+def check_against(manifest: UpdateManifest, expected: Mapping[str, tuple[str, list[int]]]) -> None:
+    """Refuse a manifest whose names, dtypes or shapes differ from `expected` (name → (dtype, shape)).
+
+    The message names the first mismatch so a learner/server model disagreement is found before any bucket moves.
+    """
+    seen = set()
+    for t in manifest.tensors:
+        if t.name not in expected:
+            raise ManifestError(f"tensor {t.name!r} is not a parameter of the served model (check the model path)")
+        dtype, shape = expected[t.name]
+        if list(shape) != list(t.shape):
+            raise ManifestError(f"tensor {t.name}: shape {t.shape} sent, the served model has {list(shape)}")
+        if dtype != t.dtype:
+            raise ManifestError(f"tensor {t.name}: dtype {t.dtype} sent, the served model has {dtype}")
+        if t.name in seen:
+            raise ManifestError(f"tensor {t.name} appears twice in the manifest")
+        seen.add(t.name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ManifestError(
+            f"{len(missing)} parameters missing from the update, first {missing[0]!r}: send the full state dict"
+        )

@@ -1,0 +1,103 @@
+"""Helpers shared by the real-engine tests: checkpoints to swap to, a rank-0 sender, greedy runs."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from inflight.wire.group import GroupAddress, WeightsGroup, open_store
+from inflight.wire.transfer import send_update
+from inflight.wire.weights import UpdateManifest, plan_manifest
+
+PROMPTS = [
+    "What is 3 + 4? Reply with only the number.",
+    "Name a colour.",
+    "Count from one to five.",
+    "Write a word that rhymes with cat.",
+]
+
+
+def load_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        state.update(load_file(f))
+    return state
+
+
+def perturbed_checkpoint(src: Path, dest: Path, seed: int, scale: float = 0.25) -> dict[str, torch.Tensor]:
+    """Copy the HF directory `src` to `dest` with every tensor moved by `scale` × its own std: checkpoint "B"."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest)
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, t in load_state(src).items():
+        f = t.float()
+        noise = torch.randn(f.shape, generator=gen) * (f.std() if f.numel() > 1 else 1.0) * scale
+        state[name] = (f + noise).to(t.dtype).contiguous()
+    save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return state
+
+
+class Sender:
+    """The learner's rank 0, in a thread of the test process: hosts the store and broadcasts updates."""
+
+    def __init__(self, world_size: int = 2, timeout_s: float = 20.0):
+        self.store = open_store(GroupAddress("127.0.0.1", 0, world_size, timeout_s=timeout_s), is_host=True)
+        self.timeout_s, self.world_size, self.generation = timeout_s, world_size, 0
+        self.group: WeightsGroup | None = None
+
+    def address(self) -> GroupAddress:
+        return GroupAddress("127.0.0.1", self.store.port, self.world_size, f"w{self.generation}", "gloo", self.timeout_s)
+
+    async def connect(self, engine) -> None:
+        """Form a fresh group with the engine's worker (rank 1)."""
+        self.generation += 1
+        addr = self.address()
+        group_task = asyncio.to_thread(WeightsGroup, addr, 0, self.store)
+        join = engine.join_weights_group(addr.host, addr.port, 1, addr.world_size, group_name=addr.group_name,
+                                         timeout_s=addr.timeout_s)  # fmt: skip
+        self.group, _ = await asyncio.gather(group_task, join)
+
+    def manifest(self, state, version: int, bucket_bytes: int = 1 << 20) -> UpdateManifest:
+        return plan_manifest(state, version, bucket_bytes)
+
+    def send_in_thread(self, manifest: UpdateManifest, state) -> tuple[threading.Thread, dict]:
+        result: dict = {}
+
+        def run():
+            try:
+                result["stats"] = send_update(self.group, manifest, state)
+            except Exception as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread, result
+
+    async def push(self, engine, state, version: int, mode: str = "never-stop", kv: str = "keep", **kw):
+        manifest = self.manifest(state, version, kw.pop("bucket_bytes", 1 << 20))
+        thread, result = self.send_in_thread(manifest, state)
+        report = await engine.update(manifest.encode(), mode=mode, kv=kv, **kw)
+        await asyncio.to_thread(thread.join, self.timeout_s)
+        if "error" in result:
+            raise result["error"]
+        return report
+
+
+async def greedy(engine, tokenizer, prompts=PROMPTS, max_tokens: int = 16, tag: str = "g"):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [chat_ids(tokenizer, p) for p in prompts]
+    return await asyncio.gather(*(engine.generate(i, params, f"{tag}-{k}") for k, i in enumerate(ids)))
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))  # fmt: skip

@@ -1,0 +1,239 @@
+"""InflightEngine: vLLM's AsyncLLM with in-flight weight updates in five interruption modes and exact token versions.
+
+Called by `inflight.serve` (and the tests and benchmarks). It owns three things the raw AsyncLLM leaves to the caller:
+- `generate()` returns a `Completion` with one behaviour logprob and one policy version per token, and transparently
+  resubmits requests that the abort-resume mode aborted (prompt + partial tokens, remaining budget);
+- every request carries `cache_salt=<version at submission>`, so no prefix-cache hit crosses weight versions;
+- `update()` runs one weight update in the chosen mode:
+
+  never-stop    stage in the background while decoding continues; commit between two steps (the only stall)
+  keep-pause    pause (keep, KV kept) for the whole transfer, commit, resume — what PipelineRL/TRL do
+  drain         pause (wait: running requests finish, new ones queue), transfer, commit, resume
+  abort-resume  pause (abort), transfer, commit, resume; aborted requests are resubmitted by `generate()`
+  blocking      the engine must be idle (synchronous RL: generate, train, update); refused otherwise
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
+WORKER_EXTENSION = "vllm_patches.worker_extension.InflightWorkerExtension"
+
+
+@dataclass
+class EngineConfig:
+    """What `InflightEngine.start` builds AsyncLLM from. Defaults run the embedded demo on CPU."""
+
+    model: str
+    max_model_len: int = 1024
+    max_num_seqs: int = 256
+    seed: int = 0
+    enforce_eager: bool = True
+    kv_cache_gib: int = 1
+    dtype: str = "bfloat16"
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class Completion:
+    """One finished sample: what the learner needs for token-level importance sampling."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    text: str = ""
+    resubmissions: int = 0
+
+
+@dataclass
+class UpdateReport:
+    """What one `update()` cost: `stall_s` is the time generation could not make progress because of it."""
+
+    version: int
+    mode: str
+    total_s: float = 0.0
+    stall_s: float = 0.0
+    commit_s: float = 0.0
+    receive_s: float = 0.0
+    bytes: int = 0
+    workers: list = field(default_factory=list)
+
+
+class UpdateError(RuntimeError):
+    """A weight update was refused or failed; the live weights and the version are unchanged."""
+
+
+def engine_args(cfg: EngineConfig):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    return AsyncEngineArgs(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        seed=cfg.seed,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",
+        async_scheduling=False,  # versions are exact only on the synchronous step path
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+
+
+def spans_to_versions(spans, n_tokens: int) -> list[int]:
+    """Expand vLLM's `weight_versions` spans to one int version per generated token."""
+    if not spans:
+        if n_tokens:
+            raise UpdateError("the engine reported no weight version for generated tokens")
+        return []
+    versions = []
+    for span in spans:
+        versions.extend([int(span.version)] * (span.end - span.start))
+    if len(versions) != n_tokens:
+        raise UpdateError(f"weight-version spans cover {len(versions)} tokens, the output has {n_tokens}")
+    return versions
+
+
+class InflightEngine:
+    """AsyncLLM plus the weights group, update modes and per-token versions. One per serve process."""
+
+    def __init__(self, llm, version: int = 0):
+        self.llm, self.version = llm, version
+        self._aborted_for_update: set[str] = set()
+        self._running: set[str] = set()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._update_lock = asyncio.Lock()
+
+    @classmethod
+    async def start(cls, cfg: EngineConfig, version: int = 0) -> InflightEngine:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        llm = AsyncLLM.from_engine_args(engine_args(cfg))
+        engine = cls(llm, version)
+        await llm.engine_core.call_utility_async("set_weight_version", str(version))
+        return engine
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+    @property
+    def cache_salt(self) -> str:
+        return f"inflight-v{self.version}"
+
+    async def generate(self, prompt_ids: list[int], params, request_id: str) -> Completion:
+        """Generate one completion; a request aborted by an abort-resume update is resubmitted and stitched."""
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n is {params.n}: submit one request per sample (group = n requests)")
+        done = Completion(request_id, list(prompt_ids), [], [], [], "length")
+        while True:
+            rid = request_id if not done.resubmissions else f"{request_id}#resume{done.resubmissions}"
+            final = await self._generate_once(done, params, rid)
+            out = final.outputs[0]
+            done.token_ids += list(out.token_ids)
+            done.logprobs += [lp[t].logprob for lp, t in zip(out.logprobs or [], out.token_ids, strict=True)]
+            done.versions += spans_to_versions(out.weight_versions, len(out.token_ids))
+            done.text += out.text
+            done.finish_reason = out.finish_reason or "length"
+            if rid not in self._aborted_for_update:
+                return done
+            self._aborted_for_update.discard(rid)
+            await self._resumed.wait()
+            done.resubmissions += 1
+
+    async def _generate_once(self, done: Completion, params, rid: str):
+        from vllm.inputs import TokensPrompt
+
+        budget = params.max_tokens - len(done.token_ids)
+        sub = params.clone()
+        sub.max_tokens, sub.logprobs = max(budget, 1), 0
+        await self._resumed.wait()
+        prompt = TokensPrompt(prompt_token_ids=done.prompt_ids + done.token_ids, cache_salt=self.cache_salt)
+        self._running.add(rid)
+        try:
+            final = None
+            async for final in self.llm.generate(prompt, sub, request_id=rid):
+                pass
+        finally:
+            self._running.discard(rid)
+        return final
+
+    async def join_weights_group(self, host: str, port: int, rank: int, world_size: int, **kw) -> list:
+        """Join the weights group as `rank` (TP workers take consecutive ranks). Blocks until rank 0 joins."""
+        args = (host, port, rank, world_size, kw.get("group_name", "inflight-weights-0"),
+                kw.get("backend", "gloo"), kw.get("timeout_s", 60.0))  # fmt: skip
+        return await self.llm.collective_rpc("inflight_init_weights_group", args=args)
+
+    async def update(self, manifest_bytes: bytes, mode: str = "never-stop", kv: str = "keep",
+                     timeout_s: float = 120.0) -> UpdateReport:  # fmt: skip
+        """Receive and commit one update in `mode`. Raises `UpdateError` with weights and version unchanged."""
+        if mode not in MODES:
+            raise ValueError(f"mode is {mode!r}, expected one of {MODES}")
+        async with self._update_lock:
+            report = UpdateReport(version=-1, mode=mode)
+            start = time.perf_counter()
+            paused = await self._pause_for(mode)
+            try:
+                status = await self._begin(manifest_bytes)
+                report.version = status["version"]
+                staged = await self._wait_staged(timeout_s)
+                report.receive_s, report.bytes = staged["receive_s"], staged["bytes_received"]
+                await self._commit(report, kv)
+            finally:
+                if paused:
+                    await self.llm.resume_generation()
+                    self._resumed.set()
+            report.total_s = time.perf_counter() - start
+            report.stall_s = report.total_s if paused else report.commit_s
+            return report
+
+    async def _pause_for(self, mode: str) -> bool:
+        if mode == "never-stop":
+            return False
+        if mode == "blocking":
+            if self._running:
+                raise UpdateError(f"mode blocking needs an idle engine; {len(self._running)} requests are running")
+            return False
+        if mode == "abort-resume":
+            self._resumed.clear()
+            self._aborted_for_update |= self._running
+            await self.llm.pause_generation(mode="abort", clear_cache=False)
+        else:
+            await self.llm.pause_generation(mode="keep" if mode == "keep-pause" else "wait", clear_cache=False)
+        return True
+
+    async def _begin(self, manifest_bytes: bytes) -> dict:
+        try:
+            statuses = await self.llm.collective_rpc("inflight_begin_update", args=(manifest_bytes,))
+        except Exception as exc:
+            raise UpdateError(f"update refused before any bucket was received: {exc}") from exc
+        return statuses[0]
+
+    async def _wait_staged(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            statuses = await self.llm.collective_rpc("inflight_update_status")
+            failed = [s for s in statuses if s["state"] == "failed"]
+            if failed:
+                raise UpdateError(f"update v{failed[0]['version']} failed while staging: {failed[0]['error']}")
+            if all(s["state"] == "staged" for s in statuses):
+                return statuses[0]
+            if time.monotonic() > deadline:
+                raise UpdateError(f"update not staged within {timeout_s:.0f}s: {statuses[0]}")
+            await asyncio.sleep(0.01)
+
+    async def _commit(self, report: UpdateReport, kv: str) -> None:
+        try:
+            result = await self.llm.engine_core.call_utility_async("inflight_commit", report.version, kv)
+        except Exception as exc:
+            raise UpdateError(f"commit of v{report.version} failed, previous weights restored: {exc}") from exc
+        report.commit_s, report.workers = result["stall_s"], result["workers"]
+        self.version = report.version

@@ -1,0 +1,131 @@
+"""InflightWorkerExtension: the engine-side half of a never-stop weight swap, mixed into vLLM's worker.
+
+Passed as `worker_extension_cls="vllm_patches.worker_extension.InflightWorkerExtension"`; vLLM adds these methods to its
+Worker and they are reached with `collective_rpc`. Flow for one update:
+
+1. `inflight_init_weights_group(...)` joins the weights group (blocks until the learner's rank 0 joins too).
+2. `inflight_begin_update(manifest)` checks names/dtypes/shapes against the served checkpoint and returns at once; a
+   background thread stages the buckets while `execute_model` keeps running on the engine thread.
+3. `inflight_commit_staged(version)` — called by the EngineCore utility `inflight_commit` between two steps — copies
+   the staged tensors into the live parameters. All-or-nothing: a failure restores the previous weights and re-raises.
+
+On CPU, linear weights are repacked after loading, so plain `model.load_weights` cannot update them; the commit goes
+through vLLM's layerwise `reload_weights` and then re-processes a tied `lm_head`, which that path skips.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+from inflight.wire.group import GroupAddress, WeightsGroup
+from inflight.wire.weights import ManifestError, UpdateManifest, check_against
+from vllm_patches.staging import StagedUpdate, StageState
+
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+class InflightWorkerExtension:
+    """Methods added to vLLM's Worker. Instance state lives in `_inflight_*` attributes created on first use."""
+
+    def inflight_init_weights_group(
+        self, host: str, port: int, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float
+    ) -> dict:
+        """Join (or re-join, replacing a broken group) the weights group as `rank`."""
+        old = getattr(self, "_inflight_group", None)
+        if old is not None:
+            old.close()
+        address = GroupAddress(host, port, world_size, group_name, backend, timeout_s)
+        self._inflight_group = WeightsGroup(address, rank)
+        return {"rank": rank, "group_name": group_name}
+
+    def inflight_expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
+        """HF name → (dtype, shape) of every tensor in the served checkpoint: what an update must contain."""
+        cached = getattr(self, "_inflight_expected", None)
+        if cached is None:
+            from safetensors import safe_open
+
+            cached = {}
+            for path in self._inflight_checkpoint_files():
+                with safe_open(path, "pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        sl = f.get_slice(name)
+                        cached[name] = (_SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()), list(sl.get_shape()))
+            self._inflight_expected = cached
+        return cached
+
+    def _inflight_checkpoint_files(self) -> list[str]:
+        files = sorted(glob.glob(os.path.join(self.model_config.model, "*.safetensors")))
+        if not files:
+            raise ManifestError(f"no *.safetensors in {self.model_config.model}: serve a local HF directory")
+        return files
+
+    def inflight_begin_update(self, manifest_bytes: bytes) -> dict:
+        """Validate the manifest and start staging its buckets in the background; never blocks on the transfer."""
+        manifest = UpdateManifest.decode(manifest_bytes)
+        check_against(manifest, self.inflight_expected_tensors())
+        group = getattr(self, "_inflight_group", None)
+        if group is None or group.broken:
+            raise ManifestError("no usable weights group: call inflight_init_weights_group first")
+        current = getattr(self, "_inflight_stage", None)
+        if current is not None and current.state == StageState.RECEIVING:
+            raise ManifestError(f"update v{current.manifest.version} is still being received; wait for it first")
+        self._inflight_stage = StagedUpdate(manifest, group, self._inflight_device()).start()
+        return self._inflight_stage.status()
+
+    def _inflight_device(self) -> torch.device:
+        return next(self.model_runner.get_model().parameters()).device
+
+    def inflight_update_status(self) -> dict | None:
+        stage = getattr(self, "_inflight_stage", None)
+        return None if stage is None else stage.status()
+
+    def inflight_wait_staged(self, timeout_s: float) -> dict | None:
+        """Block this worker's RPC thread until the staged update finishes (for modes that pause anyway)."""
+        stage = getattr(self, "_inflight_stage", None)
+        if stage is not None:
+            stage.wait(timeout_s)
+        return self.inflight_update_status()
+
+    def inflight_commit_staged(self, version: int) -> dict:
+        """Copy the verified staged tensors into the live model. All-or-nothing; raises if nothing valid is staged."""
+        stage = getattr(self, "_inflight_stage", None)
+        if stage is None or stage.state != StageState.STAGED or stage.manifest.version != version:
+            got = "nothing" if stage is None else f"v{stage.manifest.version} in state {stage.state.value}"
+            detail = f" ({stage.error})" if stage is not None and stage.error else ""
+            raise ManifestError(f"cannot commit v{version}: {got} is staged{detail}")
+        start = time.perf_counter()
+        try:
+            self._inflight_apply(iter(stage.tensors.items()))
+        except Exception:
+            self._inflight_apply(self._inflight_rollback_source())
+            stage.state = StageState.FAILED
+            raise
+        self._inflight_live = stage.tensors  # the rollback source for the next commit
+        stage.state = StageState.COMMITTED
+        return {"version": version, "apply_s": time.perf_counter() - start}
+
+    def _inflight_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        lm_head = getattr(model, "lm_head", None)
+        tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
+        if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
+            # reload_weights skips a tied lm_head; on CPU it keeps its own prepacked copy of the old matrix.
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def _inflight_rollback_source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        live = getattr(self, "_inflight_live", None)
+        if live is not None:
+            yield from live.items()
+            return
+        from safetensors import safe_open
+
+        for path in self._inflight_checkpoint_files():
+            with safe_open(path, "pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    yield name, f.get_tensor(name)
