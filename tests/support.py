@@ -101,3 +101,15 @@ async def greedy(engine, tokenizer, prompts=PROMPTS, max_tokens: int = 16, tag: 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                               tokenize=True, return_dict=False))  # fmt: skip
+
+
+def start_engine(loop, model_dir, **overrides):
+    from vllm_patches.engine import EngineConfig, InflightEngine
+
+    cfg = EngineConfig(model=str(model_dir), **overrides)
+    return loop.run_until_complete(InflightEngine.start(cfg))
+
+
+def stop_engine(loop, engine) -> None:
+    engine.shutdown()
+    loop.run_until_complete(asyncio.sleep(0))

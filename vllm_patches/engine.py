@@ -63,6 +63,7 @@ class UpdateReport:
     commit_s: float = 0.0
     receive_s: float = 0.0
     bytes: int = 0
+    staging_window: tuple[float, float] = (0.0, 0.0)  # wall clock: receive started, all buckets verified
     workers: list = field(default_factory=list)
 
 
@@ -186,6 +187,7 @@ class InflightEngine:
                 report.version = status["version"]
                 staged = await self._wait_staged(timeout_s)
                 report.receive_s, report.bytes = staged["receive_s"], staged["bytes_received"]
+                report.staging_window = (staged["started_at"], staged["staged_at"])
                 await self._commit(report, kv)
             finally:
                 if paused:

@@ -35,6 +35,8 @@ class StagedUpdate:
         self.tensors: dict[str, torch.Tensor] = {}
         self.bytes_received = 0
         self.started = time.perf_counter()
+        self.started_at = time.time()  # wall clock, comparable with the client's token timestamps
+        self.staged_at = 0.0
         self.receive_s = self.verify_s = 0.0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"inflight-stage-v{manifest.version}", daemon=True)
@@ -52,6 +54,7 @@ class StagedUpdate:
             self.receive_s = time.perf_counter() - self.started
             self.tensors = unpack_buckets(self.manifest, buckets, verify=True)
             self.verify_s = time.perf_counter() - self.started - self.receive_s
+            self.staged_at = time.time()
             self.state = StageState.STAGED
         except Exception as exc:  # any failure must surface as a status, never kill the worker
             self.error = f"{type(exc).__name__}: {exc}"
@@ -76,4 +79,6 @@ class StagedUpdate:
             "bytes_total": self.manifest.total_bytes,
             "receive_s": self.receive_s,
             "verify_s": self.verify_s,
+            "started_at": self.started_at,
+            "staged_at": self.staged_at,
         }

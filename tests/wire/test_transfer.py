@@ -1,0 +1,224 @@
+"""Weight transfer over a real 2-process gloo weights group (inflight/wire/group.py, inflight/wire/transfer.py).
+
+The test process hosts the TCPStore. It is rank 0 (the learner) where it sends; a sender that must die mid-transfer
+runs in a child of its own so the test can SIGKILL it. The receiver (rank 1, the serve worker) is always a spawned
+child: it writes what it got, or the error it raised and when, to files in `tmp_path`.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from inflight.wire.group import GroupAddress, WeightsGroup, WeightsGroupError, open_store
+from inflight.wire.transfer import receive_update, send_update
+from inflight.wire.weights import ManifestError, UpdateManifest, pack_bucket, plan_manifest, unpack_buckets
+
+BUCKET_BYTES = 64 << 10
+SPAWN = mp.get_context("spawn")
+CHILD_START_S = 60.0  # a spawned child imports torch; on a loaded 2-core box that alone can take seconds
+
+
+def make_state(seed: int) -> dict[str, torch.Tensor]:
+    """About 330 KB in three dtypes: four buckets of at most 64 KiB but one, a 192 KB tensor bigger than a bucket."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(300, 64, generator=gen).to(torch.bfloat16),
+        "layers.0.weight": torch.randn(48000, generator=gen),
+        "layers.0.bias": torch.randn(333, generator=gen).to(torch.float16),
+        "layers.1.weight": torch.randn(120, 130, generator=gen),
+        "norm.weight": torch.randn(64, generator=gen),
+        "head.weight": torch.randn(64, 300, generator=gen).to(torch.bfloat16),
+    }
+
+
+# --- child processes (module level so the spawn context can import them) -------------------------------------------
+
+
+def receiver_main(address: GroupAddress, manifests: list[bytes], out_dir: str) -> None:
+    """Rank 1: join, receive every announced update, verify and save it; record the outcome either way."""
+    out = Path(out_dir)
+    (out / "ready").touch()
+    result: dict = {"last_bucket_at": None}
+    group = None
+
+    def on_bucket(index: int, nbytes: int) -> None:
+        result["last_bucket_at"] = time.time()
+
+    try:
+        group = WeightsGroup(address, 1)
+        for data in manifests:
+            manifest = UpdateManifest.decode(data)
+            buckets = receive_update(group, manifest, on_bucket=on_bucket)
+            tensors = unpack_buckets(manifest, buckets, verify=True)
+            save_file({k: v.clone() for k, v in tensors.items()}, str(out / f"v{manifest.version}.safetensors"))
+        result["ok"] = True
+    except Exception as exc:  # the test asserts on the type and message
+        result.update(ok=False, error_type=type(exc).__name__, error=str(exc), raised_at=time.time())
+    finally:
+        if group is not None:
+            group.close()
+    (out / "result.json").write_text(json.dumps(result))
+
+
+def stalling_sender_main(address: GroupAddress, seed: int, buckets_to_send: int, out_dir: str) -> None:
+    """Rank 0 in a child: send the first buckets of an update, say so, then hang until killed."""
+    out = Path(out_dir)
+    (out / "sender-ready").touch()
+    group = WeightsGroup(address, 0, store=open_store(address, is_host=False))
+    state = make_state(seed)
+    manifest = plan_manifest(state, 1, BUCKET_BYTES)
+    buffer = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
+    for i in range(buckets_to_send):
+        group.broadcast(pack_bucket(manifest, i, state, buffer), what=f"bucket {i}")
+    (out / "sent").touch()
+    time.sleep(600)
+
+
+# --- harness ---------------------------------------------------------------------------------------------------------
+
+
+def host(tmp_path: Path, timeout_s: float) -> tuple[object, GroupAddress]:
+    """The rendezvous store, hosted by the test process, and the address the members join with."""
+    store = open_store(GroupAddress("127.0.0.1", 0, 2, timeout_s=timeout_s), is_host=True)
+    address = GroupAddress("127.0.0.1", store.port, 2, f"test-{tmp_path.name}", "gloo", timeout_s)
+    return store, address
+
+
+def wait_for(path: Path, proc, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.is_alive(), f"child exited with {proc.exitcode} before writing {path.name}"
+        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout_s}s"
+        time.sleep(0.02)
+
+
+def start(target: Callable, *args) -> mp.Process:
+    proc = SPAWN.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def stop(*procs: mp.Process) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+
+
+def receiver_result(tmp_path: Path, proc: mp.Process, timeout_s: float) -> dict:
+    proc.join(timeout_s)
+    assert not proc.is_alive(), f"receiver still running after {timeout_s}s"
+    assert proc.exitcode == 0, f"receiver exited with {proc.exitcode}"
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def send_as_rank0(tmp_path: Path, address: GroupAddress, store, manifests: list[UpdateManifest], send) -> dict:
+    """Start the receiver, form the group as rank 0 with the test's store, run `send(group)`, return what rank 1 saw."""
+    receiver = start(receiver_main, address, [m.encode() for m in manifests], str(tmp_path))
+    try:
+        wait_for(tmp_path / "ready", receiver, CHILD_START_S)
+        group = WeightsGroup(address, 0, store=store)
+        try:
+            send(group)
+            return receiver_result(tmp_path, receiver, address.timeout_s + 15)
+        finally:
+            group.close()
+    finally:
+        stop(receiver)
+
+
+# --- tests -----------------------------------------------------------------------------------------------------------
+
+
+def test_two_multi_bucket_updates_arrive_bit_exact_with_checksums_verified(tmp_path):
+    store, address = host(tmp_path, timeout_s=20)
+    states = {1: make_state(seed=1), 2: make_state(seed=2)}
+    manifests = {v: plan_manifest(s, v, BUCKET_BYTES) for v, s in states.items()}
+    assert len(manifests[1].bucket_sizes) >= 4
+    stats = {}
+
+    def send(group):
+        for v in (1, 2):
+            stats[v] = send_update(group, manifests[v], states[v])
+
+    result = send_as_rank0(tmp_path, address, store, list(manifests.values()), send)
+    assert result["ok"], result
+    for v, state in states.items():
+        assert stats[v].buckets == len(manifests[v].bucket_sizes) and stats[v].bytes == manifests[v].total_bytes
+        received = load_file(tmp_path / f"v{v}.safetensors")
+        assert sorted(received) == sorted(state)
+        for name, tensor in state.items():
+            assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape
+            assert torch.equal(received[name].view(torch.uint8), tensor.view(torch.uint8)), (v, name)
+
+
+def test_receiver_raises_weights_group_error_soon_after_its_sender_is_sigkilled(tmp_path):
+    timeout_s = 10.0
+    store, address = host(tmp_path, timeout_s)
+    manifest = plan_manifest(make_state(seed=3), 1, BUCKET_BYTES)
+    receiver = start(receiver_main, address, [manifest.encode()], str(tmp_path))
+    sender = start(stalling_sender_main, address, 3, 2, str(tmp_path))
+    try:
+        wait_for(tmp_path / "sent", sender, CHILD_START_S)
+        os.kill(sender.pid, signal.SIGKILL)
+        killed_at = time.time()
+        result = receiver_result(tmp_path, receiver, timeout_s + 15)
+    finally:
+        stop(sender, receiver)
+    assert sender.exitcode == -signal.SIGKILL
+    assert not result["ok"] and result["error_type"] == WeightsGroupError.__name__, result
+    n, size = len(manifest.bucket_sizes), manifest.bucket_sizes[2]
+    assert result["error"].startswith(f"broadcast of bucket 2/{n} of version 1 ({size} bytes) failed as rank 1"), result
+    assert "\n" not in result["error"] and "Connection closed by peer" in result["error"], result
+    # gloo sees the dead peer's socket close at once: the error comes long before the 10 s timeout
+    assert result["raised_at"] - killed_at < timeout_s / 2, result
+    assert not (tmp_path / "v1.safetensors").exists()
+
+
+def test_receiver_announced_more_buckets_than_sent_times_out_with_weights_group_error(tmp_path):
+    timeout_s = 3.0
+    store, address = host(tmp_path, timeout_s)
+    state = make_state(seed=4)
+    manifest = plan_manifest(state, 1, BUCKET_BYTES)
+    short = UpdateManifest(manifest.schema, 1, manifest.bucket_sizes[:2], [t for t in manifest.tensors if t.bucket < 2])
+
+    def send(group):  # the learner stays in the group: the receiver must give up on its own clock, not on EOF
+        send_update(group, short, state)
+        deadline = time.monotonic() + timeout_s + 10
+        while not (tmp_path / "result.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    result = send_as_rank0(tmp_path, address, store, [manifest], send)
+    assert not result["ok"] and result["error_type"] == WeightsGroupError.__name__, result
+    assert result["error"].startswith(f"broadcast of bucket 2/{len(manifest.bucket_sizes)} of version 1"), result
+    assert f"within {timeout_s:.0f}s" in result["error"]
+    waited = result["raised_at"] - result["last_bucket_at"]
+    assert timeout_s - 0.5 <= waited <= timeout_s + 3, result
+
+
+def test_a_bucket_sent_shorter_than_announced_is_never_accepted_as_valid_data(tmp_path):
+    store, address = host(tmp_path, timeout_s=10)
+    state = make_state(seed=5)
+    manifest = plan_manifest(state, 1, BUCKET_BYTES)
+    last_in_bucket_1 = [t.name for t in manifest.tensors if t.bucket == 1][-1]
+
+    def send(group):
+        buffer = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
+        for i in range(len(manifest.bucket_sizes)):
+            bucket = pack_bucket(manifest, i, state, buffer)
+            group.broadcast(bucket[:-64] if i == 1 else bucket, what=f"bucket {i}")
+
+    result = send_as_rank0(tmp_path, address, store, [manifest], send)
+    assert not result["ok"], result
+    assert result["error_type"] == ManifestError.__name__, result
+    assert result["error"].startswith(f"tensor {last_in_bucket_1}: checksum"), result
+    assert not (tmp_path / "v1.safetensors").exists()
