@@ -24,6 +24,7 @@ models: setup
 	$(PY) -m inflight.models prepare $(MODELS)
 
 test: models
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
 test-fast: setup

@@ -168,9 +168,15 @@ def report(transfer, commits: dict, generation: dict, args) -> str:
     for name, stalls in commits.items():
         lines.append(f"| {name} | {1e3 * statistics.mean(stalls):.1f} | {1e3 * max(stalls):.1f} | {len(stalls)} |")
     base = generation["none"]["tok_s"]
-    lines += ["", f"## Generation under updates every {args.update_every:.0f} s ({args.duration:.0f} s, "
-              f"{args.concurrency} concurrent, SmolLM2)", "",
-              "| mode | tokens/s | ratio to no updates | updates | mean stall ms |", "|---|---|---|---|---|"]  # fmt: skip
+    every, dur = f"{args.update_every:.0f} s", f"{args.duration:.0f} s"
+    title = f"## Generation, an update every {every} ({dur}, {args.concurrency} in flight, SmolLM2)"
+    lines += [
+        "",
+        title,
+        "",
+        "| mode | tokens/s | ratio to no updates | updates | mean stall ms |",
+        "|---|---|---|---|---|",
+    ]
     for mode, r in generation.items():
         lines.append(f"| {mode} | {r['tok_s']:.1f} | {r['tok_s'] / base:.3f} | {r['updates']} | {r['stall_ms']:.1f} |")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import time
 from collections import Counter
@@ -45,8 +46,10 @@ def parse_config(argv: list[str] | None = None) -> DemoConfig:
     """One `--flag` per `DemoConfig` field, with the field's default and help."""
     parser = argparse.ArgumentParser(prog="python -m inflight.demo", description=__doc__.split("\n\n")[0])
     for f in fields(DemoConfig):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                            choices=f.metadata.get("choices"), help=f"{f.metadata['help']} (default {f.default})")  # fmt: skip
+        flag, help_text = f"--{f.name.replace('_', '-')}", f"{f.metadata['help']} (default {f.default})"
+        parser.add_argument(
+            flag, type=type(f.default), default=f.default, choices=f.metadata.get("choices"), help=help_text
+        )
     cfg = DemoConfig(**vars(parser.parse_args(argv)))
     for name in ("problems", "group_size", "max_tokens"):
         if getattr(cfg, name) < 1:
@@ -118,7 +121,8 @@ def print_report(groups: list[GroupResult], timings: dict[str, float]) -> float:
     print()
     print(f"accuracy          {accuracy:.3f}  ({sum(rewards):.0f}/{len(rewards)} samples; {solved}/{len(groups)} "
           f"problems solved at least once)")  # fmt: skip
-    print(f"tokens generated  {tokens}  in {timings['generate_s']:.1f} s  = {tokens / timings['generate_s']:.1f} tokens/s")
+    seconds = timings["generate_s"]
+    print(f"tokens generated  {tokens}  in {seconds:.1f} s  = {tokens / seconds:.1f} tokens/s")
     print(f"engine start      {timings['engine_start_s']:.1f} s")
     print(f"weight versions   {', '.join(f'v{v}: {n} tokens' for v, n in sorted(versions.items()))}")
     return accuracy
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     except PrepareError as exc:
         print(f"inflight.demo: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        # AsyncLLM sits in reference cycles; collect it now, or its __del__ runs at interpreter exit and fails noisily.
+        gc.collect()
     print_report(groups, timings)
     return 0
 

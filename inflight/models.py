@@ -82,8 +82,8 @@ def _check_name(name: str) -> None:
 def _check_writable(parent: Path) -> None:
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=parent, prefix=".probe-")
-        probe.close()
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".probe-"):
+            pass
     except OSError as exc:
         raise PrepareError(
             f"cannot write to {parent} ({exc.strerror or exc}): pass a writable --dest DIR or set INFLIGHT_HOME"

@@ -53,7 +53,9 @@ class Sender:
         self.group: WeightsGroup | None = None
 
     def address(self) -> GroupAddress:
-        return GroupAddress("127.0.0.1", self.store.port, self.world_size, f"w{self.generation}", "gloo", self.timeout_s)
+        return GroupAddress(
+            "127.0.0.1", self.store.port, self.world_size, f"w{self.generation}", "gloo", self.timeout_s
+        )
 
     async def connect(self, engine) -> None:
         """Form a fresh group with the engine's worker (rank 1)."""

@@ -161,8 +161,8 @@ class InflightEngine:
         self._running.add(rid)
         try:
             final = None
-            async for final in self.llm.generate(prompt, sub, request_id=rid):
-                pass
+            async for output in self.llm.generate(prompt, sub, request_id=rid):
+                final = output
         finally:
             self._running.discard(rid)
         return final

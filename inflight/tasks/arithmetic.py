@@ -2,7 +2,8 @@
 
 `ArithmeticTask(seed)` yields `Problem`s such as "What is 3 + 4? Reply with only the number." with answer 7; the same
 seed always yields the same problems in the same order. `reward(text, answer)` scores one completion; `reward_fn(text,
-problem)` is the same score in the `module:function` shape a reward loader calls (`inflight.tasks.arithmetic:reward_fn`).
+problem)` is the same score in the `module:function` shape a reward loader calls:
+`inflight.tasks.arithmetic:reward_fn`.
 
 What counts as correct (reward 1.0; everything else is 0.0):
 - The completion is scanned for numbers: ASCII digits, optionally grouped in thousands by commas ("1,234" is 1234; "3,4"
@@ -39,7 +40,7 @@ RewardFn = Callable[[str, Problem], float]
 
 
 class ArithmeticTask:
-    """An endless, seeded stream of `a op b` problems with operands in [0, max_operand]. Iterating restarts the stream."""
+    """An endless seeded stream of `a op b` problems, operands in [0, max_operand]. Iterating restarts the stream."""
 
     def __init__(self, seed: int, max_operand: int = 9, ops: tuple[str, ...] = ("+",)):
         if max_operand < 1:

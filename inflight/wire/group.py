@@ -8,6 +8,7 @@ communicator in an undefined state): close it and form a new one with a fresh `g
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 
@@ -74,10 +75,8 @@ class WeightsGroup:
         self.broken = True
         pg, self._pg = getattr(self, "_pg", None), None
         if pg is not None and hasattr(pg, "shutdown"):
-            try:
+            with contextlib.suppress(RuntimeError):
                 pg.shutdown()
-            except RuntimeError:
-                pass
 
 
 def open_store(address: GroupAddress, is_host: bool) -> dist.TCPStore:

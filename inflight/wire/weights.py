@@ -146,7 +146,9 @@ def pack_bucket(
     return view
 
 
-def unpack_buckets(manifest: UpdateManifest, buckets: list[torch.Tensor], verify: bool = True) -> dict[str, torch.Tensor]:
+def unpack_buckets(
+    manifest: UpdateManifest, buckets: list[torch.Tensor], verify: bool = True
+) -> dict[str, torch.Tensor]:
     """Views of every tensor inside the received buckets (no copy); checks sizes and, if asked, checksums."""
     if len(buckets) != len(manifest.bucket_sizes):
         raise ManifestError(f"received {len(buckets)} buckets, the manifest announced {len(manifest.bucket_sizes)}")

@@ -99,9 +99,12 @@ def test_truncated_bucket_is_rejected_within_the_timeout(env, loop, sender):
             except Exception:
                 return
 
+    async def both():
+        return await asyncio.gather(env["engine"].update(manifest.encode()), asyncio.to_thread(send_short))
+
     start = time.monotonic()
     with pytest.raises(UpdateError, match="checksum|failed|timed out"):
-        loop.run_until_complete(asyncio.gather(env["engine"].update(manifest.encode()), asyncio.to_thread(send_short)))
+        loop.run_until_complete(both())
     assert time.monotonic() - start < TIMEOUT_S * 3
     assert_unchanged(env, loop, version)
 
@@ -132,7 +135,8 @@ def _killable_sender(port_file: str, model_dir: str, version: int, go_file: str)
 def test_sender_killed_mid_transfer_gives_error_within_timeout_and_engine_recovers(env, loop, tmp_path):
     engine, version = env["engine"], env["engine"].version
     port_file, go_file = str(tmp_path / "port"), str(tmp_path / "go")
-    proc = mp.get_context("spawn").Process(target=_killable_sender, args=(port_file, str(env["dir"]), version + 1, go_file))
+    args = (port_file, str(env["dir"]), version + 1, go_file)
+    proc = mp.get_context("spawn").Process(target=_killable_sender, args=args)
     proc.start()
     try:
         while not os.path.exists(port_file):
@@ -141,7 +145,8 @@ def test_sender_killed_mid_transfer_gives_error_within_timeout_and_engine_recove
         with open(port_file, "rb") as f:
             port = int(f.readline())
             manifest = f.read()
-        loop.run_until_complete(engine.join_weights_group("127.0.0.1", port, 1, 2, group_name="w1", timeout_s=TIMEOUT_S))
+        join = engine.join_weights_group("127.0.0.1", port, 1, 2, group_name="w1", timeout_s=TIMEOUT_S)
+        loop.run_until_complete(join)
 
         async def update_then_kill():
             task = asyncio.ensure_future(engine.update(manifest, timeout_s=60))

@@ -69,7 +69,7 @@ def test_request_survives_never_stop_commit_and_its_versions_switch_exactly_at_t
     ref = env["long_a"]
     # Every token labelled with the old version was produced by A: identical to the A-only run...
     assert done.token_ids[:k] == ref.token_ids[:k]
-    assert max(abs(x - y) for x, y in zip(done.logprobs[:k], ref.logprobs[:k])) < 1e-5
+    assert max(abs(x - y) for x, y in zip(done.logprobs[:k], ref.logprobs[:k], strict=True)) < 1e-5
     # ...and the first token labelled with the new one was not (a label one step late would make these equal).
     assert abs(done.logprobs[k] - ref.logprobs[k]) > 1e-3
     print(f"\nnever-stop commit stall {report.commit_s * 1e3:.1f} ms, switch at token {k}")
@@ -85,7 +85,7 @@ def test_recompute_kv_continuation_equals_fresh_b_engine(env, loop):
     k = switch_index(done.versions)
     cont = loop.run_until_complete(long_request(env["fresh_b"], env["prompt"] + done.token_ids[:k], "cont", LONG - k))
     assert done.token_ids[k:] == cont.token_ids
-    assert max(abs(x - y) for x, y in zip(done.logprobs[k:], cont.logprobs)) < 1e-3
+    assert max(abs(x - y) for x, y in zip(done.logprobs[k:], cont.logprobs, strict=True)) < 1e-3
     restore_a(loop, env)
 
 

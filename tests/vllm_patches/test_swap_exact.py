@@ -10,7 +10,6 @@ import pytest
 from support import Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
 from transformers import AutoTokenizer
 
-
 pytestmark = pytest.mark.engine
 TOL = 1e-3
 
@@ -51,7 +50,9 @@ def test_swap_to_b_over_weights_group_matches_fresh_engine_from_b(swap_env, loop
     report = loop.run_until_complete(sender.push(engine, swap_env["b"], engine.version + 1))
     after = loop.run_until_complete(greedy(engine, swap_env["tok"], tag="b"))
     assert [set(o.versions) for o in after] == [{report.version}] * len(after)
-    assert any(a.token_ids != b.token_ids for a, b in zip(after, swap_env["before"])), "B must differ from A"
+    assert any(a.token_ids != b.token_ids for a, b in zip(after, swap_env["before"], strict=True)), (
+        "B must differ from A"
+    )
     assert_same_outputs(after, swap_env["fresh_b"], f"{swap_env['name']} swapped to B vs fresh B engine")
 
 
