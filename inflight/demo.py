@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import sys
 import time
 from collections import Counter
@@ -80,6 +79,16 @@ async def sample_groups(engine, tokenizer, problems: list[Problem], cfg: DemoCon
     return groups
 
 
+def import_vllm_optional_media() -> None:
+    """Import vLLM's audio module from a frame that holds no engine.
+
+    vLLM keeps the ImportError of its optional torchcodec import in a module global, traceback and all, so the frame
+    that first imports the module stays alive to interpreter exit. If that frame holds the engine (it does when the
+    import happens inside `InflightEngine.start`), AsyncLLM outlives the module globals and its `__del__` fails noisily.
+    """
+    import vllm.multimodal.media.audio  # noqa: F401
+
+
 async def run(cfg: DemoConfig) -> tuple[list[GroupResult], dict[str, float]]:
     """Start the engine, sample every group, shut the engine down; return the groups and the timings."""
     from transformers import AutoTokenizer
@@ -88,6 +97,7 @@ async def run(cfg: DemoConfig) -> tuple[list[GroupResult], dict[str, float]]:
     from vllm_patches.engine import EngineConfig, InflightEngine
 
     model_dir = prepare(cfg.model)
+    import_vllm_optional_media()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = ArithmeticTask(seed=cfg.seed).take(cfg.problems)
     start = time.perf_counter()
@@ -137,9 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     except PrepareError as exc:
         print(f"inflight.demo: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        # AsyncLLM sits in reference cycles; collect it now, or its __del__ runs at interpreter exit and fails noisily.
-        gc.collect()
     print_report(groups, timings)
     return 0
 
