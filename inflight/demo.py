@@ -5,6 +5,7 @@ and what that costs (tokens/s) before anything asynchronous is added. Every toke
 (all v0 here). `make demo` runs it with the defaults.
 
     python -m inflight.demo [--model smollm2] [--problems 16] [--group-size 4] [--max-tokens 24] [--temperature 0.7]
+                            [--seed 0]
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
-from inflight.models import MODEL_NAMES
+from inflight.models import MODEL_NAMES, PrepareError
 from inflight.tasks.arithmetic import ArithmeticTask, Problem, reward
+
+if TYPE_CHECKING:
+    from vllm_patches.engine import Completion, InflightEngine
 
 
 @dataclass
@@ -34,10 +39,10 @@ class DemoConfig:
 
 @dataclass
 class GroupResult:
-    """One problem and its group of sampled completions (`vllm_patches.engine.Completion`)."""
+    """One problem, its group of sampled completions and their rewards, in the same order."""
 
     problem: Problem
-    completions: list
+    completions: list[Completion]
     rewards: list[float]
 
 
@@ -62,15 +67,20 @@ def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-async def sample_groups(engine, tokenizer, problems: list[Problem], cfg: DemoConfig) -> list[GroupResult]:
+async def sample_groups(
+    engine: InflightEngine, tokenizer, problems: list[Problem], cfg: DemoConfig
+) -> list[GroupResult]:
     """`group_size` independent requests per problem, all in flight at once, each scored by the task reward."""
     from vllm import SamplingParams
 
     # No per-request seed: it forces a per-request generator, which the CPU engine does not survive.
     params = SamplingParams(n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
     prompts = [chat_prompt_ids(tokenizer, p.question) for p in problems]
-    requests = [engine.generate(ids, params, f"{p.id}/{k}")
-                for p, ids in zip(problems, prompts, strict=True) for k in range(cfg.group_size)]  # fmt: skip
+    requests = [
+        engine.generate(ids, params, f"{p.id}/{k}")
+        for p, ids in zip(problems, prompts, strict=True)
+        for k in range(cfg.group_size)
+    ]
     completions = await asyncio.gather(*requests)
     groups = []
     for i, problem in enumerate(problems):
@@ -80,11 +90,11 @@ async def sample_groups(engine, tokenizer, problems: list[Problem], cfg: DemoCon
 
 
 def import_vllm_optional_media() -> None:
-    """Import vLLM's audio module from a frame that holds no engine.
+    """Import vLLM's audio module while no frame on the stack holds an engine; call it before `asyncio.run`.
 
-    vLLM keeps the ImportError of its optional torchcodec import in a module global, traceback and all, so the frame
-    that first imports the module stays alive to interpreter exit. If that frame holds the engine (it does when the
-    import happens inside `InflightEngine.start`), AsyncLLM outlives the module globals and its `__del__` fails noisily.
+    vLLM keeps the ImportError of its optional torchcodec import in a module global, traceback and all, so every frame
+    on the stack at the first import stays alive until interpreter exit. Imported lazily inside `InflightEngine.start`,
+    that pins the AsyncLLM past the module teardown, and its `__del__` then fails noisily at exit.
     """
     import vllm.multimodal.media.audio  # noqa: F401
 
@@ -97,7 +107,6 @@ async def run(cfg: DemoConfig) -> tuple[list[GroupResult], dict[str, float]]:
     from vllm_patches.engine import EngineConfig, InflightEngine
 
     model_dir = prepare(cfg.model)
-    import_vllm_optional_media()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = ArithmeticTask(seed=cfg.seed).take(cfg.problems)
     start = time.perf_counter()
@@ -112,6 +121,7 @@ async def run(cfg: DemoConfig) -> tuple[list[GroupResult], dict[str, float]]:
 
 
 def one_line(text: str, width: int) -> str:
+    """`text` with its whitespace collapsed, cut to `width` characters, quoted."""
     flat = " ".join(text.split())
     return repr(flat if len(flat) <= width else flat[: width - 1] + "…")
 
@@ -121,16 +131,16 @@ def print_report(groups: list[GroupResult], timings: dict[str, float]) -> float:
     print(f"{'id':<12} {'question':<44} {'answer':>6}  {'rewards':<10} sample 0")
     for g in groups:
         rewards = " ".join(f"{r:.0f}" for r in g.rewards)
-        print(f"{g.problem.id:<12} {g.problem.question:<44} {g.problem.answer:>6}  {rewards:<10} "
-              f"{one_line(g.completions[0].text, 40)}")  # fmt: skip
+        sample = one_line(g.completions[0].text, 40)
+        print(f"{g.problem.id:<12} {g.problem.question:<44} {g.problem.answer:>6}  {rewards:<10} {sample}")
     rewards = [r for g in groups for r in g.rewards]
-    accuracy = sum(rewards) / len(rewards)
+    correct, accuracy = sum(rewards), sum(rewards) / len(rewards)
     solved = sum(any(g.rewards) for g in groups)
     tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
     versions = Counter(v for g in groups for c in g.completions for v in c.versions)
     print()
-    print(f"accuracy          {accuracy:.3f}  ({sum(rewards):.0f}/{len(rewards)} samples; {solved}/{len(groups)} "
-          f"problems solved at least once)")  # fmt: skip
+    print(f"accuracy          {accuracy:.3f}  ({correct:.0f}/{len(rewards)} samples correct)")
+    print(f"problems solved   {solved}/{len(groups)}  (at least one correct sample in the group)")
     seconds = timings["generate_s"]
     print(f"tokens generated  {tokens}  in {seconds:.1f} s  = {tokens / seconds:.1f} tokens/s")
     print(f"engine start      {timings['engine_start_s']:.1f} s")
@@ -139,9 +149,8 @@ def print_report(groups: list[GroupResult], timings: dict[str, float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from inflight.models import PrepareError
-
     cfg = parse_config(argv)
+    import_vllm_optional_media()
     try:
         groups, timings = asyncio.run(run(cfg))
     except PrepareError as exc:
