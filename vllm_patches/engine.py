@@ -50,6 +50,7 @@ class Completion:
     finish_reason: str
     text: str = ""
     resubmissions: int = 0
+    first_token_time: float = 0.0  # time.time() when the first token came out
 
 
 @dataclass
@@ -163,6 +164,8 @@ class InflightEngine:
             final = None
             async for output in self.llm.generate(prompt, sub, request_id=rid):
                 final = output
+                if not done.first_token_time and output.outputs and output.outputs[0].token_ids:
+                    done.first_token_time = time.time()
         finally:
             self._running.discard(rid)
         return final

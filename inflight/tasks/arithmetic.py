@@ -33,7 +33,7 @@ class Problem:
 
     id: str
     question: str
-    answer: int
+    answer: int | str
 
 
 RewardFn = Callable[[str, Problem], float]
@@ -71,10 +71,10 @@ def last_number(text: str) -> Decimal | None:
     return Decimal(matches[-1].replace(",", "")) if matches else None
 
 
-def reward(completion_text: str, answer: int) -> float:
+def reward(completion_text: str, answer: int | str) -> float:
     """1.0 if the last number in `completion_text` equals `answer` exactly, else 0.0 (see the module docstring)."""
     found = last_number(completion_text)
-    return 1.0 if found is not None and found == answer else 0.0
+    return 1.0 if found is not None and found == Decimal(str(answer).replace(",", "")) else 0.0
 
 
 def reward_fn(completion_text: str, problem: Problem) -> float:

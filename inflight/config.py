@@ -1,0 +1,63 @@
+"""Typed dataclass configs turned into argparse flags, and written into run directories as resolved JSON.
+
+Each entry point (`inflight.serve`, `inflight.learn`, `inflight.run`) declares one dataclass whose fields carry
+`metadata={"help": ..., "choices": ...}`; `parse_dataclass` makes one `--flag` per field with the field's default, so
+`--help` lists every knob and the defaults are what runs the embedded demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        kind = type(default)
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=_parse_bool if kind is bool else kind,
+            default=default,
+            choices=f.metadata.get("choices"),
+            help=f"{f.metadata.get('help', '')} (default {default!r})",
+        )
+
+
+def parse_dataclass(cls: type[T], argv: list[str] | None, prog: str, description: str) -> T:
+    """Parse `argv` into `cls`; a `validate()` method on the config turns its ValueError into a usage error."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_dataclass_args(parser, cls)
+    ns = parser.parse_args(argv)
+    cfg = cls(**vars(ns))
+    try:
+        getattr(cfg, "validate", lambda: None)()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg
+
+
+def write_resolved(cfg: Any, path: Path) -> None:
+    """Write the resolved config as JSON (one file per run side)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True) + "\n")
+
+
+def require(cond: bool, field: str, value: Any, expected: str) -> None:
+    """Raise a ValueError naming the flag, the value seen and what is expected."""
+    if not cond:
+        raise ValueError(f"--{field.replace('_', '-')} is {value!r}, expected {expected}")

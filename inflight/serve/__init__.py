@@ -1,0 +1,1 @@
+"""`python -m inflight.serve`: the inference pool's process (engine, rollout driver, ZeroMQ streams, OpenAI API)."""

@@ -1,0 +1,121 @@
+"""The serve process: engine + rollout driver + rollout stream + control client (+ OpenAI API), one event loop.
+
+`python -m inflight.serve` calls `main`. Shutdown (SIGINT/SIGTERM, or `--max-groups` reached and everything sent):
+stop admitting, cancel generating groups, give the outbox up to 10 s to reach the learner, stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from inflight.config import parse_dataclass
+from inflight.serve.config import ServeConfig
+
+log = logging.getLogger("inflight.serve")
+
+
+def resolve_model(name_or_path: str) -> Path:
+    from inflight.models import MODEL_NAMES, is_prepared, model_dir
+
+    if name_or_path in MODEL_NAMES:
+        path = model_dir(name_or_path)
+        if not is_prepared(path):
+            raise SystemExit(f"model {name_or_path} is not prepared: run `python -m inflight.models prepare "
+                             f"{name_or_path}` (or `make models`)")  # fmt: skip
+        return path
+    path = Path(name_or_path)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {name_or_path!r} is neither a prepared model name nor an HF directory")
+    return path
+
+
+async def serve(cfg: ServeConfig) -> int:
+    from transformers import AutoTokenizer
+
+    from inflight.serve.control import ControlClient
+    from inflight.serve.driver import RolloutDriver
+    from inflight.serve.latency import parse_latency
+    from inflight.serve.progress import ProgressReporter
+    from inflight.serve.stream import RolloutStream
+    from inflight.tasks.loading import load_reward, load_task
+    from inflight.wire.control import TensorSpec
+    from vllm_patches.engine import EngineConfig, InflightEngine
+
+    model_path = resolve_model(cfg.model)
+    problems, default_reward = load_task(cfg.task, cfg.task_seed, cfg.max_operand)
+    reward = load_reward(cfg.reward or default_reward)
+    latency = parse_latency(cfg.tool_latency, cfg.seed) if cfg.tool_latency else None
+    engine = await InflightEngine.start(
+        EngineConfig(model=str(model_path), max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                     seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib), version=cfg.version)  # fmt: skip
+    stream = RolloutStream(cfg.rollouts)
+    driver = RolloutDriver(engine, cfg, problems, reward, stream, AutoTokenizer.from_pretrained(model_path), latency)
+    expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
+    control = ControlClient(cfg.control, driver, [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())])
+    reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s)
+    control.on_update = reporter.update_event
+    http = await _maybe_http(cfg, engine, model_path)
+    try:
+        return await _run(cfg, driver, stream, control, reporter)
+    finally:
+        await driver.stop()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stream.drained.wait(), 10.0)
+        if http is not None:
+            http.cancel()
+        control.close()
+        stream.close()
+        engine.shutdown()
+
+
+async def _maybe_http(cfg: ServeConfig, engine, model_path: Path):
+    if not cfg.http_port:
+        return None
+    from inflight.serve.http import start_http
+
+    return await start_http(engine, str(model_path), cfg.model, cfg.http_host, cfg.http_port)
+
+
+async def _run(cfg: ServeConfig, driver, stream, control, reporter) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.create_task(c, name=n) for n, c in (
+        ("driver", driver.run()), ("stream", stream.pump(driver.notify)), ("control", control.serve()),
+        ("heartbeat", control.heartbeat()), ("progress", reporter.run()), ("finished", _finished(cfg, driver, stream)),
+    )]  # fmt: skip
+    stopper = asyncio.create_task(stop.wait())
+    print(f"inflight.serve ready: server {driver.server_id}, model {cfg.model}, mode {cfg.mode}, rollouts -> "
+          f"{cfg.rollouts}, control -> {cfg.control}", file=sys.stderr, flush=True)  # fmt: skip
+    done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    for task in done:
+        if task is not stopper and task.get_name() != "finished" and task.exception() is not None:
+            log.error("serve task %s died: %r", task.get_name(), task.exception())
+            code = 1
+    for task in [*tasks, stopper]:
+        task.cancel()
+    await asyncio.gather(*tasks, stopper, return_exceptions=True)
+    return code
+
+
+async def _finished(cfg: ServeConfig, driver, stream) -> None:
+    """Returns once `--max-groups` groups are generated and sent (never, when max_groups is 0)."""
+    if not cfg.max_groups:
+        await asyncio.Event().wait()
+    while driver.stats.groups_finished < cfg.max_groups or stream.outbox:
+        await asyncio.sleep(0.1)
+    await stream.drained.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    about = "Patched vLLM engine + rollout driver streaming per-token-versioned rollouts over ZeroMQ."
+    cfg = parse_dataclass(ServeConfig, argv, "python -m inflight.serve", about)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    return asyncio.run(serve(cfg))

@@ -1,0 +1,76 @@
+"""`ServeConfig`: every knob of `python -m inflight.serve`, with defaults that serve the embedded demo on CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from inflight.config import require
+
+MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
+
+
+def _h(text: str, **kw) -> dict:
+    return {"help": text, **kw}
+
+
+@dataclass
+class ServeConfig:
+    model: str = field(
+        default="smollm2", metadata=_h("prepared model name (smollm2, tiny-llama, tiny-qwen2) or HF dir")
+    )
+    server_id: str = field(default="", metadata=_h("name in every rollout record; empty = <hostname>-<pid>"))
+    rollouts: str = field(default="tcp://127.0.0.1:5555", metadata=_h("learner's rollout address (ZeroMQ PUSH to it)"))
+    control: str = field(default="tcp://127.0.0.1:5556", metadata=_h("learner's control address (ZeroMQ DEALER)"))
+    task: str = field(default="arithmetic", metadata=_h("'arithmetic' or 'jsonl:<path>'"))
+    task_seed: int = field(default=0, metadata=_h("seed of the prompt stream"))
+    max_operand: int = field(default=20, metadata=_h("arithmetic difficulty: operands in [0, max_operand]"))
+    reward: str = field(default="", metadata=_h("reward as module:function (sync or async); empty = the task's own"))
+    group_size: int = field(default=8, metadata=_h("completions sampled per prompt"))
+    max_inflight: int = field(default=64, metadata=_h("most requests generating at once"))
+    max_tokens: int = field(default=48, metadata=_h("completion budget per sample"))
+    temperature: float = field(default=1.0, metadata=_h("sampling temperature (behaviour logprobs are after it)"))
+    top_p: float = field(default=1.0, metadata=_h("nucleus sampling"))
+    top_k: int = field(default=-1, metadata=_h("top-k sampling, -1 = off"))
+    mode: str = field(default="never-stop", metadata=_h("how weight updates interrupt generation", choices=MODES))
+    kv: str = field(default="keep", metadata=_h("KV cache after a commit", choices=("keep", "recompute")))
+    max_outstanding: int = field(default=256, metadata=_h("most rollouts generating or waiting to be sent"))
+    max_lag: int = field(default=1, metadata=_h("admit a group only while admitted - consumed < (max_lag+1) * "
+                                                "groups_per_step; -1 = no learner gate"))  # fmt: skip
+    groups_per_step: int = field(default=4, metadata=_h("groups the learner trains on per step"))
+    max_groups: int = field(default=0, metadata=_h("stop admitting after this many groups; 0 = endless"))
+    tool_latency: str = field(default="", metadata=_h("simulated tool latency per sample: 'lognormal:MEDIAN_S,SIGMA' "
+                                                      "or 'pareto:SCALE_S,ALPHA'; empty = none"))  # fmt: skip
+    http_port: int = field(default=0, metadata=_h("also answer vLLM's OpenAI API on this port; 0 = off"))
+    http_host: str = field(default="127.0.0.1", metadata=_h("bind address of the OpenAI API"))
+    metrics: str = field(default="", metadata=_h("append one JSON line of progress metrics per interval to this file"))
+    progress_s: float = field(default=5.0, metadata=_h("seconds between progress lines"))
+    max_model_len: int = field(default=1024, metadata=_h("engine context length"))
+    max_num_seqs: int = field(default=256, metadata=_h("engine batch limit"))
+    kv_cache_gib: int = field(default=1, metadata=_h("CPU KV cache size"))
+    seed: int = field(default=0, metadata=_h("engine sampling seed"))
+    version: int = field(default=0, metadata=_h("weight version of the served checkpoint"))
+
+    def validate(self) -> None:
+        require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
+        require(
+            self.max_inflight >= self.group_size,
+            "max_inflight",
+            self.max_inflight,
+            f">= group_size ({self.group_size})",
+        )
+        require(self.max_outstanding >= self.group_size, "max_outstanding", self.max_outstanding,
+                f">= group_size ({self.group_size})")  # fmt: skip
+        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+        require(self.temperature > 0, "temperature", self.temperature, "> 0 (greedy has no behaviour distribution)")
+        require(self.max_lag >= -1, "max_lag", self.max_lag, ">= -1")
+        require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
+        require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
+        if self.tool_latency:
+            from inflight.serve.latency import parse_latency
+
+            parse_latency(self.tool_latency)
+
+    def resolved_server_id(self) -> str:
+        return self.server_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -1,0 +1,124 @@
+"""Serve's end of the control channel: a ZeroMQ DEALER connected to the learner's ROUTER.
+
+Sends `Hello` on start (and again whenever the learner asks with `Introduce`), a `Status` heartbeat every second, and
+answers `JoinGroup` / `UpdateWeights` with `Joined` / `UpdateDone`. A malformed or unknown-schema message is logged and
+counted and serve keeps running; a failed update is reported and the engine keeps its weights and version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from inflight.serve.driver import RolloutDriver
+from inflight.wire.control import (
+    ControlError,
+    Hello,
+    Introduce,
+    Joined,
+    JoinGroup,
+    Progress,
+    Status,
+    TensorSpec,
+    UpdateDone,
+    UpdateWeights,
+    decode_control,
+    encode_control,
+)
+
+log = logging.getLogger("inflight.serve")
+
+
+class ControlClient:
+    def __init__(self, address: str, driver: RolloutDriver, tensors: list[TensorSpec], heartbeat_s: float = 1.0):
+        import zmq
+        import zmq.asyncio
+
+        self.driver, self.engine, self.cfg = driver, driver.engine, driver.cfg
+        self.tensors, self.heartbeat_s = tensors, heartbeat_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.connect(address)
+        self.rejected = 0
+        self.updates: list[UpdateDone] = []
+        self._update_task: asyncio.Task | None = None
+        self.on_update = None  # called with each UpdateDone (progress metrics)
+
+    async def send(self, message) -> None:
+        await self._sock.send(encode_control(message))
+
+    def hello(self) -> Hello:
+        cfg = self.cfg
+        return Hello(server_id=self.driver.server_id, model=cfg.model, workers=1, version=self.engine.version,
+                     mode=cfg.mode, tensors=self.tensors)  # fmt: skip
+
+    async def heartbeat(self) -> None:
+        while True:
+            d = self.driver
+            status = Status(server_id=d.server_id, version=self.engine.version, inflight=d.stats.requests_inflight,
+                            outbox=len(d.stream.outbox), rollouts_sent=d.stream.sent,
+                            groups_admitted=d.stats.groups_admitted)  # fmt: skip
+            await self.send(status)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def serve(self) -> None:
+        await self.send(self.hello())
+        while True:
+            data = await self._sock.recv()
+            try:
+                message = decode_control(data, to="serve")
+            except ControlError as exc:
+                self.rejected += 1
+                log.error("rejected control message #%d (%d bytes): %s", self.rejected, len(data), exc)
+                continue
+            await self._dispatch(message)
+
+    async def _dispatch(self, message) -> None:
+        if isinstance(message, Progress):
+            self.driver.set_consumed(message.groups_consumed)
+        elif isinstance(message, Introduce):
+            await self.send(self.hello())
+        elif isinstance(message, JoinGroup):
+            asyncio.create_task(self._join(message))
+        elif isinstance(message, UpdateWeights):
+            self.driver.set_consumed(message.groups_consumed)
+            if self._update_task is not None and not self._update_task.done():
+                log.error("update refused: the previous update is still being applied")
+                await self.send(UpdateDone(server_id=self.driver.server_id, ok=False, error="update already running"))
+                return
+            self._update_task = asyncio.create_task(self._update(message))
+
+    async def _join(self, m: JoinGroup) -> None:
+        try:
+            await self.engine.join_weights_group(m.host, m.port, m.rank, m.world_size, group_name=m.group_name,
+                                                 backend=m.backend, timeout_s=m.timeout_s)  # fmt: skip
+            reply = Joined(server_id=self.driver.server_id, group_name=m.group_name)
+            log.info("joined weights group %s as rank %d/%d", m.group_name, m.rank, m.world_size)
+        except Exception as exc:
+            log.error("could not join weights group %s: %s", m.group_name, exc)
+            reply = Joined(server_id=self.driver.server_id, group_name=m.group_name, ok=False, error=str(exc))
+        await self.send(reply)
+
+    async def _update(self, m: UpdateWeights) -> None:
+        from vllm_patches.engine import UpdateError
+
+        if self.cfg.mode == "blocking":
+            await self.driver.wait_idle()
+        try:
+            r = await self.engine.update(m.manifest, mode=self.cfg.mode, kv=self.cfg.kv)
+            done = UpdateDone(server_id=self.driver.server_id, version=r.version, total_s=r.total_s, stall_s=r.stall_s,
+                              commit_s=r.commit_s, receive_s=r.receive_s)  # fmt: skip
+            log.info("weights v%d committed: stall %.3fs, receive %.3fs", r.version, r.stall_s, r.receive_s)
+        except (UpdateError, ValueError) as exc:
+            log.error("weight update failed, weights and version unchanged: %s", exc)
+            done = UpdateDone(server_id=self.driver.server_id, version=self.engine.version, ok=False, error=str(exc))
+        self.updates.append(done)
+        if self.on_update is not None:
+            self.on_update(done)
+        self.driver.notify()
+        await self.send(done)
+
+    def close(self) -> None:
+        self._sock.close(linger=500)
+        self._ctx.term()

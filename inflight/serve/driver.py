@@ -1,0 +1,161 @@
+"""RolloutDriver: prompts → groups of n requests → reward → rollout records, continuously, under admission control.
+
+Called by `inflight.serve.app`. A group is admitted only when all of these hold, re-checked whenever something finishes,
+is sent, or the learner reports progress:
+- requests generating + group_size <= max_inflight;
+- outstanding rollouts (generating + finished but not yet handed to ZeroMQ) + group_size <= max_outstanding, so a
+  learner that stops reading stops generation with bounded memory and nothing dropped;
+- the learner gate: groups admitted − groups consumed < (max_lag + 1) × groups_per_step (max_lag −1 turns it off);
+- in `blocking` mode (synchronous RL): at most groups_per_step groups per weight version, so the engine is idle when
+  the next update arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from inflight.serve.config import ServeConfig
+from inflight.serve.stream import RolloutStream
+from inflight.tasks.arithmetic import Problem
+from inflight.tasks.loading import AsyncReward
+from inflight.wire.rollouts import Sampling, Times, encode_rollout, make_rollout
+
+log = logging.getLogger("inflight.serve")
+
+
+@dataclass
+class DriverStats:
+    groups_admitted: int = 0
+    groups_finished: int = 0
+    requests_inflight: int = 0
+    tokens_generated: int = 0
+    reward_errors: int = 0
+    rewards_sum: float = 0.0
+    rollouts_made: int = 0
+
+
+class RolloutDriver:
+    def __init__(self, engine, cfg: ServeConfig, problems: Iterable[Problem], reward: AsyncReward,
+                 stream: RolloutStream, tokenizer, tool_latency: Callable[[], float] | None = None):  # fmt: skip
+        self.engine, self.cfg, self.reward, self.stream = engine, cfg, reward, stream
+        self.tokenizer, self.tool_latency = tokenizer, tool_latency
+        self.server_id = cfg.resolved_server_id()
+        self._problems = iter(problems)
+        self.stats = DriverStats()
+        self.groups_consumed = 0
+        self._admitted_at_version: dict[int, int] = {}
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.stopping = False
+
+    def notify(self) -> None:
+        """Something that admission depends on changed (a request finished, a record was sent, progress arrived)."""
+        self._changed.set()
+
+    def set_consumed(self, groups_consumed: int) -> None:
+        if groups_consumed > self.groups_consumed:
+            self.groups_consumed = groups_consumed
+            self.notify()
+
+    @property
+    def outstanding(self) -> int:
+        return self.stats.requests_inflight + len(self.stream.outbox)
+
+    def can_admit(self) -> bool:
+        cfg, n = self.cfg, self.cfg.group_size
+        if self.stopping or (cfg.max_groups and self.stats.groups_admitted >= cfg.max_groups):
+            return False
+        if self.stats.requests_inflight + n > cfg.max_inflight or self.outstanding + n > cfg.max_outstanding:
+            return False
+        if cfg.max_lag >= 0 and (self.stats.groups_admitted - self.groups_consumed
+                                 >= (cfg.max_lag + 1) * cfg.groups_per_step):  # fmt: skip
+            return False
+        return not (
+            cfg.mode == "blocking" and self._admitted_at_version.get(self.engine.version, 0) >= cfg.groups_per_step
+        )
+
+    async def run(self) -> None:
+        """Admit groups for as long as the driver runs; each group is its own task."""
+        for group_index in itertools.count():
+            while not self.can_admit():
+                self._changed.clear()
+                await self._changed.wait()
+            problem = next(self._problems)
+            self.stats.groups_admitted += 1
+            version = self.engine.version
+            self._admitted_at_version[version] = self._admitted_at_version.get(version, 0) + 1
+            task = asyncio.create_task(self._run_group(group_index, problem))
+            self._tasks.add(task)
+            task.add_done_callback(self._group_done)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("group failed: %r", task.exception())
+        self.notify()
+
+    async def wait_idle(self) -> None:
+        """Until no group is generating (used by blocking mode before it accepts an update)."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    async def _run_group(self, group_index: int, problem: Problem) -> None:
+        group_id = f"{self.server_id}-g{group_index}"
+        prompt_ids = self._prompt_ids(problem)
+        await asyncio.gather(*(self._run_sample(group_id, i, problem, prompt_ids) for i in range(self.cfg.group_size)))
+        self.stats.groups_finished += 1
+
+    async def _run_sample(self, group_id: str, index: int, problem: Problem, prompt_ids: list[int]) -> None:
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                top_k=cfg.top_k, logprobs=0)  # fmt: skip
+        self.stats.requests_inflight += 1
+        submitted = time.time()
+        try:
+            done = await self.engine.generate(prompt_ids, params, f"{group_id}-{index}")
+        finally:
+            self.stats.requests_inflight -= 1
+            self.notify()
+        finished = time.time()
+        self.stats.tokens_generated += len(done.token_ids)
+        if self.tool_latency is not None:
+            await asyncio.sleep(self.tool_latency())
+        score = await self._score(done.text, problem)
+        record = make_rollout(
+            prompt_ids=prompt_ids, completion_ids=done.token_ids, logprobs=done.logprobs, versions=done.versions,
+            rollout_id=f"{group_id}-{index}", group_id=group_id, group_size=cfg.group_size, index=index,
+            server_id=self.server_id, model=cfg.model, reward=score, finish_reason=done.finish_reason,
+            sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens),
+            times=Times(submitted, done.first_token_time or finished, finished),
+            problem_id=problem.id, resubmissions=done.resubmissions,
+        )  # fmt: skip
+        self.stats.rollouts_made += 1
+        self.stats.rewards_sum += score
+        self.stream.offer(encode_rollout(record))
+
+    async def _score(self, text: str, problem: Problem) -> float:
+        try:
+            return await self.reward(text, problem)
+        except Exception as exc:  # a buggy reward must not lose the sample: score 0, count, log
+            self.stats.reward_errors += 1
+            log.error("reward failed on %s (scored 0.0): %r", problem.id, exc)
+            return 0.0
+
+    def _prompt_ids(self, problem: Problem) -> list[int]:
+        messages = [{"role": "user", "content": problem.question}]
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))  # fmt: skip
+
+    async def stop(self) -> None:
+        """Stop admitting; cancel generating groups (their partial samples are not rollouts)."""
+        self.stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,104 @@
+"""`--http-port`: the serve's own engine also answers vLLM's OpenAI-compatible API, to evaluate the live policy.
+
+Built from vLLM's own app factory (`build_app` + `init_app_state`) on the same AsyncLLM the rollout driver uses, run by
+uvicorn in the same event loop. `WeightVersionMiddleware` makes responses say which weights answered:
+`x-inflight-weight-version-start` (version when the request arrived) and `x-inflight-weight-version` (when the response
+started); equal values mean one version produced the whole answer. It also adds the engine's per-version `cache_salt`
+to completion requests, so an API request never reuses KV computed by other weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+log = logging.getLogger("inflight.serve")
+SALTED_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class WeightVersionMiddleware:
+    def __init__(self, app, engine):
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start_version = self.engine.version
+        if scope["method"] == "POST" and scope["path"] in SALTED_PATHS:
+            receive = await self._salted(receive)
+
+        async def send_with_version(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((b"x-inflight-weight-version-start", str(start_version).encode()))
+                headers.append((b"x-inflight-weight-version", str(self.engine.version).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_version)
+
+    async def _salted(self, receive):
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            obj = json.loads(body)
+            if isinstance(obj, dict) and "cache_salt" not in obj:
+                body = json.dumps({**obj, "cache_salt": self.engine.cache_salt}).encode()
+        except ValueError:
+            pass  # not JSON: let vLLM answer with its own error
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
+
+
+def _quiet_server_class():
+    import contextlib
+
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn without its own signal handlers: serve's shutdown path owns SIGINT/SIGTERM."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return QuietServer
+
+
+async def start_http(engine, model_path: str, served_name: str, host: str, port: int) -> asyncio.Task:
+    """Serve the OpenAI API on host:port from `engine.llm`; returns the uvicorn task (cancel it to stop)."""
+    import uvicorn
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", model_path, "--served-model-name", served_name, "--host", host, "--port", str(port)]
+    )
+    tasks = await engine.llm.get_supported_tasks()
+    app = build_app(args, tasks, engine.llm.model_config)
+    await init_app_state(engine.llm, app.state, args, tasks)
+    config = uvicorn.Config(WeightVersionMiddleware(app, engine), host=host, port=port, log_level="warning",
+                            lifespan="off")  # fmt: skip
+    server = _quiet_server_class()(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises the bind error
+        await asyncio.sleep(0.05)
+    log.info("OpenAI API on http://%s:%d/v1 (model name %r)", host, port, served_name)
+    return task

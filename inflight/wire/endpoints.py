@@ -1,0 +1,108 @@
+"""The learner's two sockets (synchronous ZeroMQ; the training loop is not asyncio).
+
+- `RolloutReceiver`: binds PULL; every serve's PUSH connects. `receive()` returns decoded, validated `Rollout`s; a bad
+  message is counted in `rejected` (by reason) and logged, never raised into the training loop.
+- `ControlServer`: binds ROUTER; every serve's DEALER connects. Messages are addressed by the serve's ZeroMQ identity,
+  learned from its `Hello`.
+
+Both bind 127.0.0.1 unless told otherwise; port 0 picks a free port (read it back from `.address`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+from inflight.wire.control import ControlError, decode_control, encode_control
+from inflight.wire.rollouts import Rollout, RolloutError, decode_rollout
+
+log = logging.getLogger("inflight.wire")
+
+
+def _bind(sock, host: str, port: int) -> str:
+    import zmq
+
+    sock.bind(f"tcp://{host}:{port or '*'}")
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+class RolloutReceiver:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = 64, ctx=None):
+        import zmq
+
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, hwm)  # bounds what piles up here when training is slow
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = _bind(self._sock, host, port)
+        self.received = 0
+        self.rejected: collections.Counter[str] = collections.Counter()
+
+    def receive(self, timeout_s: float | None = None, max_items: int = 1 << 30) -> list[Rollout]:
+        """Everything that arrives within `timeout_s` (at least one record unless it times out), up to `max_items`."""
+        import zmq
+
+        out: list[Rollout] = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(out) < max_items:
+            wait_ms = 0 if out else (-1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000)))
+            if not self._sock.poll(wait_ms, zmq.POLLIN):
+                break
+            data = self._sock.recv(copy=True)
+            try:
+                out.append(decode_rollout(data))
+                self.received += 1
+            except RolloutError as exc:
+                reason = str(exc).split(":")[0][:80]
+                self.rejected[reason] += 1
+                log.error("rejected rollout #%d (%d bytes): %s", sum(self.rejected.values()), len(data), exc)
+        return out
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class ControlServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ctx=None):
+        import zmq
+
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished serve raises instead of vanishing
+        self.address = _bind(self._sock, host, port)
+        self.rejected = 0
+
+    def poll(self, timeout_s: float = 0.0) -> list[tuple[bytes, object]]:
+        """(identity, message) for every valid message waiting (waits up to `timeout_s` for the first)."""
+        import zmq
+
+        out = []
+        wait_ms = int(timeout_s * 1000)
+        while self._sock.poll(wait_ms if not out else 0, zmq.POLLIN):
+            identity, data = self._sock.recv_multipart()
+            try:
+                out.append((identity, decode_control(data, to="learner")))
+            except ControlError as exc:
+                self.rejected += 1
+                log.error("rejected control message from %r: %s", identity, exc)
+        return out
+
+    def send(self, identity: bytes, message) -> bool:
+        """Send to one serve; False if that serve is not connected (it died or has not said Hello)."""
+        import zmq
+
+        try:
+            self._sock.send_multipart([identity, encode_control(message)])
+            return True
+        except zmq.ZMQError as exc:
+            log.error("control message %s to %r not delivered: %s", type(message).__name__, identity, exc)
+            return False
+
+    def send_raw(self, identity: bytes, data: bytes) -> None:
+        """Bytes as they are (fault-injection tests send malformed messages with this)."""
+        self._sock.send_multipart([identity, data])
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

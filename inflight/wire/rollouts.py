@@ -1,0 +1,147 @@
+"""The rollout record: one message per finished sample, from a serve's RolloutDriver to the learner's buffer.
+
+A `Rollout` is a msgspec Struct encoded as msgpack; its arrays travel as raw little-endian bytes (int32 token ids,
+float32 behaviour logprobs, int32 per-token policy versions) so a record is a few copies from numpy/torch and never
+pickle. `decode_rollout` validates everything a learner relies on and raises `RolloutError` naming the field; the
+learner counts and logs rejections instead of dropping them silently.
+
+Behaviour logprobs are vLLM's processed logprobs: log-softmax of the logits after temperature (and top-k/top-p), i.e.
+the exact distribution each token was sampled from. `token_versions[i]` is the weight version that produced token i.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+
+ROLLOUT_SCHEMA = 1
+MAX_ROLLOUT_BYTES = 64 << 20  # a record larger than this is refused before decoding
+
+
+class RolloutError(ValueError):
+    """A rollout record is malformed, of an unknown schema, or inconsistent with itself."""
+
+
+class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 0
+
+
+class Times(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Wall-clock seconds (time.time()) on the serve host."""
+
+    submitted: float
+    first_token: float
+    finished: float
+
+
+class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    schema: int
+    rollout_id: str
+    group_id: str
+    group_size: int
+    index: int  # position of this sample in its group, 0..group_size-1
+    server_id: str
+    model: str
+    prompt_ids: bytes  # int32 LE
+    completion_ids: bytes  # int32 LE
+    behaviour_logprobs: bytes  # float32 LE
+    token_versions: bytes  # int32 LE
+    reward: float
+    finish_reason: str
+    sampling: Sampling
+    times: Times
+    problem_id: str = ""
+    resubmissions: int = 0
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return np.frombuffer(self.prompt_ids, dtype="<i4")
+
+    @property
+    def completion(self) -> np.ndarray:
+        return np.frombuffer(self.completion_ids, dtype="<i4")
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return np.frombuffer(self.behaviour_logprobs, dtype="<f4")
+
+    @property
+    def versions(self) -> np.ndarray:
+        return np.frombuffer(self.token_versions, dtype="<i4")
+
+
+def make_rollout(*, prompt_ids, completion_ids, logprobs, versions, **fields) -> Rollout:
+    """Build a record from Python/numpy sequences; arrays are converted to the wire dtypes."""
+    return Rollout(
+        schema=ROLLOUT_SCHEMA,
+        prompt_ids=np.asarray(prompt_ids, dtype="<i4").tobytes(),
+        completion_ids=np.asarray(completion_ids, dtype="<i4").tobytes(),
+        behaviour_logprobs=np.asarray(logprobs, dtype="<f4").tobytes(),
+        token_versions=np.asarray(versions, dtype="<i4").tobytes(),
+        **fields,
+    )
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Rollout)
+
+
+def encode_rollout(rollout: Rollout) -> bytes:
+    return _encoder.encode(rollout)
+
+
+def decode_rollout(data: bytes) -> Rollout:
+    """Decode and validate one record; raise `RolloutError` naming the offending field."""
+    if len(data) > MAX_ROLLOUT_BYTES:
+        raise RolloutError(f"rollout message is {len(data)} bytes, the limit is {MAX_ROLLOUT_BYTES}: refused unread")
+    schema = _peek_schema(data)
+    if schema != ROLLOUT_SCHEMA:
+        raise RolloutError(
+            f"rollout.schema is {schema!r}, expected {ROLLOUT_SCHEMA}: run the same inflight version on serve and learn"
+        )
+    try:
+        rollout = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise RolloutError(f"rollout could not be decoded: {exc}") from exc
+    validate_rollout(rollout)
+    return rollout
+
+
+class _SchemaOnly(msgspec.Struct):
+    schema: int | None = None
+
+
+_schema_decoder = msgspec.msgpack.Decoder(_SchemaOnly)
+
+
+def _peek_schema(data: bytes) -> int | None:
+    try:
+        return _schema_decoder.decode(data).schema
+    except msgspec.DecodeError as exc:
+        raise RolloutError(f"rollout is not a msgpack map with an integer 'schema' field: {exc}") from exc
+
+
+def validate_rollout(r: Rollout) -> None:
+    for name in ("prompt_ids", "completion_ids", "behaviour_logprobs", "token_versions"):
+        if len(getattr(r, name)) % 4:
+            raise RolloutError(f"rollout.{name} has {len(getattr(r, name))} bytes, not a multiple of 4")
+    n = len(r.completion_ids) // 4
+    for name in ("behaviour_logprobs", "token_versions"):
+        if len(getattr(r, name)) // 4 != n:
+            raise RolloutError(f"rollout.{name} has {len(getattr(r, name)) // 4} entries, completion_ids has {n}")
+    if not r.prompt_ids:
+        raise RolloutError("rollout.prompt_ids is empty; every sample needs its prompt")
+    if not 0 <= r.index < r.group_size:
+        raise RolloutError(f"rollout.index is {r.index}, expected 0 <= index < group_size ({r.group_size})")
+    if not math.isfinite(r.reward):
+        raise RolloutError(f"rollout.reward is {r.reward}, expected a finite number")
+    lp = r.logprobs
+    if n and (not np.all(np.isfinite(lp)) or np.any(lp > 1e-4)):
+        raise RolloutError("rollout.behaviour_logprobs has values that are not finite log-probabilities (<= 0)")
+    if n and np.any(r.versions < 0):
+        raise RolloutError("rollout.token_versions has negative versions")

@@ -1,0 +1,218 @@
+"""Policy losses (learner/losses.py) against a float64 reference written token by token with hand-derived gradients."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from learner.losses import LossConfig, policy_loss
+
+KINDS = ("tis", "ppo", "mask")
+AGGREGATIONS = ("token", "sequence")
+SEEDS = (0, 1, 2)
+
+
+@dataclass
+class Batch:
+    logp: torch.Tensor
+    behaviour_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    seq_ids: torch.Tensor
+
+
+def make_batch(seed: int, n_seq: int = 6, max_len: int = 12) -> Batch:
+    """Sequences of random length with non-contiguous ids, ~25 % masked tokens and one fully masked sequence.
+
+    Log-ratios are uniform in [-1.3, 1.3], so ratios in [0.27, 3.7] fall on both sides of every cap, clip and band.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, max_len + 1, (n_seq,), generator=gen)
+    seq_ids = torch.repeat_interleave(torch.arange(n_seq) * 3 + 7, lengths)
+    n = seq_ids.numel()
+    logp = -3 * torch.rand(n, generator=gen) - 0.05
+    log_ratio = (torch.rand(n, generator=gen) * 2 - 1) * 1.3
+    per_seq_adv = torch.randn(n_seq, generator=gen)
+    advantages = torch.repeat_interleave(per_seq_adv, lengths) + 0.1 * torch.randn(n, generator=gen)
+    mask = torch.rand(n, generator=gen) > 0.25
+    mask[seq_ids == seq_ids[lengths[0]]] = False  # the second sequence is entirely masked
+    return Batch(logp, logp - log_ratio, advantages, mask, seq_ids)
+
+
+def reference_token(kind: str, cfg: LossConfig, lp: float, blp: float, adv: float) -> tuple[float, float, bool]:
+    """(loss value, d loss / d logp, trust region hit) for one unmasked token, in float64 Python arithmetic."""
+    r = math.exp(lp - blp)
+    if kind == "tis":
+        w = min(r, cfg.tis_cap)
+        return -adv * w * lp, -adv * w, r > cfg.tis_cap
+    if kind == "ppo":
+        # d(ratio)/d(logp) = ratio. The clipped branch is chosen only when the ratio lies outside the clip range,
+        # where clip() is constant, so its gradient is 0.
+        lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+        clipped = min(max(r, lo), hi) * adv
+        if clipped < r * adv:
+            return -clipped, 0.0, True
+        return -r * adv, -adv * r, False
+    if cfg.mask_low <= r <= cfg.mask_high:
+        return -adv * r, -adv * r, False
+    return 0.0, 0.0, True
+
+
+def reference_loss(batch: Batch, cfg: LossConfig) -> tuple[float, list[float], dict[str, float]]:
+    """Loss, gradient w.r.t. every logp and the metrics, by loops over tokens."""
+    n = len(batch.logp)
+    values, grads, hits = [0.0] * n, [0.0] * n, []
+    counts: dict[int, int] = {}
+    for t in range(n):
+        if not bool(batch.mask[t]):
+            continue
+        lp, blp, adv = float(batch.logp[t]), float(batch.behaviour_logp[t]), float(batch.advantages[t])
+        values[t], grads[t], hit = reference_token(cfg.kind, cfg, lp, blp, adv)
+        hits.append(hit)
+        sid = int(batch.seq_ids[t])
+        counts[sid] = counts.get(sid, 0) + 1
+    kept = [t for t in range(n) if bool(batch.mask[t])]
+    if cfg.aggregation == "token":
+        scale = {t: 1.0 / len(kept) for t in kept}
+    else:  # sequences with no unmasked token are absent from `counts`
+        scale = {t: 1.0 / (len(counts) * counts[int(batch.seq_ids[t])]) for t in kept}
+    loss = sum(values[t] * scale[t] for t in kept)
+    grad = [grads[t] * scale[t] if t in scale else 0.0 for t in range(n)]
+    ratios = [math.exp(float(batch.logp[t]) - float(batch.behaviour_logp[t])) for t in kept]
+    metrics = {
+        "tokens": float(len(kept)),
+        "clip_fraction": sum(hits) / len(kept),
+        "ess": sum(ratios) ** 2 / (len(kept) * sum(w * w for w in ratios)),
+        "mean_abs_logratio": sum(abs(math.log(w)) for w in ratios) / len(kept),
+    }
+    return loss, grad, metrics
+
+
+def run_loss(batch: Batch, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    logp = batch.logp.clone().requires_grad_(True)
+    loss, metrics = policy_loss(logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg)
+    loss.backward()
+    return loss.detach(), logp.grad, metrics
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_value_gradient_and_metrics_match_float64_token_loop(kind: str, aggregation: str, seed: int) -> None:
+    cfg = LossConfig(kind=kind, aggregation=aggregation)
+    batch = make_batch(seed)
+    ref_loss, ref_grad, ref_metrics = reference_loss(batch, cfg)
+    assert 0 < ref_metrics["clip_fraction"] < 1, "the batch must put ratios on both sides of the trust region"
+
+    loss, grad, metrics = run_loss(batch, cfg)
+
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor(ref_grad, dtype=torch.float32), rtol=1e-5, atol=1e-7)
+    assert metrics == pytest.approx(ref_metrics, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_policy_gradient_is_minus_advantage_for_every_kind(kind: str) -> None:
+    batch = make_batch(3)
+    batch.behaviour_logp = batch.logp.clone()
+    _, grad, metrics = run_loss(batch, LossConfig(kind=kind))
+    kept = batch.mask.sum()
+    expected = torch.where(batch.mask, -batch.advantages / kept, 0.0)
+    torch.testing.assert_close(grad, expected)
+    assert metrics["clip_fraction"] == 0.0
+    assert metrics["ess"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_masked_tokens_with_inf_and_nan_fields_change_nothing(kind: str, aggregation: str) -> None:
+    cfg = LossConfig(kind=kind, aggregation=aggregation)
+    clean = make_batch(4)
+    dirty = make_batch(4)
+    masked = ~dirty.mask
+    dirty.behaviour_logp[masked] = float("-inf")
+    dirty.advantages[masked] = float("nan")
+    dirty.logp[masked] = float("-inf")
+
+    clean_loss, clean_grad, clean_metrics = run_loss(clean, cfg)
+    dirty_loss, dirty_grad, dirty_metrics = run_loss(dirty, cfg)
+
+    assert torch.isfinite(dirty_loss) and torch.isfinite(dirty_grad).all()
+    torch.testing.assert_close(dirty_loss, clean_loss)
+    torch.testing.assert_close(dirty_grad, clean_grad)
+    assert dirty_metrics == clean_metrics
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_all_masked_batch_gives_zero_loss_connected_to_logp(kind: str, aggregation: str) -> None:
+    batch = make_batch(5)
+    batch.mask[:] = False
+    loss, metrics = policy_loss(
+        batch.logp.requires_grad_(True),
+        batch.behaviour_logp,
+        batch.advantages,
+        batch.mask,
+        batch.seq_ids,
+        LossConfig(kind=kind, aggregation=aggregation),
+    )
+    assert loss.item() == 0.0 and loss.grad_fn is not None
+    loss.backward()
+    assert torch.equal(batch.logp.grad, torch.zeros_like(batch.logp))
+    assert metrics == {"tokens": 0.0, "clip_fraction": 0.0, "ess": 0.0, "mean_abs_logratio": 0.0}
+
+
+def test_sequence_aggregation_weights_each_sequence_equally() -> None:
+    # Two sequences of 1 and 3 on-policy tokens, advantage 1: every sequence mean is −1, whatever its length.
+    logp = torch.tensor([-1.0, -2.0, -0.5, -0.7], requires_grad=True)
+    args = (logp.detach(), torch.ones(4), torch.ones(4, dtype=torch.bool), torch.tensor([0, 1, 1, 1]))
+    loss, _ = policy_loss(logp, *args, LossConfig(kind="mask", aggregation="sequence"))
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0)
+    torch.testing.assert_close(logp.grad, torch.tensor([-1 / 2, -1 / 6, -1 / 6, -1 / 6]))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("kind", "grpo"),
+        ("tis_cap", 0.0),
+        ("clip_low", 1.0),
+        ("clip_low", -0.1),
+        ("clip_high", -0.1),
+        ("mask_low", 1.5),
+        ("mask_high", 0.9),
+        ("aggregation", "batch"),
+    ],
+)
+def test_bad_config_value_raises_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        LossConfig(**{field: value})
+
+
+def test_default_config_is_valid() -> None:
+    assert LossConfig().kind == "tis"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"mask": torch.ones(5, dtype=torch.int64)}, "mask has dtype"),
+        ({"advantages": torch.ones(4)}, "advantages has shape"),
+        ({"seq_ids": torch.zeros(5)}, "seq_ids has dtype"),
+        ({"logp": torch.zeros(5, 1)}, "logp has shape"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(change: dict[str, torch.Tensor], message: str) -> None:
+    args = {
+        "logp": torch.zeros(5),
+        "behaviour_logp": torch.zeros(5),
+        "advantages": torch.ones(5),
+        "mask": torch.ones(5, dtype=torch.bool),
+        "seq_ids": torch.zeros(5, dtype=torch.int64),
+    } | change
+    with pytest.raises(ValueError, match=message):
+        policy_loss(**args, cfg=LossConfig())
