@@ -109,6 +109,7 @@ class InflightEngine:
 
     def __init__(self, llm, version: int = 0):
         self.llm, self.version = llm, version
+        self.tokens_generated = 0  # every token streamed out, finished or not (for live tokens/s)
         self._aborted_for_update: set[str] = set()
         self._running: set[str] = set()
         self._resumed = asyncio.Event()
@@ -161,11 +162,14 @@ class InflightEngine:
         prompt = TokensPrompt(prompt_token_ids=done.prompt_ids + done.token_ids, cache_salt=self.cache_salt)
         self._running.add(rid)
         try:
-            final = None
+            final, seen = None, 0
             async for output in self.llm.generate(prompt, sub, request_id=rid):
                 final = output
-                if not done.first_token_time and output.outputs and output.outputs[0].token_ids:
+                produced = len(output.outputs[0].token_ids) if output.outputs else 0
+                self.tokens_generated += produced - seen
+                if produced and not done.first_token_time:
                     done.first_token_time = time.time()
+                seen = produced
         finally:
             self._running.discard(rid)
         return final

@@ -76,9 +76,11 @@ async def serve(cfg: ServeConfig) -> int:
 async def _maybe_http(cfg: ServeConfig, engine, model_path: Path):
     if not cfg.http_port:
         return None
+    from inflight.models import MODEL_NAMES
     from inflight.serve.http import start_http
 
-    return await start_http(engine, str(model_path), cfg.model, cfg.http_host, cfg.http_port)
+    served_name = cfg.model if cfg.model in MODEL_NAMES else model_path.name
+    return await start_http(engine, str(model_path), served_name, cfg.http_host, cfg.http_port)
 
 
 async def _run(cfg: ServeConfig, driver, stream, control, reporter) -> int:

@@ -26,12 +26,12 @@ class ProgressReporter:
     def snapshot(self) -> dict:
         d, now = self.driver, time.monotonic()
         last_t, last_tokens = self._last
-        self._last = (now, d.stats.tokens_generated)
+        self._last = (now, d.engine.tokens_generated)
         made = max(d.stats.rollouts_made, 1)
         return {
             "event": "progress", "time": time.time(), "server_id": d.server_id, "version": d.engine.version,
-            "tokens_per_s": (d.stats.tokens_generated - last_tokens) / max(now - last_t, 1e-9),
-            "tokens": d.stats.tokens_generated, "inflight": d.stats.requests_inflight, "outbox": len(d.stream.outbox),
+            "tokens_per_s": (d.engine.tokens_generated - last_tokens) / max(now - last_t, 1e-9),
+            "tokens": d.engine.tokens_generated, "inflight": d.stats.requests_inflight, "outbox": len(d.stream.outbox),
             "rollouts_sent": d.stream.sent, "groups_admitted": d.stats.groups_admitted,
             "groups_consumed": d.groups_consumed, "mean_reward": d.stats.rewards_sum / made,
             "reward_errors": d.stats.reward_errors,

@@ -1,0 +1,65 @@
+"""RolloutBuffer: streamed rollouts → whole groups, in arrival order, each trained at most once.
+
+Called by the learner's rank 0. Records arrive one per sample from any number of serves; a group becomes trainable
+when all `group_size` samples are in. Anything inconsistent (a duplicate rollout id, a sample whose group disagrees on
+its size or prompt, a record for another model, a group id already trained) is rejected, counted by reason and logged
+— never silently dropped, never trained twice. `consumed` (group ids already trained) goes into every checkpoint so a
+resumed learner refuses replays.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable
+
+from inflight.wire.rollouts import Rollout
+
+log = logging.getLogger("inflight.learn")
+
+
+class RolloutBuffer:
+    def __init__(self, model: str | None = None, consumed: Iterable[str] = ()):
+        self.model = model
+        self.pending: dict[str, dict[int, Rollout]] = {}
+        self.ready: collections.deque[list[Rollout]] = collections.deque()
+        self.consumed: set[str] = set(consumed)
+        self.consumed_by_server: collections.Counter[str] = collections.Counter()
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.accepted = 0
+
+    def reject(self, reason: str, rollout: Rollout) -> None:
+        self.rejected[reason] += 1
+        log.error("rejected rollout %s from %s: %s", rollout.rollout_id, rollout.server_id, reason)
+
+    def add(self, rollout: Rollout) -> None:
+        if self.model is not None and rollout.model != self.model:
+            return self.reject(f"model is {rollout.model!r}, this learner trains {self.model!r}", rollout)
+        if rollout.group_id in self.consumed:
+            return self.reject("its group was already trained (replayed after a restart?)", rollout)
+        group = self.pending.setdefault(rollout.group_id, {})
+        if rollout.index in group:
+            return self.reject(f"duplicate sample {rollout.index} of group {rollout.group_id}", rollout)
+        if group:
+            first = next(iter(group.values()))
+            if (first.group_size, first.prompt_ids) != (rollout.group_size, rollout.prompt_ids):
+                return self.reject(f"group_size or prompt differs from the rest of group {rollout.group_id}", rollout)
+        group[rollout.index] = rollout
+        self.accepted += 1
+        if len(group) == rollout.group_size:
+            del self.pending[rollout.group_id]
+            self.ready.append([group[i] for i in range(rollout.group_size)])
+
+    def take(self, n_groups: int) -> list[list[Rollout]] | None:
+        """The `n_groups` oldest complete groups, marked consumed; None if fewer are ready."""
+        if len(self.ready) < n_groups:
+            return None
+        groups = [self.ready.popleft() for _ in range(n_groups)]
+        for group in groups:
+            self.consumed.add(group[0].group_id)
+            self.consumed_by_server[group[0].server_id] += 1
+        return groups
+
+    @property
+    def pending_samples(self) -> int:
+        return sum(len(g) for g in self.pending.values())

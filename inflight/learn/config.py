@@ -1,0 +1,47 @@
+"""`LearnConfig`: every knob of `python -m inflight.learn`, with defaults that train the embedded demo on CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inflight.config import require
+
+
+def _h(text: str, **kw) -> dict:
+    return {"help": text, **kw}
+
+
+@dataclass
+class LearnConfig:
+    model: str = field(default="smollm2", metadata=_h("prepared model name or HF dir (the same one serve loads)"))
+    host: str = field(default="127.0.0.1", metadata=_h("address to bind and to advertise to serves"))
+    rollouts_port: int = field(default=5555, metadata=_h("PULL port serves push rollouts to"))
+    control_port: int = field(default=5556, metadata=_h("ROUTER port serves connect their control DEALER to"))
+    weights_port: int = field(default=5557, metadata=_h("TCPStore port of the weights group"))
+    backend: str = field(default="gloo", metadata=_h("weights-group backend", choices=("gloo", "nccl")))
+    groups_per_step: int = field(default=4, metadata=_h("whole groups per optimizer step"))
+    steps: int = field(default=0, metadata=_h("stop after this many steps; 0 = until interrupted"))
+    max_lag: int = field(default=4, metadata=_h("staleness gate: tokens older than this many versions are masked"))
+    loss: str = field(default="tis", metadata=_h("policy loss", choices=("tis", "ppo", "mask")))
+    aggregation: str = field(default="token", metadata=_h("loss aggregation", choices=("token", "sequence")))
+    advantage: str = field(default="mean", metadata=_h("group advantage", choices=("mean", "std", "loo")))
+    tis_cap: float = field(default=2.0, metadata=_h("tis: cap on the importance ratio"))
+    lr: float = field(default=1e-5, metadata=_h("AdamW learning rate"))
+    grad_clip: float = field(default=1.0, metadata=_h("max gradient norm"))
+    dtype: str = field(default="float32", metadata=_h("parameter dtype", choices=("float32", "bfloat16")))
+    publish_every: int = field(default=1, metadata=_h("send weights every K steps"))
+    bucket_mb: int = field(default=64, metadata=_h("weight bucket size in MiB"))
+    timeout_s: float = field(default=60.0, metadata=_h("timeout of every weights-group collective"))
+    run_dir: str = field(default="runs/learn", metadata=_h("metrics, checkpoints and the resolved config go here"))
+    checkpoint_every: int = field(default=0, metadata=_h("checkpoint every N steps; 0 = only at the end"))
+    resume: bool = field(default=False, metadata=_h("continue from the latest checkpoint in run_dir"))
+    wait_for_serves: int = field(default=1, metadata=_h("serves to wait for before the first step"))
+    seed: int = field(default=0, metadata=_h("torch seed"))
+
+    def validate(self) -> None:
+        require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
+        require(self.max_lag >= 0, "max_lag", self.max_lag, ">= 0")
+        require(self.publish_every >= 1, "publish_every", self.publish_every, ">= 1")
+        require(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, ">= 1")
+        require(self.lr > 0, "lr", self.lr, "> 0")
+        require(self.steps >= 0, "steps", self.steps, ">= 0")

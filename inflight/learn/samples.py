@@ -1,0 +1,55 @@
+"""From complete groups to training samples: group advantages and the per-token staleness gate.
+
+Called by the learner's rank 0 once per step. lag = learner version − token version, per token; a token whose lag
+exceeds `max_lag` is masked out of the loss (and counted), so a long rollout that straddled several updates still
+trains on its fresh tail. A sample whose every token is gated contributes nothing but is still consumed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from inflight.wire.rollouts import Rollout
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+    token_mask: list[bool]
+    lags: list[int]
+
+
+@dataclass
+class GateStats:
+    tokens: int = 0
+    gated: int = 0
+    lag_histogram: Counter = field(default_factory=Counter)
+    rewards: list[float] = field(default_factory=list)
+
+
+def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean"
+                  ) -> tuple[list[Sample], GateStats]:  # fmt: skip
+    from learner.advantages import group_advantages
+
+    stats = GateStats()
+    samples = []
+    for group in groups:
+        rewards = torch.tensor([[r.reward for r in group]], dtype=torch.float64)
+        advantages = group_advantages(rewards, kind=advantage_kind)[0].tolist()
+        for rollout, adv in zip(group, advantages, strict=True):
+            lags = (version - rollout.versions.astype(np.int64)).tolist()
+            keep = [lag <= max_lag for lag in lags]
+            stats.tokens += len(lags)
+            stats.gated += keep.count(False)
+            stats.lag_histogram.update(lags)
+            stats.rewards.append(rollout.reward)
+            samples.append(Sample(rollout.prompt.tolist(), rollout.completion.tolist(), rollout.logprobs.tolist(),
+                                  float(adv), keep, lags))  # fmt: skip
+    return samples, stats

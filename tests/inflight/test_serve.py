@@ -1,0 +1,205 @@
+"""inflight.serve as a real process: rollouts over real ZeroMQ sockets to the learner's real receiving classes."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import socket
+import time
+from collections import defaultdict
+
+import msgspec
+import pytest
+from serve_support import ServeProcess
+
+from inflight.wire.control import Hello, Progress, Status
+from inflight.wire.endpoints import ControlServer, RolloutReceiver
+
+pytestmark = pytest.mark.engine
+GROUP = 4
+MAX_TOKENS = 12
+ANSWERS = {"q-a": 3, "q-b": 7, "q-c": 11}
+
+
+class LearnerSide:
+    """What a learner sees: rollouts grouped by group_id, and the control messages of one serve."""
+
+    def __init__(self):
+        self.rx, self.ctl = RolloutReceiver(hwm=1), ControlServer()
+        self.rollouts, self.control, self.identity = [], [], None
+
+    def pump(self, seconds: float, read_rollouts: bool = True) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if read_rollouts:
+                self.rollouts += self.rx.receive(timeout_s=0.05)
+            for identity, message in self.ctl.poll(0.05):
+                self.control.append(message)
+                if isinstance(message, Hello):
+                    self.identity = identity
+
+    def groups(self) -> dict[str, list]:
+        out = defaultdict(list)
+        for r in self.rollouts:
+            out[r.group_id].append(r)
+        return out
+
+    def complete_groups(self) -> dict[str, list]:
+        return {g: rs for g, rs in self.groups().items() if len(rs) == rs[0].group_size}
+
+    def statuses(self) -> list[Status]:
+        return [m for m in self.control if isinstance(m, Status)]
+
+    def pump_until(self, cond, timeout_s: float = 120.0) -> None:
+        end = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < end, "timed out waiting for serve"
+            self.pump(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def running(model_dirs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "prompt": f"Say {v}.", "answer": v}) + "\n"
+                               for k, v in ANSWERS.items()))  # fmt: skip
+    side, port = LearnerSide(), free_port()
+    serve = ServeProcess([
+        "--model", str(model_dirs["tiny-llama"]), "--rollouts", side.rx.address, "--control", side.ctl.address,
+        "--task", f"jsonl:{prompts}", "--reward", "serve_rewards:answer_tenth", "--group-size", str(GROUP),
+        "--max-tokens", str(MAX_TOKENS), "--max-lag", "-1", "--max-inflight", "8", "--max-outstanding", "16",
+        "--http-port", str(port), "--metrics", str(tmp / "metrics.jsonl"),
+    ])  # fmt: skip
+    serve.wait_for("inflight.serve ready")
+    yield side, serve, port, tmp
+    assert serve.stop() == 0, serve.tail()
+
+
+def test_groups_arrive_complete_with_per_token_logprobs_versions_and_rewards(running, model_dirs):
+    from transformers import AutoTokenizer
+
+    side, serve, _, _ = running
+    side.pump_until(lambda: len(side.complete_groups()) >= 6)
+    tok = AutoTokenizer.from_pretrained(model_dirs["tiny-llama"])
+    prompts = {k: f"Say {v}." for k, v in ANSWERS.items()}
+    for group_id, records in side.complete_groups().items():
+        assert sorted(r.index for r in records) == list(range(GROUP)), group_id
+        assert len({r.problem_id for r in records}) == 1 and len({r.prompt_ids for r in records}) == 1
+        for r in records:
+            n = len(r.completion)
+            assert 1 <= n <= MAX_TOKENS and len(r.logprobs) == n and len(r.versions) == n
+            assert (r.versions == 0).all() and (r.logprobs <= 0).all()
+            assert r.finish_reason in ("length", "stop") and (r.finish_reason == "stop" or n == MAX_TOKENS)
+            assert r.reward == pytest.approx(ANSWERS[r.problem_id] / 10)
+            assert r.sampling.temperature == 1.0 and r.sampling.max_tokens == MAX_TOKENS
+            assert r.times.submitted <= r.times.first_token <= r.times.finished
+            messages = [{"role": "user", "content": prompts[r.problem_id]}]
+            expected_prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+            assert r.prompt.tolist() == list(expected_prompt)
+    assert sum(side.rx.rejected.values()) == 0
+
+
+def test_hello_announces_every_checkpoint_tensor(running, model_dirs):
+    from safetensors import safe_open
+
+    side, _, _, _ = running
+    side.pump_until(lambda: side.identity is not None)
+    hello = next(m for m in side.control if isinstance(m, Hello))
+    with safe_open(str(model_dirs["tiny-llama"] / "model.safetensors"), "pt") as f:
+        names = set(f.keys())  # noqa: SIM118
+    assert {t.name for t in hello.tensors} == names and hello.version == 0 and hello.mode == "never-stop"
+
+
+def test_malformed_and_unknown_schema_control_messages_are_logged_and_serve_keeps_running(running):
+    side, serve, _, _ = running
+    side.pump_until(lambda: side.identity is not None)
+    before = serve.count("rejected control message")
+    bad = [
+        b"\x00not msgpack at all",
+        msgspec.msgpack.encode({"type": "self_destruct", "schema": 1}),
+        msgspec.msgpack.encode({"type": "progress", "schema": 99, "version": 1, "groups_consumed": 5}),
+        msgspec.msgpack.encode({"type": "progress", "schema": 1, "groups_consumed": "many"}),
+        pickle.dumps({"type": "progress"}),
+    ]
+    for data in bad:
+        side.ctl.send_raw(side.identity, data)
+    serve.wait_for("rejected control message", timeout_s=30, count=before + len(bad))
+    assert "schema is 99, expected 1" in serve.tail(200)
+    got, statuses = len(side.rollouts), len(side.statuses())
+    side.pump_until(lambda: len(side.rollouts) > got + GROUP and len(side.statuses()) > statuses + 1)
+    assert serve.proc.poll() is None
+    side.ctl.send(side.identity, Progress(version=0, groups_consumed=1))  # a good one after the bad ones still works
+    side.pump(1.0)
+
+
+def test_openai_client_gets_a_chat_completion_while_rollouts_stream(running):
+    import openai
+
+    side, serve, port, _ = running
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+    got = len(side.rollouts)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=8
+    )
+    completion = raw.parse()
+    assert completion.choices[0].message.content is not None and completion.usage.completion_tokens >= 1
+    assert raw.headers["x-inflight-weight-version"] == "0" and raw.headers["x-inflight-weight-version-start"] == "0"
+    side.pump_until(lambda: len(side.rollouts) > got + GROUP)
+    busy = [s for s in side.statuses()[-5:] if s.inflight > 0]
+    assert busy, "the rollout driver was idle while the API answered"
+
+
+def test_progress_metrics_are_written(running):
+    _, _, _, tmp = running
+    time.sleep(1.5)
+    lines = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
+    progress = [x for x in lines if x["event"] == "progress"]
+    assert len(progress) >= 2 and any(x["tokens_per_s"] > 0 for x in progress)
+    assert progress[-1]["rollouts_sent"] >= progress[0]["rollouts_sent"]
+
+
+def test_backpressure_bounds_outstanding_work_and_delivers_every_rollout_once(model_dirs):
+    side, max_groups, per_step = LearnerSide(), 10, 2
+    serve = ServeProcess([
+        "--model", str(model_dirs["tiny-llama"]), "--rollouts", side.rx.address, "--control", side.ctl.address,
+        "--group-size", str(GROUP), "--max-tokens", "8", "--max-lag", "0", "--groups-per-step", str(per_step),
+        "--max-groups", str(max_groups), "--max-outstanding", "8",
+    ])  # fmt: skip
+    try:
+        serve.wait_for("inflight.serve ready")
+        consumed = 0
+
+        def consume():
+            nonlocal consumed
+            side.pump(0.2)
+            if len(side.complete_groups()) > consumed:
+                consumed = len(side.complete_groups())
+                side.ctl.send(side.identity, Progress(version=0, groups_consumed=consumed))
+
+        side.pump_until(lambda: side.identity is not None)
+        while consumed < 3:
+            consume()
+        # The learner stalls: it reads no rollouts and reports no progress for 12 s.
+        rss_start = serve.rss_bytes()
+        side.pump(12.0, read_rollouts=False)
+        stalled = [s for s in side.statuses()[-10:]]
+        assert max(s.groups_admitted for s in stalled) <= consumed + per_step, stalled
+        assert max(s.inflight + s.outbox for s in stalled) <= 8
+        assert stalled[-1].inflight == 0, "generation should have stopped while the learner stalls"
+        assert serve.rss_bytes() < rss_start * 1.10
+        # It resumes: everything arrives, each rollout exactly once, and serve exits after --max-groups.
+        deadline = time.monotonic() + 180
+        while serve.proc.poll() is None and time.monotonic() < deadline:
+            consume()
+        side.pump(1.0)
+        ids = [r.rollout_id for r in side.rollouts]
+        assert len(ids) == len(set(ids)) == max_groups * GROUP
+        assert serve.proc.returncode == 0, serve.tail()
+    finally:
+        serve.stop()

@@ -1,0 +1,61 @@
+"""A real `python -m inflight.serve` subprocess for tests, with its log captured line by line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+
+
+class ServeProcess:
+    def __init__(self, args: list[str], env: dict | None = None):
+        full_env = {**os.environ, "PYTHONPATH": f"{TESTS / 'inflight'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "inflight.serve", "--progress-s", "1", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**full_env, **(env or {})},
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout_s: float = 180.0, count: int = 1) -> None:
+        deadline = time.monotonic() + timeout_s
+        while sum(text in line for line in self.lines) < count:
+            if self.proc.poll() is not None:
+                time.sleep(0.5)
+                raise AssertionError(f"serve exited with {self.proc.returncode} before {text!r}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"serve did not print {text!r} within {timeout_s}s:\n{self.tail()}")
+            time.sleep(0.1)
+
+    def count(self, text: str) -> int:
+        return sum(text in line for line in self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def rss_bytes(self) -> int:
+        import psutil
+
+        main = psutil.Process(self.proc.pid)
+        return sum(p.memory_info().rss for p in [main, *main.children(recursive=True)])
