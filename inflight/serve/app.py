@@ -53,13 +53,18 @@ async def serve(cfg: ServeConfig) -> int:
     engine = await InflightEngine.start(
         EngineConfig(model=str(model_path), max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                      seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib), version=cfg.version)  # fmt: skip
+    try:
+        expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
+        tensors = [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())]
+        http = await _maybe_http(cfg, engine, model_path)
+    except BaseException:
+        engine.shutdown()
+        raise
     stream = RolloutStream(cfg.rollouts)
     driver = RolloutDriver(engine, cfg, problems, reward, stream, AutoTokenizer.from_pretrained(model_path), latency)
-    expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
-    control = ControlClient(cfg.control, driver, [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())])
+    control = ControlClient(cfg.control, driver, tensors)
     reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s)
     control.on_update = reporter.update_event
-    http = await _maybe_http(cfg, engine, model_path)
     try:
         return await _run(cfg, driver, stream, control, reporter)
     finally:

@@ -32,7 +32,8 @@ log = logging.getLogger("inflight.serve")
 class DriverStats:
     groups_admitted: int = 0
     groups_finished: int = 0
-    requests_inflight: int = 0
+    requests_inflight: int = 0  # admitted and not finished generating
+    samples_open: int = 0  # admitted and not yet handed to the rollout stream (generating, waiting on a tool, scoring)
     tokens_generated: int = 0
     reward_errors: int = 0
     rewards_sum: float = 0.0
@@ -64,7 +65,7 @@ class RolloutDriver:
 
     @property
     def outstanding(self) -> int:
-        return self.stats.requests_inflight + len(self.stream.outbox)
+        return self.stats.samples_open + len(self.stream.outbox)
 
     def can_admit(self) -> bool:
         cfg, n = self.cfg, self.cfg.group_size
@@ -87,11 +88,14 @@ class RolloutDriver:
                 await self._changed.wait()
             problem = next(self._problems)
             self.stats.groups_admitted += 1
+            self.stats.requests_inflight += self.cfg.group_size  # counted now: the group's tasks start later
+            self.stats.samples_open += self.cfg.group_size
             version = self.engine.version
             self._admitted_at_version[version] = self._admitted_at_version.get(version, 0) + 1
             task = asyncio.create_task(self._run_group(group_index, problem))
             self._tasks.add(task)
             task.add_done_callback(self._group_done)
+            await asyncio.sleep(0)  # let the group submit its requests before admitting the next
 
     def _group_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -111,12 +115,18 @@ class RolloutDriver:
         self.stats.groups_finished += 1
 
     async def _run_sample(self, group_id: str, index: int, problem: Problem, prompt_ids: list[int]) -> None:
+        try:
+            await self._generate_and_send(group_id, index, problem, prompt_ids)
+        finally:
+            self.stats.samples_open -= 1
+            self.notify()
+
+    async def _generate_and_send(self, group_id: str, index: int, problem: Problem, prompt_ids: list[int]) -> None:
         from vllm import SamplingParams
 
         cfg = self.cfg
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                 top_k=cfg.top_k, logprobs=0)  # fmt: skip
-        self.stats.requests_inflight += 1
         submitted = time.time()
         try:
             done = await self.engine.generate(prompt_ids, params, f"{group_id}-{index}")

@@ -175,6 +175,55 @@ def test_sequence_aggregation_weights_each_sequence_equally() -> None:
     torch.testing.assert_close(logp.grad, torch.tensor([-1 / 2, -1 / 6, -1 / 6, -1 / 6]))
 
 
+def split_by_sequence(batch: Batch, n_first: int) -> tuple[Batch, Batch]:
+    """The first `n_first` sequences and the rest, as two data-parallel ranks would hold them."""
+    boundary = int((batch.seq_ids == batch.seq_ids.unique()[n_first]).nonzero()[0])
+    fields = ("logp", "behaviour_logp", "advantages", "mask", "seq_ids")
+    first = Batch(*(getattr(batch, f)[:boundary] for f in fields))
+    second = Batch(*(getattr(batch, f)[boundary:] for f in fields))
+    return first, second
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_losses_with_global_normalizer_sum_to_whole_batch_loss(kind: str, aggregation: str) -> None:
+    cfg = LossConfig(kind=kind, aggregation=aggregation)
+    whole = make_batch(6)
+    whole_loss, whole_grad, _ = run_loss(whole, cfg)
+    shards = split_by_sequence(whole, n_first=2)  # uneven: 2 sequences (one fully masked) vs 4
+    if aggregation == "token":
+        global_count = float(whole.mask.sum())
+    else:
+        global_count = float(whole.seq_ids[whole.mask].unique().numel())
+
+    losses, grads, local_losses = [], [], []
+    for shard in shards:
+        logp = shard.logp.clone().requires_grad_(True)
+        args = (shard.behaviour_logp, shard.advantages, shard.mask, shard.seq_ids, cfg)
+        loss, _ = policy_loss(logp, *args, normalizer=global_count)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(logp.grad)
+        local_losses.append(policy_loss(shard.logp, *args)[0])
+
+    torch.testing.assert_close(sum(losses), whole_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.cat(grads), whole_grad, rtol=1e-6, atol=1e-8)
+    # The split is uneven, so averaging local means would be a different (wrong) loss.
+    assert abs(float(sum(local_losses) / 2 - whole_loss)) > 1e-3
+
+
+@pytest.mark.parametrize("normalizer", [0.0, -2.0])
+def test_non_positive_normalizer_raises(normalizer: float) -> None:
+    with pytest.raises(ValueError, match="normalizer is"):
+        policy_loss(
+            *(torch.zeros(3),) * 3,
+            torch.ones(3, dtype=torch.bool),
+            torch.zeros(3, dtype=torch.int64),
+            LossConfig(),
+            normalizer=normalizer,
+        )
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -1,0 +1,212 @@
+"""`python -m inflight.learn`: consume rollouts, train with FSDP2, push weights back to every serve.
+
+Runs as one process or under torchrun (gloo on CPU, NCCL on GPU). Rank 0 owns the sockets (rollouts PULL, control
+ROUTER, the weights-group store); every step it waits for `groups_per_step` complete groups, gates stale tokens, and
+broadcasts the samples; all ranks train on their slice; the new full weights go out as `version + 1`. The loop is
+visible in `Learner.run`; each step appends one line to `<run_dir>/metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from inflight.config import parse_dataclass, write_resolved
+from inflight.learn.config import LearnConfig
+
+log = logging.getLogger("inflight.learn")
+
+
+class Learner:
+    def __init__(self, cfg: LearnConfig, rank: int, world: int):
+        from inflight.serve.app import resolve_model
+        from learner.model import full_hf_state, load_policy, shard_policy
+        from learner.step import TrainConfig, make_optimizer
+
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.run_dir = Path(cfg.run_dir)
+        self.model_path = resolve_model(cfg.model)
+        self.model = load_policy(self.model_path, dtype=getattr(torch, cfg.dtype))
+        if world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh("cpu", (world,))
+            shard_policy(self.model, self.mesh)
+        self.train_cfg = TrainConfig(lr=cfg.lr, grad_clip=cfg.grad_clip, loss=_loss_config(cfg))
+        self.optimizer = make_optimizer(self.model, self.train_cfg)
+        self.version, self.step, consumed, by_server = 0, 0, [], {}
+        if cfg.resume:
+            self.version, self.step, consumed, by_server = self._resume()
+        self.stop_requested = False
+        state = full_hf_state(self.model)
+        if rank == 0:
+            self._open_sockets(state, consumed, by_server)
+
+    def _resume(self):
+        from learner.checkpoint import latest_checkpoint, load_checkpoint
+
+        path = latest_checkpoint(self.run_dir / "checkpoints")
+        if path is None:
+            raise SystemExit(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}; drop --resume to start")
+        meta = load_checkpoint(path, self.model, self.optimizer)
+        log.info("resumed from %s: step %d, version %d", path, meta["step"], meta["version"])
+        return meta["version"], meta["step"], meta["consumed"], meta.get("consumed_by_server", {})
+
+    def _open_sockets(self, state, consumed, by_server) -> None:
+        from inflight.learn.buffer import RolloutBuffer
+        from inflight.learn.publisher import WeightPublisher
+        from inflight.wire.endpoints import ControlServer, RolloutReceiver
+
+        cfg = self.cfg
+        self.receiver = RolloutReceiver(cfg.host, cfg.rollouts_port)
+        self.control = ControlServer(cfg.host, cfg.control_port)
+        self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
+                                         cfg.bucket_mb << 20)  # fmt: skip
+        self.publisher.set_model(state)
+        if self.version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
+            self.publisher.latest = (self.version, state)
+        self.buffer = RolloutBuffer(cfg.model, consumed)
+        self.buffer.consumed_by_server.update(by_server)
+        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        log.info("learner listening: rollouts %s, control %s, weights store port %d", self.receiver.address,
+                 self.control.address, self.publisher.store_port)  # fmt: skip
+        print(f"inflight.learn ready: rollouts {self.receiver.address} control {self.control.address} weights "
+              f"{cfg.host}:{self.publisher.store_port}", file=sys.stderr, flush=True)  # fmt: skip
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        from inflight.learn.dist import broadcast_samples
+
+        while not self.cfg.steps or self.step < self.cfg.steps:
+            started = time.perf_counter()
+            batch = self._next_samples() if self.rank == 0 else None
+            waited = time.perf_counter() - started
+            samples = broadcast_samples(batch[0] if batch else None, self.rank, self.world)
+            if not samples:
+                break
+            metrics = self._train(samples)
+            self.version += 1
+            self.step += 1
+            publish = self._publish() if self.version % self.cfg.publish_every == 0 else {}
+            if self.rank == 0:
+                self._log(batch[1], metrics, publish, waited, time.perf_counter() - started)
+            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+                self.checkpoint()
+        self.checkpoint()
+        return 0
+
+    def _next_samples(self):
+        """Rank 0: wait for `groups_per_step` complete groups; None when a stop was requested."""
+        from inflight.learn.samples import build_samples
+
+        last_progress = 0.0
+        while not self.stop_requested:
+            for rollout in self.receiver.receive(timeout_s=0.05):
+                self.buffer.add(rollout)
+            self.publisher.pump(0)
+            self.publisher.catch_up(dict(self.buffer.consumed_by_server))
+            groups = self.buffer.take(self.cfg.groups_per_step)
+            if groups is not None:
+                self.publisher.send_progress(dict(self.buffer.consumed_by_server), self.version)
+                return build_samples(groups, self.version, self.cfg.max_lag, self.cfg.advantage)
+            if time.monotonic() - last_progress > 1.0:
+                self.publisher.send_progress(dict(self.buffer.consumed_by_server), self.version)
+                last_progress = time.monotonic()
+        return None
+
+    def _train(self, samples) -> dict:
+        from learner.step import Sample, make_batch, train_step
+
+        mine = samples[self.rank :: self.world]
+        as_train = [Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.token_mask)
+                    for s in mine]  # fmt: skip
+        tokens = sum(sum(s.token_mask) for s in samples)
+        batch = make_batch(as_train, pad_id=0)
+        lag0 = torch.zeros_like(batch.mask)
+        for row, s in enumerate(mine):
+            lag0[row, : len(s.lags)] = torch.tensor([lag == 0 for lag in s.lags])
+        start = time.perf_counter()
+        metrics = train_step(self.model, self.optimizer, batch, self.train_cfg, self.world, global_tokens=tokens,
+                             global_sequences=len(samples))  # fmt: skip
+        metrics["train_s"] = time.perf_counter() - start
+        metrics["train_tokens"] = tokens
+        return metrics
+
+    def _publish(self) -> dict:
+        from learner.model import full_hf_state
+
+        start = time.perf_counter()
+        state = full_hf_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors
+        if self.rank != 0:
+            return {}
+        report = self.publisher.publish(state, self.version, dict(self.buffer.consumed_by_server))
+        seconds = time.perf_counter() - start
+        return {"publish_s": seconds, "publish_bytes": report.bytes, "publish_serves": report.serves,
+                "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
+                "publish_failed": report.failed}  # fmt: skip
+
+    def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float) -> None:
+        rewards = gate.rewards
+        record = {
+            "step": self.step, "version": self.version, "time": time.time(), "reward": sum(rewards) / len(rewards),
+            "lag_histogram": {str(k): v for k, v in sorted(gate.lag_histogram.items())},
+            "tokens": gate.tokens, "gated_fraction": gate.gated / max(gate.tokens, 1), "wait_s": waited,
+            "step_s": step_s, "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
+            "rejected": dict(self.buffer.rejected) | {"wire:" + k: v for k, v in self.receiver.rejected.items()},
+            **{k: v for k, v in metrics.items() if isinstance(v, int | float)}, **publish,
+        }  # fmt: skip
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        log.info("step %d v%d reward %.3f loss %.4f wait %.2fs train %.2fs publish %.2fs", self.step, self.version,
+                 record["reward"], metrics.get("loss", 0.0), waited, metrics.get("train_s", 0.0),
+                 publish.get("publish_s", 0.0))  # fmt: skip
+
+    def checkpoint(self) -> None:
+        from learner.checkpoint import save_checkpoint
+
+        consumed = sorted(self.buffer.consumed) if self.rank == 0 else []
+        by_server = dict(self.buffer.consumed_by_server) if self.rank == 0 else {}
+        meta = {"step": self.step, "version": self.version, "consumed": consumed, "consumed_by_server": by_server}
+        save_checkpoint(self.run_dir / "checkpoints" / f"step-{self.step:06d}", self.model, self.optimizer, meta)
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self.publisher.close()
+            self.receiver.close()
+            self.control.close()
+            self.metrics_file.close()
+
+
+def _loss_config(cfg: LearnConfig):
+    from learner.losses import LossConfig
+
+    return LossConfig(kind=cfg.loss, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation)
+
+
+def main(argv: list[str] | None = None) -> int:
+    about = "Consume rollouts, train with FSDP2 (token-level IS, staleness gate), push weights to every serve."
+    cfg = parse_dataclass(LearnConfig, argv, "python -m inflight.learn", about)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    from inflight.learn.dist import init_world
+
+    rank, world = init_world("nccl" if cfg.backend == "nccl" else "gloo")
+    if rank == 0:
+        write_resolved(cfg, Path(cfg.run_dir) / "learn-config.json")
+    learner = Learner(cfg, rank, world)
+
+    def request_stop(*_):
+        learner.stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        return learner.run()
+    finally:
+        learner.close()

@@ -1,0 +1,136 @@
+"""Batch packing and the single-process learner step (learner/step.py) on tiny-llama.
+
+The data-parallel equivalence of `train_step` (2 ranks = 1 process on the whole batch) is in test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.losses import LossConfig, policy_loss
+from learner.model import PolicyModel, load_policy
+from learner.step import Sample, TrainConfig, make_batch, make_optimizer, train_step
+
+PAD = 0
+SAMPLES = [
+    Sample([11, 12, 13], [21, 22], [-1.5, -2.5], 0.75, [True, True]),
+    Sample([14], [23, 24, 25, 26], [-0.5, -1.0, -2.0, -3.0], -1.0, [True, False, True, True]),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(model_dirs: dict[str, Path]) -> PolicyModel:
+    return load_policy(model_dirs["tiny-llama"])
+
+
+def test_make_batch_aligns_each_completion_token_with_the_position_predicting_it() -> None:
+    batch = make_batch(SAMPLES, PAD)
+    assert batch.input_ids.tolist() == [[11, 12, 13, 21], [14, 23, 24, 25]]
+    assert batch.targets.tolist() == [[12, 13, 21, 22], [23, 24, 25, 26]]
+    assert batch.mask.tolist() == [[False, False, True, True], [True, False, True, True]]
+    assert batch.behaviour_logp.tolist() == [[0.0, 0.0, -1.5, -2.5], [-0.5, -1.0, -2.0, -3.0]]
+    assert batch.advantages.tolist() == [[0.0, 0.0, 0.75, 0.75], [-1.0, -1.0, -1.0, -1.0]]
+    assert batch.seq_ids.tolist() == [[0] * 4, [1] * 4]
+
+
+def test_make_batch_right_pads_shorter_rows_with_masked_filler() -> None:
+    batch = make_batch([SAMPLES[0], ([7], [8], [-0.25], 2.0, [True])], pad_id=PAD)
+    assert batch.input_ids.tolist() == [[11, 12, 13, 21], [7, PAD, PAD, PAD]]
+    assert batch.targets.tolist() == [[12, 13, 21, 22], [8, PAD, PAD, PAD]]
+    assert batch.mask[1].tolist() == [True, False, False, False]
+    assert batch.behaviour_logp[1].tolist() == [-0.25, 0.0, 0.0, 0.0]
+    assert batch.input_ids.dtype == batch.targets.dtype == batch.seq_ids.dtype == torch.int64
+    assert batch.behaviour_logp.dtype == batch.advantages.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("sample", "message"),
+    [
+        (SAMPLES[0]._replace(behaviour_logprobs=[-1.0]), r"samples\[1\].behaviour_logprobs has 1 entries"),
+        (SAMPLES[0]._replace(token_mask=[True] * 3), r"samples\[1\].token_mask has 3 entries"),
+        (SAMPLES[0]._replace(prompt_ids=[]), r"samples\[1\].prompt_ids is empty"),
+        (Sample([1], [], [], 0.0, []), r"samples\[1\].completion_ids is empty"),
+    ],
+)
+def test_make_batch_bad_sample_raises_naming_the_sample_and_field(sample: Sample, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_batch([SAMPLES[0], sample], PAD)
+
+
+def test_make_batch_without_samples_or_with_negative_pad_raises() -> None:
+    with pytest.raises(ValueError, match="samples is empty"):
+        make_batch([], PAD)
+    with pytest.raises(ValueError, match="pad_id is -1"):
+        make_batch(SAMPLES, -1)
+
+
+def test_train_step_loss_is_policy_loss_of_the_model_logprobs_and_moves_weights(tiny_llama: PolicyModel) -> None:
+    model = copy.deepcopy(tiny_llama)
+    cfg = TrainConfig(temperature=0.7, loss=LossConfig(kind="ppo"))
+    batch = make_batch(SAMPLES, PAD)
+    with torch.no_grad():
+        logp = model(batch.input_ids, batch.targets, cfg.temperature)
+        flat = [t.flatten() for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
+        expected_loss, expected_metrics = policy_loss(*flat, cfg.loss)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    metrics = train_step(model, make_optimizer(model, cfg), batch, cfg)
+
+    assert metrics["loss"] == pytest.approx(float(expected_loss), rel=1e-6)
+    assert metrics["normalizer"] == 5.0  # unmasked completion tokens
+    assert {k: metrics[k] for k in expected_metrics} == pytest.approx(expected_metrics)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    assert all(p.grad is None for p in model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_masked_and_padded_tokens_do_not_change_the_step(tiny_llama: PolicyModel) -> None:
+    cfg = TrainConfig()
+    clean = make_batch(SAMPLES, PAD)
+    dirty = make_batch(SAMPLES, PAD)
+    dirty.behaviour_logp[~dirty.mask] = float("nan")
+    dirty.advantages[~dirty.mask] = float("inf")
+    models = [copy.deepcopy(tiny_llama) for _ in range(2)]
+    for model, batch in zip(models, (clean, dirty), strict=True):
+        train_step(model, make_optimizer(model, cfg), batch, cfg)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_global_token_count_is_the_loss_normaliser(tiny_llama: PolicyModel) -> None:
+    """A rank holding 5 of 10 global tokens contributes half its local-mean loss."""
+    cfg = TrainConfig()
+    batch = make_batch(SAMPLES, PAD)
+    models = [copy.deepcopy(tiny_llama) for _ in range(2)]
+    local = train_step(models[0], make_optimizer(models[0], cfg), batch, cfg)
+    shared = train_step(models[1], make_optimizer(models[1], cfg), batch, cfg, global_tokens=10)
+    assert shared["normalizer"] == 10.0
+    assert shared["loss"] == pytest.approx(local["loss"] / 2, rel=1e-6)
+
+
+def test_world_size_different_from_the_sharding_raises(tiny_llama: PolicyModel) -> None:
+    cfg = TrainConfig()
+    with pytest.raises(ValueError, match="world_size is 2, but the model is sharded over 1"):
+        train_step(tiny_llama, make_optimizer(tiny_llama, cfg), make_batch(SAMPLES, PAD), cfg, world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lr", 0.0),
+        ("betas", (0.9, 1.0)),
+        ("eps", 0.0),
+        ("weight_decay", -1.0),
+        ("grad_clip", 0.0),
+        ("temperature", 0.0),
+        ("chunk_tokens", 0),
+    ],
+)
+def test_bad_train_config_raises_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"TrainConfig.{field} is"):
+        TrainConfig(**{field: value})
