@@ -15,6 +15,10 @@ With ratio = exp(logπθ − logμ), per token:
 
 Aggregation: `token` sums over unmasked tokens and divides by their number (whole batch); `sequence` averages the
 unmasked tokens within each sequence, then averages over the sequences that have at least one unmasked token.
+
+Data-parallel ranks each hold part of the global batch. Passing `normalizer` = the GLOBAL count (unmasked tokens for
+`token`, sequences with an unmasked token for `sequence`) replaces the local denominator, so the ranks' losses sum to
+the whole-batch loss (a sequence must not be split across ranks). learner/step.py does this.
 """
 
 from __future__ import annotations
@@ -67,8 +71,13 @@ def policy_loss(
     mask: torch.Tensor,
     seq_ids: torch.Tensor,
     cfg: LossConfig,
+    normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar loss (differentiable w.r.t. `logp`) and float metrics, for [T]-shaped per-token inputs.
+
+    `normalizer`: the aggregation's final denominator — None uses the local count (unmasked tokens, or sequences with
+    at least one unmasked token); data-parallel callers pass the global count so that per-rank losses sum to the
+    whole-batch loss. Metrics stay local to these inputs.
 
     Metrics: `tokens` (unmasked count); `clip_fraction` (share of unmasked tokens whose weight the trust region
     changed: ratio > tis_cap for tis, clipped term active for ppo, ratio outside the band for mask); `ess`
@@ -76,6 +85,8 @@ def policy_loss(
     loss is a zero still connected to `logp` and every metric is 0.
     """
     _check_loss_inputs(logp, behaviour_logp, advantages, mask, seq_ids)
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer is {normalizer}, expected > 0 (the global count) or None (the local count)")
     # Masked tokens may hold anything (padding, −inf, a stale version's logprob): keep them away from exp and from
     # products whose backward would turn 0 · inf into NaN.
     log_ratio = torch.where(mask, logp - behaviour_logp.detach(), 0.0)
@@ -84,9 +95,9 @@ def policy_loss(
     per_token, trust_region_hit = _per_token_loss(logp, ratio, adv, cfg)
     per_token = torch.where(mask, per_token, 0.0)
     if cfg.aggregation == "token":
-        loss = per_token.sum() / mask.sum().clamp(min=1)
+        loss = per_token.sum() / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
     else:
-        loss = _sequence_mean(per_token, mask, seq_ids)
+        loss = _sequence_mean(per_token, mask, seq_ids, normalizer)
     return loss, _metrics(log_ratio.detach(), mask, trust_region_hit)
 
 
@@ -105,14 +116,18 @@ def _per_token_loss(
     return torch.where(in_band, -adv * ratio, 0.0), ~in_band
 
 
-def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+def _sequence_mean(
+    per_token: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, normalizer: float | None
+) -> torch.Tensor:
     """Mean over each sequence's unmasked tokens, then mean over sequences with at least one of them."""
     unique_ids, seq_index = torch.unique(seq_ids, return_inverse=True)
     zeros = per_token.new_zeros(unique_ids.shape[0])
     counts = zeros.index_add(0, seq_index, mask.to(per_token.dtype))
     sums = zeros.index_add(0, seq_index, per_token)
     per_sequence = sums / counts.clamp(min=1)  # a fully masked sequence contributes 0 and is not counted below
-    return per_sequence.sum() / (counts > 0).sum().clamp(min=1)
+    if normalizer is None:
+        normalizer = (counts > 0).sum().clamp(min=1)
+    return per_sequence.sum() / normalizer
 
 
 def _metrics(log_ratio: torch.Tensor, mask: torch.Tensor, trust_region_hit: torch.Tensor) -> dict[str, float]:

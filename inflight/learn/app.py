@@ -99,7 +99,9 @@ class Learner:
                 self._log(batch[1], metrics, publish, waited, time.perf_counter() - started)
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self.checkpoint()
-        self.checkpoint()
+        if not (self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0):
+            self.checkpoint()
+        self.export_hf()
         return 0
 
     def _next_samples(self):
@@ -129,13 +131,15 @@ class Learner:
                     for s in mine]  # fmt: skip
         tokens = sum(sum(s.token_mask) for s in samples)
         batch = make_batch(as_train, pad_id=0)
-        lag0 = torch.zeros_like(batch.mask)
-        for row, s in enumerate(mine):
-            lag0[row, : len(s.lags)] = torch.tensor([lag == 0 for lag in s.lags])
+        fresh = [t._replace(token_mask=[lag == 0 for lag in s.lags]) for t, s in zip(as_train, mine, strict=True)]
+        lag0 = make_batch(fresh, pad_id=0).mask
         start = time.perf_counter()
+        sequences = sum(any(s.token_mask) for s in samples)  # a wholly gated sample does not count
         metrics = train_step(self.model, self.optimizer, batch, self.train_cfg, self.world, global_tokens=tokens,
-                             global_sequences=len(samples))  # fmt: skip
+                             global_sequences=sequences, probe_mask=lag0 & batch.mask)  # fmt: skip
         metrics["train_s"] = time.perf_counter() - start
+        if metrics.get("probe_tokens"):
+            metrics["mismatch_lag0"] = metrics["probe_abs_logratio_sum"] / metrics["probe_tokens"]
         metrics["train_tokens"] = tokens
         return metrics
 
@@ -175,6 +179,24 @@ class Learner:
         by_server = dict(self.buffer.consumed_by_server) if self.rank == 0 else {}
         meta = {"step": self.step, "version": self.version, "consumed": consumed, "consumed_by_server": by_server}
         save_checkpoint(self.run_dir / "checkpoints" / f"step-{self.step:06d}", self.model, self.optimizer, meta)
+
+    def export_hf(self) -> None:
+        """The trained weights as an HF directory (`<run_dir>/hf-final`) that vLLM or transformers can load."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        from learner.model import full_hf_state
+
+        state = full_hf_state(self.model)  # collective
+        if self.rank != 0:
+            return
+        out = self.run_dir / "hf-final"
+        shutil.copytree(self.model_path, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
+        for old in out.glob("*.safetensors"):
+            old.unlink()
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), {"format": "pt",
+                  "inflight_version": str(self.version)})  # fmt: skip
 
     def close(self) -> None:
         if self.rank == 0:

@@ -1,0 +1,113 @@
+"""Resumable learner checkpoints: sharded model + optimizer state (torch.distributed.checkpoint) and a JSON meta.
+
+The learner loop calls `save_checkpoint` every k steps on every rank (collective) and, at start-up,
+`latest_checkpoint(root)` then `load_checkpoint` to resume. Layout under a root directory:
+
+    root/step-00000120/   DCP shard files + `.metadata`, then `meta.json` (version, rollout position, config, …)
+    root/latest           the name of the newest complete checkpoint directory
+
+Commit order makes an interrupted save harmless: every rank writes its shards (DCP), rank 0 writes `meta.json`
+(tmp + rename) only after DCP returns, and only then repoints `latest` (tmp + rename). A crash at any point leaves
+`latest` naming the previous complete checkpoint. One code path serves N ranks and a single process: DCP runs
+without a process group when torch.distributed is not initialised (it then saves and loads this process's tensors).
+The number of ranks may differ between save and load (DCP reshards on load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+META_FILE = "meta.json"
+LATEST_FILE = "latest"
+
+
+def save_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]
+) -> Path:
+    """Save model and optimizer state into the new directory `path` and make it `path.parent`'s latest.
+
+    Collective: every rank calls it with the same `path` (on a filesystem all ranks share). `meta` must be
+    JSON-serialisable; it is returned by `load_checkpoint`. Returns `path`.
+    """
+    path = Path(path)
+    if (path / META_FILE).exists():
+        raise FileExistsError(f"checkpoint {path} is already complete (it has {META_FILE}): save under a new path")
+    meta_text = json.dumps(meta, indent=2, sort_keys=True)  # fail before writing anything if meta is not JSON
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _single_process_warning_silenced():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+    if _rank() == 0:
+        _write_atomic(path / META_FILE, meta_text)
+        _write_atomic(path.parent / LATEST_FILE, path.name)
+    if dist.is_initialized():
+        dist.barrier()  # no rank returns (and e.g. deletes an older checkpoint) before the pointer moved
+    return path
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load the checkpoint at `path` into `model` and `optimizer` in place (collective); returns its meta."""
+    path = Path(path)
+    meta_path = path / META_FILE
+    if not meta_path.exists():
+        raise FileNotFoundError(
+            f"{meta_path} does not exist: {path} is not a complete checkpoint (an interrupted save?); "
+            f"use latest_checkpoint({str(path.parent)!r}) to find the newest complete one"
+        )
+    # A fresh optimizer has no state; get_state_dict creates it (a zero-lr step) so DCP has tensors to load into.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with _single_process_warning_silenced():
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return json.loads(meta_path.read_text())
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root` (what `latest` names), or None when there is none yet."""
+    pointer = Path(root) / LATEST_FILE
+    if not pointer.exists():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    if not (path / META_FILE).exists():
+        raise FileNotFoundError(
+            f"{pointer} names {path.name}, which has no {META_FILE}: the checkpoint was removed after it was "
+            f"committed; delete {pointer} to start fresh or point it at a complete checkpoint"
+        )
+    return path
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    """The conventional directory for the checkpoint after `step`: root/step-00000042."""
+    return Path(root) / f"step-{step:08d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never a partial one
+
+
+@contextlib.contextmanager
+def _single_process_warning_silenced() -> Iterator[None]:
+    """DCP warns that it assumes a single process when torch.distributed is not initialised; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

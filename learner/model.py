@@ -1,0 +1,152 @@
+"""The policy being trained: a transformers causal LM whose forward returns token logprobs, not logits.
+
+The learner entry point calls `load_policy` once, `shard_policy` when it runs data-parallel under torchrun, and then
+`PolicyModel.forward` inside every `train_step` (learner/step.py). The weight publisher calls `full_hf_state` after
+each optimizer step to get the full tensors under the names vLLM loads (the HF checkpoint names).
+
+Why the logprobs are computed inside the root module's forward: under FSDP2 the root owns the parameters that no
+decoder layer owns (embeddings, final norm, LM head — tied or not), and they are unsharded plain tensors only while
+the root's forward (and backward) runs. `token_logprobs` needs the LM head weight as a full tensor, and it never
+materialises the tokens × vocab logits; calling `self.hf(...)` would build exactly those logits.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from learner.logprobs import token_logprobs
+
+_WRAPPER_PREFIX = "hf."  # PolicyModel keeps the HF model under `self.hf`; HF names are the names below it
+
+
+class PolicyModel(torch.nn.Module):
+    """A causal LM (`self.hf`, e.g. LlamaForCausalLM) whose forward gives log π(target | prefix) per position."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        super().__init__()
+        for attr in ("model", "lm_head"):
+            if not hasattr(hf_model, attr):
+                raise ValueError(
+                    f"{type(hf_model).__name__} has no `{attr}` attribute; PolicyModel expects a transformers "
+                    "*ForCausalLM with `.model` (the decoder) and `.lm_head` (e.g. Llama, Qwen2)"
+                )
+        self.hf = hf_model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_tokens: int = 1024,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[B, L] float32: log softmax(logits[b, t] / temperature)[targets[b, t]], logits from input_ids[b, :t+1].
+
+        With right padding no attention mask is needed: causal attention keeps real positions from seeing the pads
+        that follow them; the values at pad positions are meaningless and must be masked by the caller.
+        """
+        if input_ids.dim() != 2 or targets.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids has shape {tuple(input_ids.shape)} and targets {tuple(targets.shape)}, "
+                "expected the same [batch, length] shape"
+            )
+        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        lm_head = self.hf.lm_head
+        logp = token_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            lm_head.weight,
+            targets.reshape(-1),
+            temperature,
+            chunk_tokens,
+            getattr(lm_head, "bias", None),
+        )
+        # A copy, not a view: FSDP2 warns that in-place ops on a view of the root's output would skip its hooks.
+        return logp.view(input_ids.shape).clone()
+
+
+def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PolicyModel:
+    """The HF checkpoint in `model_dir` as a PolicyModel in `dtype` on `device`, dropout off, no KV cache."""
+    from transformers import AutoModelForCausalLM  # heavy import, kept off the module import path
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    hf_model.config.use_cache = False
+    model = PolicyModel(hf_model).to(device)
+    model.eval()  # RL fine-tuning keeps dropout off: learner logprobs must match the sampler's
+    return model
+
+
+def shard_policy(model: PolicyModel, mesh: torch.distributed.DeviceMesh) -> PolicyModel:
+    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, final norm, LM head).
+
+    Sharding the root last gives it every parameter no layer took; tied embeddings stay one parameter there.
+    Works for a mesh of size 1. Gradients are averaged over the mesh (FSDP2's default); see learner/step.py.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.hf.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_hf_state(model: PolicyModel) -> dict[str, torch.Tensor]:
+    """Full parameters on CPU under their HF checkpoint names (a snapshot, not views of the live weights).
+
+    Collective when the model is sharded: every rank must call it; rank 0 gets the tensors, the others `{}`.
+    A tied LM head is left out, as `save_pretrained` leaves it out of the checkpoint (`model.embed_tokens.weight`
+    is the one tensor); an untied head is included.
+    """
+    if _is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        if dist.get_rank() != 0:
+            return {}
+        state = _copy_aliases_of_live_params(state, model)
+    else:
+        state = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+    state = {_hf_name(name): t for name, t in state.items()}
+    if getattr(model.hf.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
+    """Tensor names stored in the `*.safetensors` files of `model_dir`, read from their headers only."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_dir {model_dir} holds no *.safetensors file: pass an HF checkpoint directory")
+    names: set[str] = set()
+    for path in files:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))  # safetensors: u64 LE header size, then a JSON header
+            header = json.loads(f.read(header_len))
+        names.update(k for k in header if k != "__metadata__")
+    return names
+
+
+def _copy_aliases_of_live_params(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Clone the tensors that share memory with the live parameters.
+
+    On a mesh of one rank (CPU) the "gathered" full tensor is the local shard itself and `cpu_offload` does not copy
+    a CPU tensor, so without this the next optimizer step would change the returned state under the caller.
+    """
+    live = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in model.parameters()}
+    return {name: t.clone() if t.untyped_storage().data_ptr() in live else t for name, t in state.items()}
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _hf_name(name: str) -> str:
+    if not name.startswith(_WRAPPER_PREFIX):
+        raise ValueError(f"state-dict key {name!r} does not start with {_WRAPPER_PREFIX!r}: expected a PolicyModel")
+    return name[len(_WRAPPER_PREFIX) :]

@@ -1,0 +1,218 @@
+"""One optimizer step of the learner: packed micro-batch → policy logprobs → off-policy loss → AdamW update.
+
+The learner loop (inflight.learn) builds a `Batch` from complete rollout groups with `make_batch`, calls
+`train_step` once per step on every data-parallel rank, then publishes the new weights.
+
+Data parallelism: each of N ranks holds whole sequences of the global batch. The loss on a rank is its share of the
+whole-batch loss — its token losses divided by the GLOBAL normaliser (unmasked tokens for token aggregation,
+sequences with an unmasked token for sequence aggregation), so the ranks' losses sum to the whole-batch loss.
+FSDP2 averages gradients over the ranks (it divides the reduce-scatter by N); backpropagating N × the rank's share
+undoes that division, so the reduced gradient is that of the whole-batch loss and the step equals a 1-rank step on
+the whole batch. (The alternative, `set_gradient_divide_factor(1.0)`, must be set on every FSDP unit; scaling the
+loss keeps the whole rule in this file.) N is a power of two in practice, so the scaling is exact in floating point.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from learner.losses import LossConfig, policy_loss
+
+
+@dataclass
+class TrainConfig:
+    """Optimizer and loss settings for RL fine-tuning of a small (~100M) model; the defaults run the demo."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0  # max global grad norm; None computes the norm without clipping
+    temperature: float = 1.0  # must equal the sampling temperature: behaviour logprobs are after temperature
+    chunk_tokens: int = 1024
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.lr > 0, f"TrainConfig.lr is {self.lr}, expected > 0 (e.g. 1e-5)"),
+            (all(0 <= b < 1 for b in self.betas), f"TrainConfig.betas is {self.betas}, expected each in [0, 1)"),
+            (self.eps > 0, f"TrainConfig.eps is {self.eps}, expected > 0 (e.g. 1e-8)"),
+            (self.weight_decay >= 0, f"TrainConfig.weight_decay is {self.weight_decay}, expected >= 0"),
+            (self.grad_clip is None or self.grad_clip > 0, f"TrainConfig.grad_clip is {self.grad_clip}, expected > 0"),
+            (self.temperature > 0, f"TrainConfig.temperature is {self.temperature}, expected the sampling one, > 0"),
+            (self.chunk_tokens >= 1, f"TrainConfig.chunk_tokens is {self.chunk_tokens}, expected >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over all trainable parameters (sharded DTensors under FSDP2: the optimizer state is sharded too)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+class Sample(NamedTuple):
+    """One finished rollout as the learner trains on it; a plain 5-tuple in this order works too."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]  # vLLM's logprob of each completion token, after temperature
+    advantage: float
+    token_mask: list[bool]  # per completion token: False = do not train on it (e.g. too stale)
+
+
+@dataclass
+class Batch:
+    """A right-padded micro-batch, one sequence per row, all [B, L].
+
+    Position t holds input token t and the target t + 1, so the logprob computed at t is that of the target.
+    `mask` is True only where the target is a completion token that trains; elsewhere the other fields are filler.
+    """
+
+    input_ids: torch.Tensor  # int64
+    targets: torch.Tensor  # int64
+    behaviour_logp: torch.Tensor  # float32
+    advantages: torch.Tensor  # float32
+    mask: torch.Tensor  # bool
+    seq_ids: torch.Tensor  # int64, the row index
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def make_batch(samples: Sequence[Sample | tuple], pad_id: int) -> Batch:
+    """Pack samples into a right-padded Batch (rows of length max(len(prompt) + len(completion)) − 1).
+
+    The completion token j of a sample with a P-token prompt is the target at position P − 1 + j, where its
+    behaviour logprob, the sample's advantage and token_mask[j] go.
+    """
+    if not samples:
+        raise ValueError("samples is empty, expected at least one (prompt, completion, ...) sample")
+    if pad_id < 0:
+        raise ValueError(f"pad_id is {pad_id}, expected a token id >= 0 (e.g. the tokenizer's pad or eos id)")
+    samples = [Sample(*s) for s in samples]
+    for index, sample in enumerate(samples):
+        _check_sample(index, sample)
+    length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
+    shape = (len(samples), length)
+    batch = Batch(
+        input_ids=torch.full(shape, pad_id, dtype=torch.int64),
+        targets=torch.full(shape, pad_id, dtype=torch.int64),
+        behaviour_logp=torch.zeros(shape, dtype=torch.float32),
+        advantages=torch.zeros(shape, dtype=torch.float32),
+        mask=torch.zeros(shape, dtype=torch.bool),
+        seq_ids=torch.arange(len(samples), dtype=torch.int64)[:, None].expand(shape).clone(),
+    )
+    for row, s in enumerate(samples):
+        tokens = torch.tensor(list(s.prompt_ids) + list(s.completion_ids), dtype=torch.int64)
+        n, first = len(tokens) - 1, len(s.prompt_ids) - 1  # first: the position whose target is completion token 0
+        batch.input_ids[row, :n] = tokens[:-1]
+        batch.targets[row, :n] = tokens[1:]
+        completion = slice(first, n)
+        batch.behaviour_logp[row, completion] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        batch.advantages[row, completion] = float(s.advantage)
+        batch.mask[row, completion] = torch.tensor(s.token_mask, dtype=torch.bool)
+    return batch
+
+
+def _check_sample(index: int, s: Sample) -> None:
+    if len(s.prompt_ids) < 1:
+        raise ValueError(f"samples[{index}].prompt_ids is empty, expected >= 1 token (the first token has no logprob)")
+    if len(s.completion_ids) < 1:
+        raise ValueError(f"samples[{index}].completion_ids is empty, expected >= 1 token: drop the sample")
+    for name in ("behaviour_logprobs", "token_mask"):
+        if len(getattr(s, name)) != len(s.completion_ids):
+            raise ValueError(
+                f"samples[{index}].{name} has {len(getattr(s, name))} entries, expected one per completion token "
+                f"({len(s.completion_ids)})"
+            )
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    cfg: TrainConfig,
+    world_size: int = 1,
+    global_tokens: int | None = None,
+    global_sequences: int | None = None,
+    probe_mask: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Forward, loss, backward, clip, AdamW step, zero grads; the same on every data-parallel rank (collective).
+
+    `world_size`: the number of data-parallel ranks the model is sharded over (checked against its mesh).
+    `global_tokens` / `global_sequences`: the whole-batch normaliser for token / sequence aggregation (see the
+    module docstring); when None they are summed over the ranks with one all-reduce (or local for one rank).
+    Metrics: `loss` (whole-batch), `grad_norm` (global, before clipping), `normalizer`, and the rank-local
+    `policy_loss` metrics (tokens, clip_fraction, ess, mean_abs_logratio).
+    `probe_mask` ([B, L] bool, optional): also report `probe_abs_logratio_sum` and `probe_tokens` (rank-local) — the
+    learner uses it for |logπθ − logμ| on lag-0 tokens, the mismatch floor between trainer and sampler.
+    """
+    _check_world_size(model, world_size)
+    given = global_tokens if cfg.loss.aggregation == "token" else global_sequences
+    normalizer = float(given) if given is not None else _global_count(batch, cfg.loss.aggregation, model)
+    normalizer = max(normalizer, 1.0)  # nothing trains anywhere: a zero loss, not 0 / 0
+
+    logp = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens)
+    flat = [t.reshape(-1) for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
+    loss, metrics = policy_loss(*flat, cfg.loss, normalizer=normalizer)
+    if probe_mask is not None:
+        with torch.no_grad():
+            gap = (logp.detach() - batch.behaviour_logp).abs()[probe_mask]
+        metrics["probe_abs_logratio_sum"], metrics["probe_tokens"] = float(gap.sum()), float(gap.numel())
+    (loss * world_size).backward()  # FSDP2 divides the reduced gradient by world_size; this undoes it
+    grad_norm = _clip_grad_norm(model, cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": _sum_over_ranks(loss.detach(), model), "grad_norm": grad_norm, "normalizer": normalizer, **metrics}
+
+
+def _mesh_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The data-parallel group of an FSDP2-sharded model, or None for a plain one."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh.get_group()
+    return None
+
+
+def _check_world_size(model: torch.nn.Module, world_size: int) -> None:
+    group = _mesh_group(model)
+    sharded_over = 1 if group is None else dist.get_world_size(group)
+    if world_size != sharded_over:
+        raise ValueError(
+            f"world_size is {world_size}, but the model is sharded over {sharded_over} rank(s): pass the "
+            "data-parallel size the model was given to shard_policy (1 for an unsharded model)"
+        )
+
+
+def _global_count(batch: Batch, aggregation: str, model: torch.nn.Module) -> float:
+    if aggregation == "token":
+        count = batch.mask.sum()
+    else:
+        count = torch.tensor(batch.seq_ids[batch.mask].unique().numel(), device=batch.mask.device)
+    return _sum_over_ranks(count.to(torch.float64), model)
+
+
+def _sum_over_ranks(value: torch.Tensor, model: torch.nn.Module) -> float:
+    group = _mesh_group(model)
+    if group is not None and dist.get_world_size(group) > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+    return float(value)
+
+
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
+    if isinstance(total, DTensor):  # the norm of sharded gradients is a partial value until reduced
+        total = total.full_tensor()
+    return float(total)
