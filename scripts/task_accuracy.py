@@ -60,6 +60,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
     parser.add_argument("--task-seed", type=int, default=1000)  # not serve's training seed: held-out problems
     args = parser.parse_args()
+    from inflight.demo import import_vllm_optional_media
+
+    import_vllm_optional_media()  # else a vLLM import-error traceback keeps the engine alive at exit
     result = asyncio.run(measure(args))
     print(f"model {args.model} | arithmetic max_operand {args.max_operand} | T={args.temperature} | "
           f"{args.problems} problems x {args.samples} samples")  # fmt: skip

@@ -1,4 +1,4 @@
-"""A real `python -m inflight.serve` subprocess for tests, with its log captured line by line."""
+"""Real `python -m inflight.serve` / `inflight.learn` subprocesses for tests, with their logs captured line by line."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ TESTS = Path(__file__).parent
 
 
 class ServeProcess:
-    def __init__(self, args: list[str], env: dict | None = None):
+    """`python -m inflight.serve` (or another `module`) with its output captured line by line."""
+
+    def __init__(self, args: list[str], env: dict | None = None, module: str = "inflight.serve"):
         full_env = {**os.environ, "PYTHONPATH": f"{TESTS / 'inflight'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inflight.serve", "--progress-s", "1", *args],
+            [sys.executable, "-m", module, *(["--progress-s", "1"] if module == "inflight.serve" else []), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**full_env, **(env or {})},
         )  # fmt: skip
         self.lines: list[str] = []

@@ -14,6 +14,8 @@ from inflight.wire.group import GroupAddress, WeightsGroup, open_store
 from inflight.wire.transfer import send_update
 from inflight.wire.weights import UpdateManifest, plan_manifest
 
+# SmolLM2's greedy choice is clear on these (top-2 margin >= 0.5 nats): bf16 kernel differences do not flip it.
+CONFIDENT_PROMPTS = ["What is 2 + 3? Reply with only the number.", "Count from 1 to 10."]
 PROMPTS = [
     "What is 3 + 4? Reply with only the number.",
     "Name a colour.",
@@ -116,3 +118,12 @@ def start_engine(loop, model_dir, **overrides):
 def stop_engine(loop, engine) -> None:
     engine.shutdown()
     loop.run_until_complete(asyncio.sleep(0))
+
+
+def greedy_transformers(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Plain argmax decoding that, like vLLM with ignore_eos, keeps going through an end-of-turn token."""
+    seq = ids
+    for _ in range(n):
+        nxt = model(seq).logits[0, -1].argmax()
+        seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+    return seq[0, ids.shape[1] :]

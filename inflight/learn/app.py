@@ -161,7 +161,8 @@ class Learner:
         record = {
             "step": self.step, "version": self.version, "time": time.time(), "reward": sum(rewards) / len(rewards),
             "lag_histogram": {str(k): v for k, v in sorted(gate.lag_histogram.items())},
-            "tokens": gate.tokens, "gated_fraction": gate.gated / max(gate.tokens, 1), "wait_s": waited,
+            "groups": gate.group_ids, "tokens": gate.tokens, "gated_fraction": gate.gated / max(gate.tokens, 1),
+            "wait_s": waited,
             "step_s": step_s, "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
             "rejected": dict(self.buffer.rejected) | {"wire:" + k: v for k, v in self.receiver.rejected.items()},
             **{k: v for k, v in metrics.items() if isinstance(v, int | float)}, **publish,

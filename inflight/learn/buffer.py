@@ -20,7 +20,7 @@ log = logging.getLogger("inflight.learn")
 
 class RolloutBuffer:
     def __init__(self, model: str | None = None, consumed: Iterable[str] = ()):
-        self.model = model
+        self.model = _model_name(model) if model else None
         self.pending: dict[str, dict[int, Rollout]] = {}
         self.ready: collections.deque[list[Rollout]] = collections.deque()
         self.consumed: set[str] = set(consumed)
@@ -33,7 +33,7 @@ class RolloutBuffer:
         log.error("rejected rollout %s from %s: %s", rollout.rollout_id, rollout.server_id, reason)
 
     def add(self, rollout: Rollout) -> None:
-        if self.model is not None and rollout.model != self.model:
+        if self.model is not None and _model_name(rollout.model) != self.model:
             return self.reject(f"model is {rollout.model!r}, this learner trains {self.model!r}", rollout)
         if rollout.group_id in self.consumed:
             return self.reject("its group was already trained (replayed after a restart?)", rollout)
@@ -63,3 +63,8 @@ class RolloutBuffer:
     @property
     def pending_samples(self) -> int:
         return sum(len(g) for g in self.pending.values())
+
+
+def _model_name(name_or_path: str) -> str:
+    """`smollm2` and `/any/where/smollm2` name the same model (serve and learn hosts differ in paths)."""
+    return name_or_path.rstrip("/").rsplit("/", 1)[-1]

@@ -32,6 +32,7 @@ class GateStats:
     gated: int = 0
     lag_histogram: Counter = field(default_factory=Counter)
     rewards: list[float] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
 
 
 def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean"
@@ -41,6 +42,7 @@ def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advan
     stats = GateStats()
     samples = []
     for group in groups:
+        stats.group_ids.append(group[0].group_id)
         rewards = torch.tensor([[r.reward for r in group]], dtype=torch.float64)
         advantages = group_advantages(rewards, kind=advantage_kind)[0].tolist()
         for rollout, adv in zip(group, advantages, strict=True):

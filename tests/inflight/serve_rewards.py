@@ -11,3 +11,8 @@ async def answer_tenth(text, problem):
 
 def always_fails(text, problem):
     raise RuntimeError("this reward is broken on purpose")
+
+
+def text_length(text, problem):
+    """Varies between samples of one group even for a random tiny model, so advantages (and gradients) are non-zero."""
+    return (len(text) % 7) / 6

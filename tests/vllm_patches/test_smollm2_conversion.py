@@ -9,20 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import chat_ids, greedy, start_engine, stop_engine
+from support import CONFIDENT_PROMPTS, chat_ids, greedy, greedy_transformers, start_engine, stop_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.engine
-PROMPTS = ["What is 2 + 3? Reply with only the number.", "Count from 1 to 10."]
-
-
-def greedy_transformers(model, ids: torch.Tensor, n: int) -> torch.Tensor:
-    """Plain argmax decoding that, like vLLM with ignore_eos, keeps going through an end-of-turn token."""
-    seq = ids
-    for _ in range(n):
-        nxt = model(seq).logits[0, -1].argmax()
-        seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
-    return seq[0, ids.shape[1] :]
+PROMPTS = CONFIDENT_PROMPTS
 
 
 def test_vllm_greedy_equals_transformers_greedy_on_prepared_smollm2(loop, model_dirs):
