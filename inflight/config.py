@@ -61,3 +61,17 @@ def require(cond: bool, field: str, value: Any, expected: str) -> None:
     """Raise a ValueError naming the flag, the value seen and what is expected."""
     if not cond:
         raise ValueError(f"--{field.replace('_', '-')} is {value!r}, expected {expected}")
+
+
+def setup_logging(name: str = "inflight") -> None:
+    """INFO lines of our own loggers on stderr, whatever vLLM or torch did to the root logger before."""
+    import logging
+    import sys
+
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -27,6 +27,7 @@ from inflight.wire.weights import ManifestError, UpdateManifest, check_against
 from vllm_patches.staging import StagedUpdate, StageState
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+_FLOATS = frozenset(_SAFETENSORS_DTYPES.values())
 
 
 class InflightWorkerExtension:
@@ -44,17 +45,23 @@ class InflightWorkerExtension:
         return {"rank": rank, "group_name": group_name}
 
     def inflight_expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
-        """HF name → (dtype, shape) of every tensor in the served checkpoint: what an update must contain."""
+        """HF name → (dtype, shape) of every tensor in the served checkpoint: what an update must contain.
+
+        Floating-point tensors are expected in the dtype the engine computes in (an fp32 engine serving a bf16
+        checkpoint takes fp32 updates, so the learner's weights arrive unrounded); others as stored.
+        """
         cached = getattr(self, "_inflight_expected", None)
         if cached is None:
             from safetensors import safe_open
 
+            served = str(self.model_config.dtype).removeprefix("torch.")
             cached = {}
             for path in self._inflight_checkpoint_files():
                 with safe_open(path, "pt") as f:
                     for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                         sl = f.get_slice(name)
-                        cached[name] = (_SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()), list(sl.get_shape()))
+                        dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype())
+                        cached[name] = (served if dtype in _FLOATS else dtype, list(sl.get_shape()))
             self._inflight_expected = cached
         return cached
 

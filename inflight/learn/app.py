@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from inflight.config import parse_dataclass, write_resolved
+from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
 
 log = logging.getLogger("inflight.learn")
@@ -216,7 +216,7 @@ def _loss_config(cfg: LearnConfig):
 def main(argv: list[str] | None = None) -> int:
     about = "Consume rollouts, train with FSDP2 (token-level IS, staleness gate), push weights to every serve."
     cfg = parse_dataclass(LearnConfig, argv, "python -m inflight.learn", about)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    setup_logging()
     from inflight.learn.dist import init_world
 
     rank, world = init_world("nccl" if cfg.backend == "nccl" else "gloo")

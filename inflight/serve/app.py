@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from inflight.config import parse_dataclass
+from inflight.config import parse_dataclass, setup_logging
 from inflight.serve.config import ServeConfig
 
 log = logging.getLogger("inflight.serve")
@@ -124,5 +124,5 @@ async def _finished(cfg: ServeConfig, driver, stream) -> None:
 def main(argv: list[str] | None = None) -> int:
     about = "Patched vLLM engine + rollout driver streaming per-token-versioned rollouts over ZeroMQ."
     cfg = parse_dataclass(ServeConfig, argv, "python -m inflight.serve", about)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    setup_logging()
     return asyncio.run(serve(cfg))
