@@ -39,7 +39,9 @@ class Learner:
 
             self.mesh = init_device_mesh("cpu", (world,))
             shard_policy(self.model, self.mesh)
-        self.train_cfg = TrainConfig(lr=cfg.lr, grad_clip=cfg.grad_clip, loss=_loss_config(cfg))
+        self.train_cfg = TrainConfig(
+            lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature, loss=_loss_config(cfg)
+        )
         self.optimizer = make_optimizer(self.model, self.train_cfg)
         self.version, self.step, consumed, by_server = 0, 0, [], {}
         if cfg.resume:
@@ -72,7 +74,7 @@ class Learner:
         self.publisher.set_model(state)
         if self.version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
             self.publisher.latest = (self.version, state)
-        self.buffer = RolloutBuffer(cfg.model, consumed)
+        self.buffer = RolloutBuffer(cfg.model, consumed, cfg.temperature)
         self.buffer.consumed_by_server.update(by_server)
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         log.info("learner listening: rollouts %s, control %s, weights store port %d", self.receiver.address,

@@ -19,11 +19,13 @@ log = logging.getLogger("inflight.learn")
 
 
 class RolloutBuffer:
-    def __init__(self, model: str | None = None, consumed: Iterable[str] = ()):
+    def __init__(self, model: str | None = None, consumed: Iterable[str] = (), temperature: float | None = None):
+        self.temperature = temperature
         self.model = _model_name(model) if model else None
         self.pending: dict[str, dict[int, Rollout]] = {}
         self.ready: collections.deque[list[Rollout]] = collections.deque()
         self.consumed: set[str] = set(consumed)
+        self.completed: set[str] = set()  # complete groups (waiting or trained) of this process
         self.consumed_by_server: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.accepted = 0
@@ -35,8 +37,17 @@ class RolloutBuffer:
     def add(self, rollout: Rollout) -> None:
         if self.model is not None and _model_name(rollout.model) != self.model:
             return self.reject(f"model is {rollout.model!r}, this learner trains {self.model!r}", rollout)
+        if self.temperature is not None and abs(rollout.sampling.temperature - self.temperature) > 1e-6:
+            why = (
+                f"sampled at temperature {rollout.sampling.temperature}, this learner computes logprobs at "
+                f"{self.temperature}: pass --temperature to match serve"
+            )
+            return self.reject(why, rollout)
         if rollout.group_id in self.consumed:
             return self.reject("its group was already trained (replayed after a restart?)", rollout)
+        if rollout.group_id in self.completed:
+            return self.reject(f"duplicate sample {rollout.index} of the already complete group {rollout.group_id}",
+                               rollout)  # fmt: skip
         group = self.pending.setdefault(rollout.group_id, {})
         if rollout.index in group:
             return self.reject(f"duplicate sample {rollout.index} of group {rollout.group_id}", rollout)
@@ -48,6 +59,7 @@ class RolloutBuffer:
         self.accepted += 1
         if len(group) == rollout.group_size:
             del self.pending[rollout.group_id]
+            self.completed.add(rollout.group_id)
             self.ready.append([group[i] for i in range(rollout.group_size)])
 
     def take(self, n_groups: int) -> list[list[Rollout]] | None:

@@ -26,6 +26,13 @@ class LearnConfig:
     aggregation: str = field(default="token", metadata=_h("loss aggregation", choices=("token", "sequence")))
     advantage: str = field(default="mean", metadata=_h("group advantage", choices=("mean", "std", "loo")))
     tis_cap: float = field(default=2.0, metadata=_h("tis: cap on the importance ratio"))
+    temperature: float = field(
+        default=1.0,
+        metadata=_h(
+            "sampling temperature of the serves: learner logprobs are "
+            "computed at it; rollouts sampled at another are refused"
+        ),
+    )
     lr: float = field(default=1e-5, metadata=_h("AdamW learning rate"))
     grad_clip: float = field(default=1.0, metadata=_h("max gradient norm"))
     dtype: str = field(default="float32", metadata=_h("parameter dtype", choices=("float32", "bfloat16")))
@@ -44,4 +51,5 @@ class LearnConfig:
         require(self.publish_every >= 1, "publish_every", self.publish_every, ">= 1")
         require(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, ">= 1")
         require(self.lr > 0, "lr", self.lr, "> 0")
+        require(self.temperature > 0, "temperature", self.temperature, "> 0")
         require(self.steps >= 0, "steps", self.steps, ">= 0")

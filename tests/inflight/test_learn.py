@@ -101,7 +101,7 @@ def test_after_a_published_update_the_serve_answers_like_the_learners_model(mode
         serve.wait_for("weights v1 committed", timeout_s=60)
         tok = AutoTokenizer.from_pretrained(path)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-final", dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-final", dtype=torch.float32).eval()  # as served
         for prompt in CONFIDENT_PROMPTS:
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                           return_dict=False)  # fmt: skip
