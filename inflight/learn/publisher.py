@@ -37,7 +37,7 @@ class Serve:
     last_seen: float
     member: bool = False
     version: int = -1
-    updates: list[UpdateDone] = field(default_factory=list)
+    last_update: UpdateDone | None = None  # only the latest matters; a list would grow for the whole run
     joined: Joined | None = None
 
     @property
@@ -84,7 +84,7 @@ class WeightPublisher:
             else:
                 serve.last_seen = time.monotonic()
                 if isinstance(message, UpdateDone):
-                    serve.updates.append(message)
+                    serve.last_update = message
                     serve.version = message.version if message.ok else serve.version
                     done.append(message)
                     if not message.ok:
@@ -176,8 +176,7 @@ class WeightPublisher:
         """Until every member has answered the update of `version` (a serve applies one update at a time)."""
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
-            waiting = [s for s in self.serves.values() if s.member and not any(u.version >= version or not u.ok
-                                                                                  for u in s.updates[-1:])]  # fmt: skip
+            waiting = [s for s in self.serves.values() if s.member and not _answered(s.last_update, version)]
             if not waiting:
                 return
             self.pump(0.02)
@@ -241,6 +240,10 @@ class WeightPublisher:
 
     def close(self) -> None:
         self._break_group("learner shutting down")
+
+
+def _answered(update: UpdateDone | None, version: int) -> bool:
+    return update is not None and (update.version >= version or not update.ok)
 
 
 def _form(address: GroupAddress, store, result: dict) -> None:

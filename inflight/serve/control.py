@@ -41,7 +41,6 @@ class ControlClient:
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.connect(address)
         self.rejected = 0
-        self.updates: list[UpdateDone] = []
         self._update_task: asyncio.Task | None = None
         self.on_update = None  # called with each UpdateDone (progress metrics)
 
@@ -113,7 +112,6 @@ class ControlClient:
         except (UpdateError, ValueError) as exc:
             log.error("weight update failed, weights and version unchanged: %s", exc)
             done = UpdateDone(server_id=self.driver.server_id, version=self.engine.version, ok=False, error=str(exc))
-        self.updates.append(done)
         if self.on_update is not None:
             self.on_update(done)
         self.driver.notify()

@@ -34,7 +34,6 @@ class DriverStats:
     groups_finished: int = 0
     requests_inflight: int = 0  # admitted and not finished generating
     samples_open: int = 0  # admitted and not yet handed to the rollout stream (generating, waiting on a tool, scoring)
-    tokens_generated: int = 0
     reward_errors: int = 0
     rewards_sum: float = 0.0
     rollouts_made: int = 0
@@ -134,7 +133,6 @@ class RolloutDriver:
             self.stats.requests_inflight -= 1
             self.notify()
         finished = time.time()
-        self.stats.tokens_generated += len(done.token_ids)
         if self.tool_latency is not None:
             await asyncio.sleep(self.tool_latency())
         score = await self._score(done.text, problem)
