@@ -231,7 +231,13 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    from inflight.learn.dist import close_world
+
+    clean = False
     try:
-        return learner.run()
+        code = learner.run()
+        clean = True
+        return code
     finally:
         learner.close()
+        close_world(clean)

@@ -26,6 +26,19 @@ def init_world(backend: str = "gloo") -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def close_world(clean: bool) -> None:
+    """Leave the torchrun world: every rank meets at a barrier (after a clean run) and then tears the group down.
+
+    Without this, a rank that finishes first (rank 1 returns from the HF export while rank 0 still writes files) exits
+    with gloo's threads alive and the C++ runtime aborts it ("terminate called without an active exception", SIGABRT).
+    """
+    if not dist.is_initialized():
+        return
+    if clean and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def broadcast_samples(samples: list[Sample] | None, rank: int, world: int) -> list[Sample]:
     """Rank 0's `samples` on every rank ([] = stop). A no-op in a world of one."""
     if world == 1:
