@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inflight-installed
 MODELS := smollm2 tiny-llama tiny-qwen2
 
-.PHONY: setup models test test-fast demo bench lint clean
+.PHONY: setup models test test-fast demo demo-generate bench lint clean
 
 setup: $(STAMP)
 
@@ -30,7 +30,12 @@ test: models
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not engine"
 
+# The main job: SmolLM2 learns arithmetic, never-stop then blocking, same budget; one table (runs/demo/summary.md).
 demo: models
+	$(PY) -m inflight.run.demo
+
+# Generation only (no training): the engine, the task and its rewards on a fresh machine, in about a minute.
+demo-generate: models
 	$(PY) -m inflight.demo
 
 bench: models

@@ -45,27 +45,41 @@ class PolicyModel(torch.nn.Module):
         temperature: float,
         chunk_tokens: int = 1024,
         attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        autocast: torch.dtype | None = None,
     ) -> torch.Tensor:
         """[B, L] float32: log softmax(logits[b, t] / temperature)[targets[b, t]], logits from input_ids[b, :t+1].
 
         With right padding no attention mask is needed: causal attention keeps real positions from seeing the pads
         that follow them; the values at pad positions are meaningless and must be masked by the caller.
+        `positions` ([B, L] bool): only these go through the LM head (the completion tokens that train, say); the
+        others are 0. `autocast` (e.g. torch.bfloat16): the decoder runs under autocast in that dtype, while the LM
+        head and the log-softmax stay in the parameters' dtype — the logprobs feed importance ratios.
         """
         if input_ids.dim() != 2 or targets.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids has shape {tuple(input_ids.shape)} and targets {tuple(targets.shape)}, "
                 "expected the same [batch, length] shape"
             )
-        hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if positions is not None and positions.shape != input_ids.shape:
+            raise ValueError(
+                f"positions has shape {tuple(positions.shape)}, expected input_ids' {tuple(input_ids.shape)}"
+            )
+        device = input_ids.device.type
+        with torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None):
+            hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = hidden.last_hidden_state
         lm_head = self.hf.lm_head
-        logp = token_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]),
-            lm_head.weight,
-            targets.reshape(-1),
-            temperature,
-            chunk_tokens,
-            getattr(lm_head, "bias", None),
-        )
+        hidden = hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype)
+        flat_targets = targets.reshape(-1)
+        index = positions.reshape(-1).nonzero().squeeze(1) if positions is not None else None
+        if index is not None:
+            hidden, flat_targets = hidden.index_select(0, index), flat_targets.index_select(0, index)
+        with torch.autocast(device, enabled=False):
+            logp = token_logprobs(hidden, lm_head.weight, flat_targets, temperature, chunk_tokens,
+                                  getattr(lm_head, "bias", None))  # fmt: skip
+        if index is not None:
+            logp = logp.new_zeros(input_ids.numel()).index_copy(0, index, logp)
         # A copy, not a view: FSDP2 warns that in-place ops on a view of the root's output would skip its hooks.
         return logp.view(input_ids.shape).clone()
 

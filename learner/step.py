@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from learner.losses import LossConfig, policy_loss
 
+AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}
+
 
 @dataclass
 class TrainConfig:
@@ -37,6 +39,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0  # max global grad norm; None computes the norm without clipping
     temperature: float = 1.0  # must equal the sampling temperature: behaviour logprobs are after temperature
     chunk_tokens: int = 1024
+    autocast: str = "none"  # "bfloat16": the decoder forward/backward under autocast (LM head stays fp32)
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
@@ -48,6 +51,7 @@ class TrainConfig:
             (self.grad_clip is None or self.grad_clip > 0, f"TrainConfig.grad_clip is {self.grad_clip}, expected > 0"),
             (self.temperature > 0, f"TrainConfig.temperature is {self.temperature}, expected the sampling one, > 0"),
             (self.chunk_tokens >= 1, f"TrainConfig.chunk_tokens is {self.chunk_tokens}, expected >= 1"),
+            (self.autocast in AUTOCAST, f"TrainConfig.autocast is {self.autocast!r}, expected one of {list(AUTOCAST)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -162,7 +166,9 @@ def train_step(
     normalizer = float(given) if given is not None else _global_count(batch, cfg.loss.aggregation, model)
     normalizer = max(normalizer, 1.0)  # nothing trains anywhere: a zero loss, not 0 / 0
 
-    logp = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens)
+    positions = batch.mask if probe_mask is None else batch.mask | probe_mask  # the LM head runs only where needed
+    logp = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens, positions=positions,
+                 autocast=AUTOCAST[cfg.autocast])  # fmt: skip
     flat = [t.reshape(-1) for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
     loss, metrics = policy_loss(*flat, cfg.loss, normalizer=normalizer)
     if probe_mask is not None:

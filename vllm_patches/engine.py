@@ -110,6 +110,11 @@ class InflightEngine:
     def __init__(self, llm, version: int = 0):
         self.llm, self.version = llm, version
         self.tokens_generated = 0  # every token streamed out, finished or not (for live tokens/s)
+        # Ablation counters: requests resubmitted after an abort-resume update and the prompt + partial tokens their
+        # resubmission prefills again; seconds with nothing to generate; generation seconds lost to updates.
+        self.resubmitted = self.recomputed_tokens = 0
+        self.stalled_s = 0.0
+        self._empty_s, self._empty_since = 0.0, time.monotonic()
         self._aborted_for_update: set[str] = set()
         self._running: set[str] = set()
         self._resumed = asyncio.Event()
@@ -151,6 +156,8 @@ class InflightEngine:
             self._aborted_for_update.discard(rid)
             await self._resumed.wait()
             done.resubmissions += 1
+            self.resubmitted += 1
+            self.recomputed_tokens += len(done.prompt_ids) + len(done.token_ids)
 
     async def _generate_once(self, done: Completion, params, rid: str):
         from vllm.inputs import TokensPrompt
@@ -160,7 +167,7 @@ class InflightEngine:
         sub.max_tokens, sub.logprobs = max(budget, 1), 0
         await self._resumed.wait()
         prompt = TokensPrompt(prompt_token_ids=done.prompt_ids + done.token_ids, cache_salt=self.cache_salt)
-        self._running.add(rid)
+        self._mark_running(rid)
         try:
             final, seen = None, 0
             async for output in self.llm.generate(prompt, sub, request_id=rid):
@@ -171,8 +178,25 @@ class InflightEngine:
                     done.first_token_time = time.time()
                 seen = produced
         finally:
-            self._running.discard(rid)
+            self._mark_done(rid)
         return final
+
+    def _mark_running(self, rid: str) -> None:
+        if not self._running and self._empty_since is not None:
+            self._empty_s += time.monotonic() - self._empty_since
+            self._empty_since = None
+        self._running.add(rid)
+
+    def _mark_done(self, rid: str) -> None:
+        self._running.discard(rid)
+        if not self._running and self._empty_since is None:
+            self._empty_since = time.monotonic()
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds so far with no request to generate for (a starved engine), not counting update stalls."""
+        current = time.monotonic() - self._empty_since if self._empty_since is not None else 0.0
+        return self._empty_s + current
 
     async def join_weights_group(self, host: str, port: int, rank: int, world_size: int, **kw) -> list:
         """Join the weights group as `rank` (TP workers take consecutive ranks). Blocks until rank 0 joins."""
@@ -187,6 +211,7 @@ class InflightEngine:
             raise ValueError(f"mode is {mode!r}, expected one of {MODES}")
         async with self._update_lock:
             report = UpdateReport(version=-1, mode=mode)
+            busy = bool(self._running)  # a stall costs generation only when something was generating
             start = time.perf_counter()
             paused = await self._pause_for(mode)
             try:
@@ -202,6 +227,8 @@ class InflightEngine:
                     self._resumed.set()
             report.total_s = time.perf_counter() - start
             report.stall_s = report.total_s if paused else report.commit_s
+            if busy:
+                self.stalled_s += report.stall_s
             return report
 
     async def _pause_for(self, mode: str) -> bool:

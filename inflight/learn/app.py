@@ -40,7 +40,11 @@ class Learner:
             self.mesh = init_device_mesh("cpu", (world,))
             shard_policy(self.model, self.mesh)
         self.train_cfg = TrainConfig(
-            lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature, loss=_loss_config(cfg)
+            lr=cfg.lr,
+            grad_clip=cfg.grad_clip,
+            temperature=cfg.temperature,
+            autocast=cfg.autocast,
+            loss=_loss_config(cfg),
         )
         self.optimizer = make_optimizer(self.model, self.train_cfg)
         self.version, self.step, consumed, by_server = 0, 0, [], {}
@@ -98,7 +102,8 @@ class Learner:
             self.step += 1
             publish = self._publish() if self.version % self.cfg.publish_every == 0 else {}
             if self.rank == 0:
-                self._log(batch[1], metrics, publish, waited, time.perf_counter() - started)
+                self._log(batch[1], metrics, publish, waited, time.perf_counter() - started,
+                          [len(s.completion_ids) for s in samples])  # fmt: skip
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self.checkpoint()
         if not (self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0):
@@ -158,13 +163,13 @@ class Learner:
                 "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
                 "publish_failed": report.failed}  # fmt: skip
 
-    def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float) -> None:
+    def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]) -> None:
         rewards = gate.rewards
         record = {
             "step": self.step, "version": self.version, "time": time.time(), "reward": sum(rewards) / len(rewards),
             "lag_histogram": {str(k): v for k, v in sorted(gate.lag_histogram.items())},
-            "groups": gate.group_ids, "tokens": gate.tokens, "gated_fraction": gate.gated / max(gate.tokens, 1),
-            "wait_s": waited,
+            "groups": gate.group_ids, "lengths": lengths, "tokens": gate.tokens,
+            "gated_fraction": gate.gated / max(gate.tokens, 1), "wait_s": waited,
             "step_s": step_s, "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
             "rejected": dict(self.buffer.rejected) | {"wire:" + k: v for k, v in self.receiver.rejected.items()},
             **{k: v for k, v in metrics.items() if isinstance(v, int | float)}, **publish,

@@ -34,7 +34,8 @@ class ProgressReporter:
             "tokens": d.engine.tokens_generated, "inflight": d.stats.requests_inflight, "outbox": len(d.stream.outbox),
             "rollouts_sent": d.stream.sent, "groups_admitted": d.stats.groups_admitted,
             "groups_consumed": d.groups_consumed, "mean_reward": d.stats.rewards_sum / made,
-            "reward_errors": d.stats.reward_errors,
+            "reward_errors": d.stats.reward_errors, "idle_s": d.engine.idle_s, "stalled_s": d.engine.stalled_s,
+            "resubmitted": d.engine.resubmitted, "recomputed_tokens": d.engine.recomputed_tokens,
         }  # fmt: skip
 
     def update_event(self, done) -> None:

@@ -134,3 +134,38 @@ def test_world_size_different_from_the_sharding_raises(tiny_llama: PolicyModel) 
 def test_bad_train_config_raises_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"TrainConfig.{field} is"):
         TrainConfig(**{field: value})
+
+
+def test_lm_head_only_at_positions_gives_the_same_logprobs_and_gradients(tiny_llama: PolicyModel) -> None:
+    model = copy.deepcopy(tiny_llama)
+    batch = make_batch(SAMPLES, PAD)
+    full = model(batch.input_ids, batch.targets, 1.0)
+    full.masked_fill(~batch.mask, 0.0).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    part = model(batch.input_ids, batch.targets, 1.0, positions=batch.mask)
+    part.sum().backward()
+    assert torch.equal(part[~batch.mask], torch.zeros(int((~batch.mask).sum())))
+    torch.testing.assert_close(part[batch.mask], full[batch.mask], rtol=0, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(ValueError, match="positions has shape"):
+        model(batch.input_ids, batch.targets, 1.0, positions=batch.mask[:, :2])
+
+
+def test_bf16_autocast_decoder_is_close_to_fp32_and_keeps_fp32_master_weights(tiny_llama: PolicyModel) -> None:
+    model = copy.deepcopy(tiny_llama)
+    batch = make_batch(SAMPLES, PAD)
+    exact = model(batch.input_ids, batch.targets, 1.0)[batch.mask]
+    fast = model(batch.input_ids, batch.targets, 1.0, autocast=torch.bfloat16)[batch.mask]
+    gap = (fast - exact).abs().max().item()
+    assert fast.dtype == torch.float32
+    assert 0 < gap < 5e-2, gap  # bf16 rounding shows, but only at the bf16 level
+    cfg = TrainConfig(lr=1e-3, autocast="bfloat16")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    metrics = train_step(model, make_optimizer(model, cfg), batch, cfg)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="TrainConfig.autocast is 'fp8'"):
+        TrainConfig(autocast="fp8")

@@ -1,0 +1,159 @@
+"""Interruption-granularity ablation: the same task, seed and wall-clock budget in each weight-update mode.
+
+    python -m benchmarks.ablate [--duration-s 300] [--out benchmarks/results/ablate] [--modes all] [--target 0.5]
+                                [--reuse] [-- RUN FLAGS]
+
+Each mode is one full `python -m inflight.run` (SmolLM2 + arithmetic, the demo's flags; serve on core 0, learner on
+core 1) in `<out>/<mode>/`; then one table (`<out>/ABLATION.md`, also printed) and overlay plots
+(`ablate-reward.png`, `ablate-lag.png`, `ablate-throughput.png`). Modes:
+
+- never-stop    weights staged while decoding continues; committed between two forward passes (the engine thread
+                blocks only for the commit itself)
+- keep-pause    vLLM pause(mode="keep"): running requests are frozen (KV kept) while weights arrive and commit
+- drain         vLLM pause(mode="wait"): no new tokens for new work; running requests finish first, then update
+- abort-resume  vLLM pause(mode="abort"): running requests are aborted, resubmitted with prompt + partial tokens
+- blocking      conventional synchronous RL: generate one step's groups, wait for the learner, update while idle
+
+Columns: time to target (first time the moving mean of the batch reward over 5 steps reaches `--target`, seconds
+since both sides were ready; "—" if never), reward at the budget (mean over the last 20% of steps), learner steps,
+generated tokens/s (serve), serve idle fraction (starved + stalled by updates), learner idle fraction (waiting for
+rollouts), commit stall mean / p99, token lag distribution (fraction of trained tokens at lag 0, 1, 2+), requests
+resubmitted and tokens prefilled again by abort-resume, lag-0 logprob mismatch (learner vs behaviour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from inflight.serve.config import MODES
+
+
+def time_to_target(run_dir: Path, target: float, window: int = 5) -> float:
+    """Seconds since ready until the moving mean of the batch reward over `window` steps first reaches `target`."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    ready = [json.loads(line)["time"] for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    t0 = ready[0] if ready else steps[0]["time"]
+    for i in range(window - 1, len(steps)):
+        if sum(s["reward"] for s in steps[i - window + 1 : i + 1]) / window >= target:
+            return steps[i]["time"] - t0
+    return float("nan")
+
+
+def table(rows: list[dict], target: float) -> str:
+    head = (
+        f"| mode | time to reward {target:g} (s) | reward at budget | steps | gen tok/s | serve idle | learner idle "
+        "| stall ms mean / p99 | lag 0 / 1 / 2+ | resubmitted / recomputed tok | mismatch lag0 |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        h = {int(k): v for k, v in r["lag_histogram"].items()}
+        total = sum(h.values()) or 1
+        old = sum(v for k, v in h.items() if k >= 2)
+        lag = f"{h.get(0, 0) / total:.2f} / {h.get(1, 0) / total:.2f} / {old / total:.2f}"
+        ttt = "—" if r["time_to_target_s"] != r["time_to_target_s"] else f"{r['time_to_target_s']:.0f}"
+        lines.append(
+            f"| {r['mode']} | {ttt} | {r['reward_last']:.3f} ± {r['reward_last_se']:.3f} | {r['steps']} "
+            f"| {r['gen_tokens_per_s']:.1f} | {r['serve_idle_fraction']:.2f} | {r['learner_wait_fraction']:.2f} "
+            f"| {1e3 * r['stall_mean_s']:.0f} / {1e3 * r['stall_p99_s']:.0f} | {lag} "
+            f"| {r['resubmitted']} / {r['recomputed_tokens']} | {r['mismatch_lag0']:.2e} |"
+        )
+    return "\n".join(lines)
+
+
+def plots(out: Path, modes: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from inflight.run.report import load_run
+
+    runs = {m: load_run(out / m) for m in modes if (out / m / "metrics.jsonl").exists()}
+    t0s = {}
+    for m in runs:
+        ready = (out / m / "events.jsonl").read_text().splitlines()
+        t0s[m] = json.loads(ready[0])["time"] if ready else runs[m]["steps"][0]["time"]
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for m, run in runs.items():
+        r = [s["reward"] for s in run["steps"]]
+        smooth = [sum(r[max(0, i - 4) : i + 1]) / len(r[max(0, i - 4) : i + 1]) for i in range(len(r))]
+        ax.plot([s["time"] - t0s[m] for s in run["steps"]], smooth, "-", label=m)
+    ax.set_xlabel("seconds since both sides were ready")
+    ax.set_ylabel("batch reward (moving mean, 5 steps)")
+    ax.set_title("reward vs wall clock, one run per update mode")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ablate-reward.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / max(len(runs), 1)
+    for i, (m, run) in enumerate(runs.items()):
+        hist: dict[int, float] = {}
+        for s in run["steps"]:
+            for k, v in s.get("lag_histogram", {}).items():
+                hist[int(k)] = hist.get(int(k), 0) + v
+        total = sum(hist.values()) or 1
+        xs = sorted(hist)
+        ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width, label=m)
+    ax.set_xlabel("token lag (versions)")
+    ax.set_ylabel("fraction of trained tokens")
+    ax.set_title("per-token lag by update mode")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ablate-lag.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for m, run in runs.items():
+        progress = [e for e in run["serve"] if e.get("event") == "progress"]
+        ax.plot([e["time"] - t0s[m] for e in progress], [e["tokens"] for e in progress], "-", label=m)
+    ax.set_xlabel("seconds since both sides were ready")
+    ax.set_ylabel("tokens generated (cumulative)")
+    ax.set_title("serve generation by update mode")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ablate-throughput.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ablate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration-s", type=float, default=300.0, help="training budget per mode (default 300)")
+    parser.add_argument("--out", default="benchmarks/results/ablate", help="parent of the per-mode run directories")
+    parser.add_argument("--modes", default="all", help=f"'all' or a comma-separated subset of {', '.join(MODES)}")
+    parser.add_argument("--target", type=float, default=0.5, help="reward for the time-to-target column")
+    parser.add_argument("--reuse", action="store_true", help="report finished runs with the same flags, not re-run")
+    args = parser.parse_args(argv)
+    modes = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes is {args.modes!r}: expected 'all' or a comma-separated subset of {', '.join(MODES)}")
+
+    from inflight.run.demo import run_modes
+
+    out = Path(args.out)
+    codes, summaries = run_modes(modes, args.duration_s, out, extra, reuse=args.reuse, tag="ablate")
+    for s in summaries:
+        s["time_to_target_s"] = time_to_target(Path(s["run_dir"]), args.target)
+    result = table(summaries, args.target)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ABLATION.md").write_text(result + "\n")
+    (out / "ablation.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    plots(out, modes)
+    print("\n" + result + "\n", flush=True)
+    return max(codes.values(), default=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

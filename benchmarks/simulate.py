@@ -1,0 +1,409 @@
+"""A discrete-event simulator of synchronous vs asynchronous RL with in-flight weight updates, for N accelerators.
+
+    python -m benchmarks.simulate probe  [--model smollm2] [--core 0] [--out benchmarks/results/decode-probe.json]
+    python -m benchmarks.simulate predict --runs benchmarks/results/ablate [--probe ...json] [--sizes 8,64,512]
+
+`probe` measures the decode cost of one inference worker: a real vLLM engine (pinned like the serve) decodes batches
+of b fixed-length requests; a least-squares fit gives seconds per decode step = d0 + d1 · b.
+
+`predict` calibrates the rest from a finished ablation (or demo) directory — learner seconds per trained token and per
+step (fit of train_s over tokens), publish seconds, each mode's commit stall and update time as the serve measured
+them, and the completion lengths the learner trained on — then simulates the same 1 + 1 worker set-up and prints the
+predicted speedup of never-stop over blocking (learner steps per second) next to the measured one. Then the scale
+table: N accelerators, 3/4 inference workers and 1/4 learner (data-parallel, perfect scaling assumed), 32 samples per
+inference worker per step, with (a) the measured lengths, (b) a long-tailed lognormal length distribution, (c) (b)
+plus a lognormal tool-call latency per sample; the synchronous step ends with its slowest worker.
+
+The model, per inference worker: a batch of running sequences advances one token per decode step of d0 + d1·b
+seconds; finished sequences (after an optional tool latency, holding no batch slot) complete their group; at most
+`max_inflight` run at once. Learner: a step takes `groups_per_step` complete groups, trains t0 + t1·tokens / N_learn
+seconds, publishes (p seconds, learner busy); every worker then updates:
+- blocking    the pool generates exactly one step's groups, waits for training + publish, updates while idle
+- never-stop  generation continues; each worker stalls `commit` seconds at the commit
+- keep-pause  running sequences freeze for receive + commit
+- drain       admission stops, running sequences finish, then receive + commit
+- abort-resume running sequences are aborted and re-prefilled (prompt + partial tokens, at the prefill cost) after
+              receive + commit
+The asynchronous modes admit a group only while admitted − consumed < (admit_lag + 1) · groups_per_step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
+
+
+@dataclass
+class Calibration:
+    d0: float = 0.02  # seconds per decode step, fixed part
+    d1: float = 0.002  # seconds per decode step, per running sequence
+    prefill_per_token: float = 0.0005  # seconds per re-prefilled token (abort-resume)
+    train_t0: float = 1.0  # learner seconds per step, fixed part
+    train_t1: float = 0.02  # learner seconds per trained token (one learner worker)
+    publish_s: float = 1.0  # learner seconds to publish an update
+    commit_s: dict = field(default_factory=lambda: dict.fromkeys(MODES, 0.05))  # serve stall per update, by mode
+    receive_s: float = 0.5  # serve seconds to receive an update (paused modes stall for it)
+    lengths: list = field(default_factory=lambda: [30])  # completion lengths to resample
+    prompt_tokens: int = 40
+    group_size: int = 8
+    groups_per_step: int = 4
+    max_inflight: int = 64
+    admit_lag: int = 1
+
+
+@dataclass
+class Scenario:
+    workers: int = 1  # inference workers
+    learners: int = 1  # learner workers (data parallel)
+    samples_per_worker: int = 32  # per learner step, per inference worker
+    lengths: str = "empirical"  # or "lognormal:MEDIAN,SIGMA,CAP"
+    tool: str = ""  # "" or "lognormal:MEDIAN_S,SIGMA"
+
+
+def _sampler(spec: str, empirical: list[int], rng: random.Random):
+    if spec == "empirical":
+        return lambda: rng.choice(empirical)
+    kind, _, args = spec.partition(":")
+    if kind != "lognormal":
+        raise ValueError(f"length/tool spec {spec!r}: expected 'empirical' or 'lognormal:MEDIAN,SIGMA[,CAP]'")
+    vals = [float(v) for v in args.split(",")]
+    median, sigma, cap = vals[0], vals[1], (vals[2] if len(vals) > 2 else math.inf)
+    return lambda: min(cap, rng.lognormvariate(math.log(median), sigma))
+
+
+def simulate(cal: Calibration, mode: str, sc: Scenario, steps: int = 60, seed: int = 0) -> dict:  # noqa: C901 (one event loop)
+    """Learner steps/s, samples/s and idle fractions of one mode in one scenario (event-driven)."""
+    rng = random.Random(seed)
+    length_of = _sampler(sc.lengths, cal.lengths, rng)
+    tool_of = _sampler(sc.tool, [], rng) if sc.tool else (lambda: 0.0)
+    group_size = cal.group_size
+    groups_per_step = max(1, sc.workers * sc.samples_per_worker // group_size)
+    sync = mode == "blocking"
+    max_inflight = max(cal.max_inflight, sc.samples_per_worker)
+
+    # state
+    t = 0.0
+    events: list = []  # (time, seq, kind, payload)
+    seq = 0
+
+    def push(at, kind, payload=None):
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (at, seq, kind, payload))
+
+    running = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: remaining tokens}
+    produced = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: tokens produced so far}
+    queue: list = []  # samples waiting for a worker slot: (sample_id, group, length)
+    group_left: dict[int, int] = {}
+    complete_groups: list[tuple[int, int]] = []  # (group, tokens)
+    group_tokens: dict[int, int] = {}
+    admitted = consumed = 0
+    next_group = 0
+    stepping = [False] * sc.workers
+    paused_until = [0.0] * sc.workers
+    draining = [False] * sc.workers
+    busy = [0.0] * sc.workers
+    learner_busy_until = 0.0
+    learner_wait = 0.0
+    learner_idle_since = 0.0
+    steps_done = 0
+    step_times = []
+    allowed_version_groups = groups_per_step if sync else math.inf
+    learner_training = False
+
+    def admit():
+        nonlocal admitted, next_group
+        while True:
+            if sync:
+                if admitted >= allowed_version_groups:
+                    return
+            elif admitted - consumed >= (cal.admit_lag + 1) * groups_per_step:
+                return
+            g = next_group
+            next_group += 1
+            admitted += 1
+            group_left[g], group_tokens[g] = group_size, 0
+            for k in range(group_size):
+                queue.append((g * group_size + k, g, max(1, int(round(length_of())))))
+
+    def fill(w):
+        while queue and len(running[w]) < max_inflight and not draining[w]:
+            sid, g, n = queue.pop(0)
+            running[w][sid] = [n, g]
+            produced[w][sid] = 0
+        if running[w] and not stepping[w]:
+            stepping[w] = True
+            start = max(t, paused_until[w])
+            push(start + cal.d0 + cal.d1 * len(running[w]), "decode", (w, start))
+
+    def finish(sid, g, n):
+        group_tokens[g] += n
+        group_left[g] -= 1
+        if group_left[g] == 0:
+            complete_groups.append((g, group_tokens[g]))
+            try_train()
+
+    def try_train():
+        nonlocal consumed, learner_training, learner_wait, learner_busy_until
+        if learner_training or len(complete_groups) < groups_per_step:
+            return
+        take = [complete_groups.pop(0) for _ in range(groups_per_step)]
+        consumed += groups_per_step
+        tokens = sum(n for _, n in take)
+        learner_training = True
+        learner_wait += max(0.0, t - learner_idle_since)
+        dur = cal.train_t0 + cal.train_t1 * tokens / sc.learners + cal.publish_s
+        push(t + dur, "published", None)
+        if not sync:
+            admit()
+            for w in range(sc.workers):
+                fill(w)
+
+    admit()
+    for w in range(sc.workers):
+        fill(w)
+    while events and steps_done < steps:
+        t, _, kind, payload = heapq.heappop(events)
+        if kind == "decode":
+            w, started = payload
+            stepping[w] = False
+            busy[w] += t - started
+            done = []
+            for sid, entry in running[w].items():
+                entry[0] -= 1
+                produced[w][sid] += 1
+                if entry[0] <= 0:
+                    done.append(sid)
+            for sid in done:
+                g = running[w].pop(sid)[1]
+                tokens = produced[w].pop(sid)
+                latency = tool_of()
+                if latency > 0:
+                    push(t + latency, "tool_done", (sid, g, tokens))
+                else:
+                    finish(sid, g, tokens)
+            if draining[w] and not running[w]:
+                push(t, "drained", w)
+            fill(w)
+        elif kind == "tool_done":
+            sid, g, tokens = payload
+            finish(sid, g, tokens)
+            for w in range(sc.workers):
+                fill(w)
+        elif kind == "published":
+            steps_done += 1
+            step_times.append(t)
+            learner_training = False
+            learner_idle_since = t
+            for w in range(sc.workers):
+                _update(cal, mode, w, t, running, produced, paused_until, draining, push)
+            if sync:
+                allowed_version_groups += groups_per_step
+            admit()
+            try_train()
+            for w in range(sc.workers):
+                fill(w)
+        elif kind == "drained":
+            w = payload
+            if draining[w]:
+                draining[w] = False
+                paused_until[w] = t + cal.receive_s + cal.commit_s["drain"]
+                fill(w)
+    span = step_times[-1] - step_times[min(4, len(step_times) - 1)] if len(step_times) > 5 else float("nan")
+    n = len(step_times) - 1 - min(4, len(step_times) - 1)
+    rate = n / span if span and span == span and span > 0 else float("nan")
+    samples = rate * groups_per_step * group_size
+    return {
+        "mode": mode,
+        "steps_per_s": rate,
+        "samples_per_s": samples,
+        "worker_busy": sum(busy) / (sc.workers * t) if t else 0.0,
+        "learner_wait": learner_wait / t if t else 0.0,
+    }
+
+
+def _update(cal, mode, w, t, running, produced, paused_until, draining, push):
+    stall = cal.commit_s.get(mode, 0.0)
+    if mode in ("never-stop", "blocking"):
+        paused_until[w] = max(paused_until[w], t + stall)
+    elif mode == "keep-pause":
+        paused_until[w] = max(paused_until[w], t + cal.receive_s + stall)
+    elif mode == "abort-resume":
+        recompute = sum(cal.prompt_tokens + produced[w][sid] for sid in running[w]) * cal.prefill_per_token
+        paused_until[w] = max(paused_until[w], t + cal.receive_s + stall + recompute)
+    elif mode == "drain":
+        if running[w]:
+            draining[w] = True
+        else:
+            paused_until[w] = max(paused_until[w], t + cal.receive_s + stall)
+
+
+# -- calibration ------------------------------------------------------------------------------------------------------
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def calibrate(runs: Path, probe: Path | None) -> Calibration:
+    cal = Calibration()
+    if probe is not None and probe.exists():
+        p = json.loads(probe.read_text())
+        cal.d0, cal.d1, cal.prefill_per_token = p["d0"], p["d1"], p["prefill_per_token"]
+    steps, lengths = [], []
+    for mode in MODES:
+        run = runs / mode
+        m = _read(run / "metrics.jsonl")
+        if not m:
+            continue
+        steps += m[1:]  # the first step includes start-up
+        for s in m:
+            lengths += s.get("lengths", [])
+        updates = [e for e in _read(run / "serve-metrics.jsonl") if e.get("event") == "update" and e.get("ok")]
+        if updates:
+            cal.commit_s[mode] = sum(e["commit_s"] for e in updates) / len(updates)
+            cal.receive_s = sum(e["receive_s"] for e in updates) / len(updates)
+        config = json.loads((run / "run-config.json").read_text())
+        cal.group_size, cal.groups_per_step = config["group_size"], config["groups_per_step"]
+        cal.admit_lag = config["admit_lag"]
+    if not steps:
+        raise SystemExit(f"no learner metrics under {runs}/<mode>/metrics.jsonl: run benchmarks.ablate first")
+    # least squares train_s = t0 + t1 * tokens
+    xs, ys = [s["tokens"] for s in steps], [s["train_s"] for s in steps]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    cal.train_t1 = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else my / max(mx, 1)
+    cal.train_t1 = max(cal.train_t1, 0.0)
+    cal.train_t0 = max(my - cal.train_t1 * mx, 0.0)
+    cal.publish_s = sum(s.get("publish_s", 0.0) for s in steps) / len(steps)
+    if lengths:
+        cal.lengths = lengths
+    return cal
+
+
+def measured_speedup(runs: Path) -> dict[str, float]:
+    """Learner steps per second of each measured mode (after its first step)."""
+    out = {}
+    for mode in MODES:
+        m = _read(runs / mode / "metrics.jsonl")
+        if len(m) >= 3:
+            out[mode] = (len(m) - 1) / (m[-1]["time"] - m[0]["time"])
+    return out
+
+
+def probe_decode(model: str, core: int, out: Path) -> dict:
+    """Seconds per decode step at several batch sizes on a real engine pinned to `core`, and the d0 + d1·b fit."""
+    import asyncio
+    import os
+    import time
+
+    os.sched_setaffinity(0, [core])
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from inflight.demo import import_vllm_optional_media
+    from inflight.serve.app import resolve_model
+    from vllm_patches.engine import EngineConfig, InflightEngine
+
+    import_vllm_optional_media()
+
+    async def run() -> dict:
+        from vllm import SamplingParams
+
+        engine = await InflightEngine.start(EngineConfig(model=str(resolve_model(model)), dtype="float32"))
+        try:
+            prompt = list(range(100, 140))
+            points, tokens = [], 24
+            for b in (1, 4, 16, 32, 64):
+                params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
+                start = time.perf_counter()
+                await asyncio.gather(*(engine.generate(prompt, params, f"p{b}-{i}") for i in range(b)))
+                points.append((b, (time.perf_counter() - start) / tokens))
+            start = time.perf_counter()
+            long_prompt = list(range(100, 612))
+            await engine.generate(long_prompt, SamplingParams(max_tokens=1), "prefill")
+            prefill = (time.perf_counter() - start) / len(long_prompt)
+        finally:
+            engine.shutdown()
+        bs, ts = [p[0] for p in points], [p[1] for p in points]
+        mb, mt = sum(bs) / len(bs), sum(ts) / len(ts)
+        d1 = sum((b - mb) * (x - mt) for b, x in zip(bs, ts, strict=True)) / sum((b - mb) ** 2 for b in bs)
+        return {"points": points, "d0": max(mt - d1 * mb, 0.0), "d1": max(d1, 0.0), "prefill_per_token": prefill,
+                "model": model, "core": core}  # fmt: skip
+
+    result = asyncio.run(run())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def predict(runs: Path, probe: Path | None, sizes: list[int], steps: int) -> str:
+    cal = calibrate(runs, probe)
+    lines = ["## Calibration", "", "```", json.dumps({k: v for k, v in asdict(cal).items() if k != "lengths"}), "```",
+             f"completion lengths: {len(cal.lengths)} samples, mean {sum(cal.lengths) / len(cal.lengths):.1f}, "
+             f"max {max(cal.lengths)}", ""]  # fmt: skip
+    measured = measured_speedup(runs)
+    lines += ["## This machine: 1 inference worker + 1 learner (learner steps/s)", "",
+              "| mode | simulated steps/s | measured steps/s | simulated speedup | measured speedup | error |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    base = Scenario(workers=1, learners=1, samples_per_worker=cal.group_size * cal.groups_per_step)
+    sim = {m: simulate(cal, m, base, steps=steps) for m in MODES}
+    for m in MODES:
+        s_speed = sim[m]["steps_per_s"] / sim["blocking"]["steps_per_s"]
+        if m in measured and "blocking" in measured:
+            m_speed = measured[m] / measured["blocking"]
+            err = f"{100 * (s_speed - m_speed) / m_speed:+.0f}%"
+            meas = f"{measured[m]:.4f}"
+            mspeed = f"{m_speed:.2f}"
+        else:
+            err = meas = mspeed = "—"
+        lines.append(f"| {m} | {sim[m]['steps_per_s']:.4f} | {meas} | {s_speed:.2f} | {mspeed} | {err} |")
+    lines += ["", "## Scale: N accelerators (3/4 inference, 1/4 learner), 32 samples per inference worker per step",
+              "", "| lengths | tool latency | N | blocking samples/s | never-stop samples/s | speedup | keep-pause | "
+              "drain | abort-resume |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    tail = "lognormal:40,1.0,2048"
+    for lengths, tool in (("empirical", ""), (tail, ""), (tail, "lognormal:2.0,1.0")):
+        for n in sizes:
+            sc = Scenario(workers=max(1, 3 * n // 4), learners=max(1, n // 4), samples_per_worker=32, lengths=lengths,
+                          tool=tool)  # fmt: skip
+            r = {m: simulate(cal, m, sc, steps=steps) for m in MODES}
+            b = r["blocking"]["samples_per_s"]
+            cells = " | ".join(f"{r[m]['samples_per_s'] / b:.2f}x" for m in ("keep-pause", "drain", "abort-resume"))
+            lines.append(f"| {lengths} | {tool or 'none'} | {n} | {b:.1f} | {r['never-stop']['samples_per_s']:.1f} "
+                         f"| {r['never-stop']['samples_per_s'] / b:.2f}x | {cells} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.simulate", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("probe", help="measure decode cost on a real engine")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--core", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/decode-probe.json")
+    q = sub.add_parser("predict", help="calibrate from runs and simulate")
+    q.add_argument("--runs", default="benchmarks/results/ablate")
+    q.add_argument("--probe", default="benchmarks/results/decode-probe.json")
+    q.add_argument("--sizes", default="8,64,512")
+    q.add_argument("--steps", type=int, default=40)
+    q.add_argument("--out", default="", help="also write the report here (markdown)")
+    args = parser.parse_args(argv)
+    if args.command == "probe":
+        print(json.dumps(probe_decode(args.model, args.core, Path(args.out)), indent=2))
+        return 0
+    report = predict(Path(args.runs), Path(args.probe), [int(s) for s in args.sizes.split(",")], args.steps)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

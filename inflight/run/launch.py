@@ -1,0 +1,144 @@
+"""Child processes of `inflight.run`: their command lines and environments on split pools, their logs, and a clean stop.
+
+Each side runs in its own session (so a terminal's Ctrl-C reaches only the launcher, which forwards it in order: the
+learner first, so it checkpoints and exports while the serve still answers, then the serve). Its stdout and stderr go
+line by line into `<run_dir>/<side>.log` and, filtered by `--echo`, to the launcher's stderr with a `[side]` prefix.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from inflight.run.config import RunConfig, parse_cores, parse_gpus
+
+# Lines worth a terminal when --echo progress: our own loggers, the serve's progress line, readiness and trouble.
+_PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITICAL")
+
+
+def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) -> dict[str, list[str]]:
+    """The argv of each side (without the interpreter), built from the shared knobs plus the verbatim extras."""
+    rollouts, control, weights = ports
+    shared_serve = [
+        "--model", cfg.model, "--task", cfg.task, "--mode", cfg.mode, "--group-size", str(cfg.group_size),
+        "--groups-per-step", str(cfg.groups_per_step), "--max-tokens", str(cfg.max_tokens),
+        "--temperature", repr(cfg.temperature), "--max-lag", str(cfg.admit_lag), "--task-seed", str(cfg.seed),
+        "--seed", str(cfg.seed), "--rollouts", f"tcp://{cfg.host}:{rollouts}", "--control", f"tcp://{cfg.host}:{control}",
+        "--metrics", str(run_dir / "serve-metrics.jsonl"),
+    ]  # fmt: skip
+    shared_learn = [
+        "--model", cfg.model, "--host", cfg.host, "--rollouts-port", str(rollouts), "--control-port", str(control),
+        "--weights-port", str(weights), "--groups-per-step", str(cfg.groups_per_step), "--steps", str(cfg.steps),
+        "--max-lag", str(cfg.max_lag), "--temperature", repr(cfg.temperature), "--lr", repr(cfg.lr),
+        "--seed", str(cfg.seed), "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    if parse_gpus(cfg.learn_gpus):
+        shared_learn += ["--backend", "nccl"]
+    return {
+        "serve": ["-m", "inflight.serve", *shared_serve, *shlex.split(cfg.serve_args)],
+        "learn": ["-m", "inflight.learn", *shared_learn, *shlex.split(cfg.learn_args)],
+    }
+
+
+def learn_launcher(cfg: RunConfig, master_port: int) -> list[str]:
+    """The interpreter prefix of the learner: plain python for one rank, torchrun for several."""
+    gpus = parse_gpus(cfg.learn_gpus)
+    ranks = len(gpus) if gpus else cfg.learn_procs
+    if ranks == 1:
+        return [sys.executable]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+
+
+def side_env(cfg: RunConfig, side: str) -> tuple[dict[str, str], list[int] | None]:
+    """Environment and CPU affinity of one side: CPU pools by core, GPU pools by CUDA_VISIBLE_DEVICES."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    gpus = parse_gpus(cfg.serve_gpus if side == "serve" else cfg.learn_gpus)
+    cores = parse_cores(cfg.serve_cores if side == "serve" else cfg.learn_cores)
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    threads = max(1, len(cores) // (1 if side == "serve" or gpus else cfg.learn_procs))
+    env["OMP_NUM_THREADS"] = str(threads)
+    if side == "serve":
+        # vLLM's CPU worker pins its OpenMP threads itself; give it exactly the serve's pool.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    return env, cores
+
+
+class Side:
+    """One running child: its process, its log and the last lines it printed."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cores: list[int] | None, log_path: Path,
+                 echo: str):  # fmt: skip
+        self.name, self.argv, self.echo = name, argv, echo
+        self.log = log_path.open("a", buffering=1)
+        self.log.write(f"# {shlex.join(argv)}\n")
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.ready = threading.Event()
+        self.lock = threading.Lock()
+
+        def pin() -> None:
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
+
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     errors="replace", start_new_session=True, preexec_fn=pin)  # fmt: skip
+        self.reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            line = line.rstrip("\n")
+            with self.lock:
+                self.tail.append(line)
+            if f"inflight.{self.name} ready" in line:
+                self.ready.set()
+            if self.echo == "all" or (self.echo == "progress" and any(m in line for m in _PROGRESS_MARKS)):
+                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+    def last_lines(self, n: int = 20) -> str:
+        with self.lock:
+            return "\n".join(list(self.tail)[-n:])
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float) -> int:
+        """SIGTERM, wait up to `timeout_s`, then SIGKILL; the exit code (negative = killed by that signal)."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"[run] {self.name} did not exit {timeout_s:.0f}s after SIGTERM; killing it", file=sys.stderr)
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
+        self.reader.join(5)
+        self.log.close()
+        return self.proc.returncode
+
+    def wait_ready(self, timeout_s: float, other: Side | None = None) -> None:
+        """Block until the child printed its ready line; RuntimeError if it (or `other`) exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(0.2):
+            for side in (self, other):
+                if side is not None and side.proc.poll() is not None:
+                    raise RuntimeError(f"{side.name} exited with code {side.proc.returncode} before {self.name} was "
+                                       f"ready; its last lines:\n{side.last_lines()}")  # fmt: skip
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} was not ready after {timeout_s:.0f}s (--start-timeout-s); its last "
+                                   f"lines:\n{self.last_lines()}")  # fmt: skip

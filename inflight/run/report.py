@@ -1,0 +1,213 @@
+"""The end of a run: `summary.json`, `summary.md` and PNG plots from the run directory's metrics, and one table for
+several runs side by side.
+
+    python -m inflight.run.report runs/demo-never-stop runs/demo-blocking     # (re)write reports, print one table
+
+Figures, all from the metrics files (nothing is re-measured):
+- reward: mean reward of the learner's batch per step; "first/last 20%" are the means over the first and last fifth
+  of the steps, ± their standard error across steps; `rise_se` is (last − first) / sqrt(se_first² + se_last²).
+- updates, stall: the serve's committed updates and the generation stall of each (time between the last forward pass
+  on the old weights and the first on the new ones, as the engine measured it).
+- lag: per-token lag (learner version at training time − the version that generated the token), token-weighted over
+  the whole run; `gated` is the fraction of tokens masked by the staleness gate.
+- mismatch: mean |learner logprob − behaviour logprob| over lag-0 tokens; ESS: effective sample size of the token
+  importance weights, mean over steps.
+- gen tok/s: the serve's generated tokens per second of the run's wall clock (from its cumulative token counter).
+- serve idle: fraction of the serve's wall clock with nothing to generate (starved by the learner gate or waiting in
+  blocking mode) plus generation stalled by updates; learner wait: fraction of the learner's wall clock spent waiting
+  for rollouts after its first step; resubmitted / recomputed: requests an abort-resume update aborted and the prompt
+  + partial tokens their resubmission prefilled again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill: the rest still counts
+    return out
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(var / len(values))
+
+
+def load_run(run_dir: Path) -> dict:
+    steps = _read_jsonl(run_dir / "metrics.jsonl")
+    serve = _read_jsonl(run_dir / "serve-metrics.jsonl")
+    config = json.loads((run_dir / "run-config.json").read_text()) if (run_dir / "run-config.json").exists() else {}
+    return {"steps": steps, "serve": serve, "config": config}
+
+
+def compute_summary(run_dir: Path) -> dict:
+    run = load_run(run_dir)
+    steps, serve = run["steps"], run["serve"]
+    rewards = [s["reward"] for s in steps]
+    fifth = max(1, len(rewards) // 5)
+    first, first_se = _mean_se(rewards[:fifth])
+    last, last_se = _mean_se(rewards[-fifth:])
+    se = math.sqrt(first_se**2 + last_se**2) if len(rewards) >= 2 * fifth and fifth >= 2 else float("nan")
+    updates = [e for e in serve if e.get("event") == "update" and e.get("ok")]
+    stalls = sorted(e["stall_s"] for e in updates if e.get("stall_s") is not None)
+    lag_tokens: dict[int, float] = {}
+    for s in steps:
+        for lag, n in s.get("lag_histogram", {}).items():
+            lag_tokens[int(lag)] = lag_tokens.get(int(lag), 0) + n
+    total_tokens = sum(lag_tokens.values())
+    progress = [e for e in serve if e.get("event") == "progress"]
+    gen_rate = float("nan")
+    if len(progress) >= 2 and progress[-1]["time"] > progress[0]["time"]:
+        gen_rate = (progress[-1]["tokens"] - progress[0]["tokens"]) / (progress[-1]["time"] - progress[0]["time"])
+    serve_idle = resubmitted = recomputed = float("nan")
+    if len(progress) >= 2 and "idle_s" in progress[-1] and progress[-1]["time"] > progress[0]["time"]:
+        a, b = progress[0], progress[-1]
+        serve_idle = (b["idle_s"] - a["idle_s"] + b["stalled_s"] - a["stalled_s"]) / (b["time"] - a["time"])
+        resubmitted, recomputed = b["resubmitted"], b["recomputed_tokens"]
+    mismatch = [s["mismatch_lag0"] for s in steps if "mismatch_lag0" in s]
+    ess = [s["ess"] for s in steps if "ess" in s]
+    gated = sum(s.get("gated_fraction", 0.0) * s.get("tokens", 0) for s in steps)
+    wall = steps[-1]["time"] - steps[0]["time"] + steps[0].get("step_s", 0.0) if steps else 0.0
+    return {
+        "run_dir": str(run_dir), "mode": run["config"].get("mode", "?"), "model": run["config"].get("model", "?"),
+        "steps": len(steps), "wall_s": wall,
+        "reward_first": first, "reward_first_se": first_se, "reward_last": last, "reward_last_se": last_se,
+        "rise_se": (last - first) / se if se and se == se and se > 0 else float("nan"),
+        "updates": len(updates), "stall_mean_s": sum(stalls) / len(stalls) if stalls else float("nan"),
+        "stall_p99_s": stalls[min(len(stalls) - 1, math.ceil(0.99 * len(stalls)) - 1)] if stalls else float("nan"),
+        "lag_mean": sum(k * v for k, v in lag_tokens.items()) / total_tokens if total_tokens else float("nan"),
+        "lag_histogram": {str(k): v for k, v in sorted(lag_tokens.items())},
+        "gated_fraction": gated / total_tokens if total_tokens else float("nan"),
+        "mismatch_lag0": sum(mismatch) / len(mismatch) if mismatch else float("nan"),
+        "ess": sum(ess) / len(ess) if ess else float("nan"),
+        "gen_tokens_per_s": gen_rate, "serve_idle_fraction": serve_idle, "resubmitted": resubmitted,
+        "recomputed_tokens": recomputed,
+        "learner_wait_fraction": sum(s.get("wait_s", 0.0) for s in steps[1:]) / max(wall, 1e-9) if steps else 0.0,
+    }  # fmt: skip
+
+
+def summarize(summaries: list[dict]) -> str:
+    """One markdown table, a row per run."""
+    head = ("| mode | steps | wall s | reward first 20% | reward last 20% | rise (SE) | updates | stall ms (mean/p99) "
+            "| lag mean | gated | mismatch lag0 | ESS | gen tok/s |")  # fmt: skip
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in summaries:
+        rows.append(
+            f"| {s['mode']} | {s['steps']} | {s['wall_s']:.0f} | {s['reward_first']:.3f} ± {s['reward_first_se']:.3f} "
+            f"| {s['reward_last']:.3f} ± {s['reward_last_se']:.3f} | {s['rise_se']:+.1f} | {s['updates']} "
+            f"| {1e3 * s['stall_mean_s']:.0f} / {1e3 * s['stall_p99_s']:.0f} | {s['lag_mean']:.2f} "
+            f"| {s['gated_fraction']:.3f} | {s['mismatch_lag0']:.2e} | {s['ess']:.3f} | {s['gen_tokens_per_s']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(run_dir: Path) -> list[Path]:
+    """reward.png (vs wall clock and vs step), lag.png (token lag histogram), throughput.png (gen tok/s + updates)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = load_run(run_dir)
+    steps, serve = run["steps"], run["serve"]
+    mode = run["config"].get("mode", "")
+    ready = [e["time"] for e in _read_jsonl(run_dir / "events.jsonl") if e.get("event") == "ready"]
+    t0 = ready[0] if ready else (steps[0]["time"] if steps else 0.0)
+    out = []
+
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4))
+    t = [s["time"] - t0 for s in steps]
+    r = [s["reward"] for s in steps]
+    window = max(1, len(r) // 10)
+    smooth = [sum(r[max(0, i - window + 1) : i + 1]) / len(r[max(0, i - window + 1) : i + 1]) for i in range(len(r))]
+    for ax, x, label in ((ax_t, t, "seconds since both sides were ready"), (ax_s, [s["step"] for s in steps], "step")):
+        ax.plot(x, r, ".", alpha=0.4, label="batch mean reward")
+        ax.plot(x, smooth, "-", label=f"moving mean ({window} steps)")
+        ax.set_xlabel(label)
+        ax.set_ylabel("reward")
+        ax.grid(alpha=0.3)
+    ax_t.set_title(f"reward vs wall clock ({mode})")
+    ax_s.set_title(f"reward vs step ({mode})")
+    ax_s.legend()
+    fig.tight_layout()
+    out.append(run_dir / "reward.png")
+    fig.savefig(out[-1], dpi=100)
+    plt.close(fig)
+
+    hist: dict[int, float] = {}
+    for s in steps:
+        for lag, n in s.get("lag_histogram", {}).items():
+            hist[int(lag)] = hist.get(int(lag), 0) + n
+    fig, ax = plt.subplots(figsize=(6, 4))
+    total = sum(hist.values()) or 1
+    ax.bar(list(hist), [v / total for v in hist.values()], width=0.8)
+    ax.set_xlabel("token lag (learner version − generating version)")
+    ax.set_ylabel("fraction of trained tokens")
+    ax.set_title(f"per-token lag, {int(total)} tokens ({mode})")
+    ax.set_xticks(sorted(hist) or [0])
+    fig.tight_layout()
+    out.append(run_dir / "lag.png")
+    fig.savefig(out[-1], dpi=100)
+    plt.close(fig)
+
+    progress = [e for e in serve if e.get("event") == "progress"]
+    updates = [e for e in serve if e.get("event") == "update" and e.get("ok")]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    ax.plot([e["time"] - t0 for e in progress], [e["tokens_per_s"] for e in progress], "-", label="generated tok/s")
+    for i, e in enumerate(updates):
+        ax.axvline(
+            e["time"] - t0, color="tab:red", alpha=0.3, lw=0.8, label="weight update committed" if i == 0 else None
+        )
+    ax.set_xlabel("seconds since both sides were ready")
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(f"serve generation throughput with weight updates ({mode}, {len(updates)} updates)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    out.append(run_dir / "throughput.png")
+    fig.savefig(out[-1], dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_report(run_dir: Path) -> dict:
+    summary = compute_summary(run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / "summary.md").write_text(summarize([summary]) + "\n")
+    plot(run_dir)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    dirs = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    if not dirs:
+        print("usage: python -m inflight.run.report RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        return 2
+    missing = [str(d) for d in dirs if not (d / "metrics.jsonl").exists()]
+    if missing:
+        print(f"no learner metrics (metrics.jsonl) in {', '.join(missing)}: is that a run directory?", file=sys.stderr)
+        return 2
+    print(summarize([write_report(d) for d in dirs]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

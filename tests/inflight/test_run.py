@@ -1,0 +1,108 @@
+"""`python -m inflight.run`: a real serve and a real learner launched on split cores, one run directory.
+
+Each test starts the launcher as a subprocess on tiny-llama (a real vLLM engine, real sockets, real weight updates)
+and checks what a user sees: the exit code, the children's CPU affinity, the run directory, Ctrl-C and a dying side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from serve_support import ServeProcess
+
+pytestmark = pytest.mark.engine
+
+FAST = ["--model", "tiny-llama", "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "8",
+        "--serve-args", "--progress-s 1 --max-inflight 16"]  # fmt: skip
+
+
+def children(launcher: ServeProcess) -> dict[str, psutil.Process]:
+    """The launcher's two direct children, by side."""
+    found = {}
+    for child in psutil.Process(launcher.proc.pid).children():
+        cmd = " ".join(child.cmdline())
+        for side in ("serve", "learn"):
+            if f"inflight.{side}" in cmd:
+                found[side] = child
+    return found
+
+
+def test_run_trains_on_split_cores_and_fills_the_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", "3", *FAST], module="inflight.run")
+    try:
+        launcher.wait_for("inflight.serve ready", 240)
+        sides = children(launcher)
+        assert set(sides) == {"serve", "learn"}
+        assert sides["serve"].cpu_affinity() == [0]
+        assert sides["learn"].cpu_affinity() == [1]
+        assert sides["serve"].environ().get("VLLM_CPU_OMP_THREADS_BIND") == "0"
+        assert sides["learn"].environ().get("OMP_NUM_THREADS") == "1"
+        launcher.proc.wait(300)
+    finally:
+        launcher.stop()
+    assert launcher.proc.returncode == 0, launcher.tail()
+    for name in ("run-config.json", "serve-config.json", "learn-config.json", "learn.log", "serve.log",
+                 "metrics.jsonl", "serve-metrics.jsonl", "summary.json", "summary.md", "reward.png", "lag.png",
+                 "throughput.png", "hf-final/model.safetensors", "learn.cmd", "serve.cmd"):  # fmt: skip
+        assert (run_dir / name).exists(), name
+    assert any((run_dir / "checkpoints").iterdir())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["updates"] >= 1
+    assert json.loads((run_dir / "serve-config.json").read_text())["model"] == "tiny-llama"
+    assert "step 3 v3" in (run_dir / "learn.log").read_text()  # the learner's whole log is kept
+    assert "| mode |" in launcher.tail(60)  # the final table is printed
+
+
+def test_ctrl_c_stops_the_learner_first_then_the_serve_and_keeps_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = ServeProcess(["--run-dir", str(run_dir), *FAST], module="inflight.run")
+    try:
+        launcher.wait_for("step 2 v2", 300)
+        sides = children(launcher)
+        launcher.proc.send_signal(signal.SIGINT)
+        launcher.proc.wait(240)
+    finally:
+        launcher.stop()
+    assert launcher.proc.returncode == 130, launcher.tail()
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in sides.values())
+    # The learner stopped cleanly: a final checkpoint and the HF export exist, and the summary was written.
+    assert (run_dir / "hf-final" / "model.safetensors").exists()
+    assert any((run_dir / "checkpoints").iterdir())
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 2
+
+
+def test_a_dying_serve_fails_the_run_with_its_last_lines(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = ServeProcess(["--run-dir", str(run_dir), *FAST], module="inflight.run")
+    try:
+        launcher.wait_for("inflight.serve ready", 240)
+        serve = children(launcher)["serve"]
+        os.kill(serve.pid, signal.SIGKILL)
+        launcher.proc.wait(240)
+    finally:
+        launcher.stop()
+    assert launcher.proc.returncode == 1
+    out = launcher.tail(80)
+    assert "serve exited with code -9" in out
+    last = [line for line in (run_dir / "serve.log").read_text().splitlines() if line.strip()][-1]
+    assert last in out.split("serve exited with code -9", 1)[1]  # the serve's last lines follow the reason
+
+
+def test_bad_side_flags_fail_before_anything_starts(tmp_path):
+    start = time.monotonic()
+    bad = ServeProcess(["--run-dir", str(tmp_path / "run"), *FAST[:-2], "--serve-args", "--max-tokenz 3"],
+                       module="inflight.run")  # fmt: skip
+    assert bad.proc.wait(60) == 2
+    assert "--max-tokenz" in bad.tail() and "unrecognized arguments" in bad.tail()
+    assert time.monotonic() - start < 30  # no engine was started
+    worse = ServeProcess(["--run-dir", str(tmp_path / "run"), "--serve-cores", "0-x", *FAST], module="inflight.run")
+    assert worse.proc.wait(60) == 2
+    assert "--serve-cores" in worse.tail() and "'0-x'" in worse.tail()

@@ -1,0 +1,90 @@
+"""The run report (inflight/run/report.py) on hand-written metrics files: every figure is checked against a value
+worked out by hand; the real-process path is in test_run.py. Also the launcher's own argument checks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from inflight.run.config import RunConfig, parse_cores, parse_gpus
+from inflight.run.launch import side_commands, side_env
+from inflight.run.report import compute_summary, main, summarize, write_report
+
+
+def write_run(path, rewards, lags, serve_events):
+    path.mkdir()
+    (path / "run-config.json").write_text(json.dumps({"mode": "never-stop", "model": "tiny-llama"}))
+    with (path / "metrics.jsonl").open("w") as f:
+        for i, (r, lag) in enumerate(zip(rewards, lags, strict=True)):
+            f.write(json.dumps({"step": i + 1, "time": 100.0 + 10 * i, "step_s": 10.0, "reward": r, "tokens": 10,
+                                "lag_histogram": lag, "gated_fraction": 0.1, "mismatch_lag0": 0.01 * (i + 1),
+                                "ess": 0.9, "wait_s": 1.0}) + "\n")  # fmt: skip
+        f.write('{"step": 99, "cut by a kil')  # a torn last line is skipped, not fatal
+    with (path / "serve-metrics.jsonl").open("w") as f:
+        for e in serve_events:
+            f.write(json.dumps(e) + "\n")
+
+
+def test_summary_figures_match_hand_computation(tmp_path):
+    rewards = [0.0, 0.2, 0.1, 0.5, 0.5, 0.6, 0.7, 0.9, 0.8, 1.0]
+    lags = [{"0": 6, "1": 4}] * 10
+    events = [
+        {"event": "progress", "time": 100.0, "tokens": 0, "tokens_per_s": 0.0},
+        {"event": "update", "time": 105.0, "ok": True, "stall_s": 0.02},
+        {"event": "update", "time": 115.0, "ok": True, "stall_s": 0.04},
+        {"event": "update", "time": 116.0, "ok": False, "stall_s": None},
+        {"event": "progress", "time": 150.0, "tokens": 5000, "tokens_per_s": 100.0},
+    ]
+    write_run(tmp_path / "r", rewards, lags, events)
+    s = compute_summary(tmp_path / "r")
+    assert s["steps"] == 10 and s["wall_s"] == pytest.approx(100.0)
+    assert s["reward_first"] == pytest.approx(0.1) and s["reward_last"] == pytest.approx(0.9)
+    se_first = math.sqrt(((0.0 - 0.1) ** 2 + (0.2 - 0.1) ** 2) / 1 / 2)
+    assert s["reward_first_se"] == pytest.approx(se_first)
+    assert s["rise_se"] == pytest.approx(0.8 / math.sqrt(2 * se_first**2))
+    assert s["updates"] == 2 and s["stall_mean_s"] == pytest.approx(0.03) and s["stall_p99_s"] == pytest.approx(0.04)
+    assert s["lag_mean"] == pytest.approx(0.4) and s["lag_histogram"] == {"0": 60, "1": 40}
+    assert s["gated_fraction"] == pytest.approx(0.1)
+    assert s["mismatch_lag0"] == pytest.approx(0.055) and s["ess"] == pytest.approx(0.9)
+    assert s["gen_tokens_per_s"] == pytest.approx(100.0)
+    table = summarize([s, s])
+    assert table.count("| never-stop |") == 2 and "0.100 ± 0.100" in table
+
+
+def test_report_writes_pngs_and_the_cli_refuses_a_non_run(tmp_path, capsys):
+    write_run(tmp_path / "r", [0.1, 0.2, 0.3], [{"0": 5}, {"0": 3, "2": 2}, {"1": 5}],
+              [{"event": "progress", "time": 101.0, "tokens": 10, "tokens_per_s": 5.0},
+               {"event": "update", "time": 102.0, "ok": True, "stall_s": 0.01}])  # fmt: skip
+    write_report(tmp_path / "r")
+    for name in ("reward.png", "lag.png", "throughput.png"):
+        assert (tmp_path / "r" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(tmp_path / "r")]) == 0
+    assert "| never-stop | 3 |" in capsys.readouterr().out
+    assert main([str(tmp_path)]) == 2
+    assert "no learner metrics" in capsys.readouterr().err
+
+
+def test_core_and_gpu_lists_and_side_environments():
+    assert parse_cores("0") == [0] and parse_cores("0,2-3") == [0, 2, 3]
+    for bad in ("", "a", "3-1", "0,-1"):
+        with pytest.raises(ValueError, match="core list"):
+            parse_cores(bad)
+    assert parse_gpus("") == [] and parse_gpus("0, 1") == ["0", "1"]
+    with pytest.raises(ValueError, match="GPU list"):
+        parse_gpus("cuda:0")
+    cfg = RunConfig(serve_cores="0", learn_cores="1")
+    env, cores = side_env(cfg, "serve")
+    assert cores == [0] and env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["CUDA_VISIBLE_DEVICES"] == ""
+    env, cores = side_env(RunConfig(learn_gpus="1,2"), "learn")
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2"
+    cfg = RunConfig(learn_gpus="1,2", temperature=0.7, learn_args="--loss ppo")
+    cmds = side_commands(cfg, Path("/nonexistent-run-dir"), (1, 2, 3))
+    assert cmds["learn"][-2:] == ["--loss", "ppo"] and "nccl" in cmds["learn"]
+    learn, serve = cmds["learn"], cmds["serve"]
+    assert learn[learn.index("--temperature") + 1] == serve[serve.index("--temperature") + 1] == "0.7"
+    assert serve[serve.index("--rollouts") + 1] == "tcp://127.0.0.1:1"
+    with pytest.raises(ValueError, match="--learn-cores"):
+        RunConfig(learn_cores="9999").validate()
