@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inflight-installed
 MODELS := smollm2 tiny-llama tiny-qwen2
 
-.PHONY: setup models test test-fast demo demo-generate bench lint clean
+.PHONY: setup models test test-fast demo demo-generate bench bench-micro ablate lint clean
 
 setup: $(STAMP)
 
@@ -25,7 +25,7 @@ models: setup
 
 test: models
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests benchmarks/micro --benchmark-disable
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not engine"
@@ -40,6 +40,15 @@ demo-generate: models
 
 bench: models
 	$(PY) -m benchmarks.weight_swap
+
+bench-micro: setup
+	$(PY) -m pytest -q benchmarks/micro --benchmark-only --benchmark-columns=min,median,max,ops --benchmark-group-by=group
+
+# Five update modes, the same task, seed and budget each (about 45 minutes on 2 cores), then the simulator.
+ablate: models
+	$(PY) -m benchmarks.ablate --duration-s 420
+	$(PY) -m benchmarks.simulate probe
+	$(PY) -m benchmarks.simulate predict --out benchmarks/results/simulate.md
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -7,6 +7,8 @@ touches the live parameters; only `worker_extension.commit_staged` does, between
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from enum import Enum
@@ -45,8 +47,9 @@ class StagedUpdate:
         self._thread.start()
         return self
 
-    def _count(self, _index: int, nbytes: int) -> None:
+    def _count(self, index: int, nbytes: int) -> None:
         self.bytes_received += nbytes
+        _maybe_stall(index, self.manifest.version)
 
     def _run(self) -> None:
         try:
@@ -82,3 +85,16 @@ class StagedUpdate:
             "started_at": self.started_at,
             "staged_at": self.staged_at,
         }
+
+
+def _maybe_stall(index: int, version: int) -> None:
+    """Fault injection for tests, off unless INFLIGHT_FAULT_RECEIVE_STALL="<bucket>:<seconds>" is set: after receiving
+    that bucket of any update, hold the transfer for that long, so a test can kill this serve mid-transfer on cue."""
+    spec = os.environ.get("INFLIGHT_FAULT_RECEIVE_STALL", "")
+    if not spec:
+        return
+    bucket, _, seconds = spec.partition(":")
+    if index == int(bucket):
+        print(f"inflight fault injection: stalling the receive of v{version} after bucket {index} for {seconds}s",
+              file=sys.stderr, flush=True)  # fmt: skip
+        time.sleep(float(seconds))

@@ -8,6 +8,7 @@ visible in `Learner.run`; each step appends one line to `<run_dir>/metrics.jsonl
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import signal
@@ -51,6 +52,7 @@ class Learner:
         if cfg.resume:
             self.version, self.step, consumed, by_server = self._resume()
         self.stop_requested = False
+        self.first_step = self.step
         state = full_hf_state(self.model)
         if rank == 0:
             self._open_sockets(state, consumed, by_server)
@@ -71,8 +73,13 @@ class Learner:
         from inflight.wire.endpoints import ControlServer, RolloutReceiver
 
         cfg = self.cfg
-        self.receiver = RolloutReceiver(cfg.host, cfg.rollouts_port)
-        self.control = ControlServer(cfg.host, cfg.control_port)
+        keys = None
+        if cfg.secret_file:
+            from inflight.wire.secure import derive_keys, read_secret
+
+            keys = derive_keys(read_secret(cfg.secret_file))
+        self.receiver = RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)
+        self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
         self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
                                          cfg.bucket_mb << 20)  # fmt: skip
         self.publisher.set_model(state)
@@ -80,11 +87,52 @@ class Learner:
             self.publisher.latest = (self.version, state)
         self.buffer = RolloutBuffer(cfg.model, consumed, cfg.temperature)
         self.buffer.consumed_by_server.update(by_server)
+        self._open_journal()
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         log.info("learner listening: rollouts %s, control %s, weights store port %d", self.receiver.address,
                  self.control.address, self.publisher.store_port)  # fmt: skip
         print(f"inflight.learn ready: rollouts {self.receiver.address} control {self.control.address} weights "
               f"{cfg.host}:{self.publisher.store_port}", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _open_journal(self) -> None:
+        """The write-ahead log of accepted rollouts (inflight/learn/journal.py): replayed on --resume, else emptied."""
+        import shutil
+
+        from inflight.learn.journal import RolloutJournal
+        from inflight.wire.rollouts import RolloutError, decode_rollout
+
+        directory = self.run_dir / "journal"
+        if not self.cfg.resume and directory.exists():
+            shutil.rmtree(directory)
+        self.journal = RolloutJournal(directory)
+        self.raw: dict[str, bytes] = {}  # rollout id -> record, for records of groups not trained yet
+        self.acks: dict[str, set[str]] = collections.defaultdict(set)  # server id -> group ids to acknowledge
+        replayed = 0
+        for record in self.journal.replay():
+            try:
+                rollout = decode_rollout(record)
+            except RolloutError as exc:  # our own fsynced file: only a bug or a disk fault gets here
+                log.error("journal: skipping an unreadable record: %s", exc)
+                continue
+            if self.buffer.add(rollout, replay=True):
+                self.raw[rollout.rollout_id] = record
+                replayed += 1
+        if replayed:
+            log.info("journal: replayed %d rollouts of untrained groups (%d groups complete)", replayed,
+                     len(self.buffer.ready))  # fmt: skip
+
+    def _receive(self) -> None:
+        """Take what arrived, journal the accepted records (fsync), then queue acknowledgements of held groups."""
+        received = self.receiver.receive_raw(timeout_s=0.05)
+        fresh = []
+        for rollout, record in received:
+            if self.buffer.add(rollout):
+                self.raw[rollout.rollout_id] = record
+                fresh.append(record)
+        self.journal.append(fresh)
+        for rollout, _ in received:  # a re-sent group the learner already holds is acknowledged again
+            if self.buffer.holds(rollout.group_id):
+                self.acks[rollout.server_id].add(rollout.group_id)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -117,16 +165,20 @@ class Learner:
 
         last_progress = 0.0
         while not self.stop_requested:
-            for rollout in self.receiver.receive(timeout_s=0.05):
-                self.buffer.add(rollout)
+            self._receive()
             self.publisher.pump(0)
             self.publisher.catch_up(dict(self.buffer.consumed_by_server))
-            groups = self.buffer.take(self.cfg.groups_per_step)
+            # --wait-for-serves: the first step waits until that many serves have said Hello.
+            waiting = self.step == self.first_step and len(self.publisher.serves) < self.cfg.wait_for_serves
+            groups = None if waiting else self.buffer.take(self.cfg.groups_per_step)
             if groups is not None:
-                self.publisher.send_progress(dict(self.buffer.consumed_by_server), self.version)
+                for group in groups:
+                    for rollout in group:
+                        self.raw.pop(rollout.rollout_id, None)
+                self.publisher.send_progress(dict(self.buffer.consumed_by_server), self.version, self.acks)
                 return build_samples(groups, self.version, self.cfg.max_lag, self.cfg.advantage)
-            if time.monotonic() - last_progress > 1.0:
-                self.publisher.send_progress(dict(self.buffer.consumed_by_server), self.version)
+            if any(self.acks.values()) or time.monotonic() - last_progress > 1.0:
+                self.publisher.send_progress(dict(self.buffer.consumed_by_server), self.version, self.acks)
                 last_progress = time.monotonic()
         return None
 
@@ -187,6 +239,8 @@ class Learner:
         by_server = dict(self.buffer.consumed_by_server) if self.rank == 0 else {}
         meta = {"step": self.step, "version": self.version, "consumed": consumed, "consumed_by_server": by_server}
         save_checkpoint(self.run_dir / "checkpoints" / f"step-{self.step:06d}", self.model, self.optimizer, meta)
+        if self.rank == 0:  # the checkpoint holds the trained groups; the journal keeps only the others
+            self.journal.rotate(self.raw.values())
 
     def export_hf(self) -> None:
         """The trained weights as an HF directory (`<run_dir>/hf-final`) that vLLM or transformers can load."""
@@ -212,6 +266,7 @@ class Learner:
             self.receiver.close()
             self.control.close()
             self.metrics_file.close()
+            self.journal.close()
 
 
 def _loss_config(cfg: LearnConfig):

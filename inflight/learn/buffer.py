@@ -34,33 +34,48 @@ class RolloutBuffer:
         self.rejected[reason] += 1
         log.error("rejected rollout %s from %s: %s", rollout.rollout_id, rollout.server_id, reason)
 
-    def add(self, rollout: Rollout) -> None:
+    def holds(self, group_id: str) -> bool:
+        """True once the whole group is here (waiting or trained) or was trained before a restart."""
+        return group_id in self.completed or group_id in self.consumed
+
+    def add(self, rollout: Rollout, replay: bool = False) -> bool:
+        """True if the rollout was taken; otherwise it was rejected (counted and logged), or, with `replay` (the
+        learner's own journal after a restart), skipped quietly because its group was already trained or it is
+        already here."""
+        if replay and (self.holds(rollout.group_id) or rollout.index in self.pending.get(rollout.group_id, {})):
+            return False
         if self.model is not None and _model_name(rollout.model) != self.model:
-            return self.reject(f"model is {rollout.model!r}, this learner trains {self.model!r}", rollout)
+            self.reject(f"model is {rollout.model!r}, this learner trains {self.model!r}", rollout)
+            return False
         if self.temperature is not None and abs(rollout.sampling.temperature - self.temperature) > 1e-6:
             why = (
                 f"sampled at temperature {rollout.sampling.temperature}, this learner computes logprobs at "
                 f"{self.temperature}: pass --temperature to match serve"
             )
-            return self.reject(why, rollout)
+            self.reject(why, rollout)
+            return False
         if rollout.group_id in self.consumed:
-            return self.reject("its group was already trained (replayed after a restart?)", rollout)
+            self.reject("its group was already trained (replayed after a restart?)", rollout)
+            return False
         if rollout.group_id in self.completed:
-            return self.reject(f"duplicate sample {rollout.index} of the already complete group {rollout.group_id}",
-                               rollout)  # fmt: skip
+            self.reject(f"duplicate sample {rollout.index} of the already complete group {rollout.group_id}", rollout)
+            return False
         group = self.pending.setdefault(rollout.group_id, {})
         if rollout.index in group:
-            return self.reject(f"duplicate sample {rollout.index} of group {rollout.group_id}", rollout)
+            self.reject(f"duplicate sample {rollout.index} of group {rollout.group_id}", rollout)
+            return False
         if group:
             first = next(iter(group.values()))
             if (first.group_size, first.prompt_ids) != (rollout.group_size, rollout.prompt_ids):
-                return self.reject(f"group_size or prompt differs from the rest of group {rollout.group_id}", rollout)
+                self.reject(f"group_size or prompt differs from the rest of group {rollout.group_id}", rollout)
+                return False
         group[rollout.index] = rollout
         self.accepted += 1
         if len(group) == rollout.group_size:
             del self.pending[rollout.group_id]
             self.completed.add(rollout.group_id)
             self.ready.append([group[i] for i in range(rollout.group_size)])
+        return True
 
     def take(self, n_groups: int) -> list[list[Rollout]] | None:
         """The `n_groups` oldest complete groups, marked consumed; None if fewer are ready."""

@@ -47,6 +47,11 @@ class LearnConfig:
     resume: bool = field(default=False, metadata=_h("continue from the latest checkpoint in run_dir"))
     wait_for_serves: int = field(default=1, metadata=_h("serves to wait for before the first step"))
     seed: int = field(default=0, metadata=_h("torch seed"))
+    secret_file: str = field(
+        default="",
+        metadata=_h("shared secret (>= 16 bytes): the rollout and control sockets admit only serves given the same file"
+                    " (ZeroMQ CURVE)"),
+    )  # fmt: skip
 
     def validate(self) -> None:
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
@@ -56,3 +61,7 @@ class LearnConfig:
         require(self.lr > 0, "lr", self.lr, "> 0")
         require(self.temperature > 0, "temperature", self.temperature, "> 0")
         require(self.steps >= 0, "steps", self.steps, ">= 0")
+        if self.secret_file:
+            from inflight.wire.secure import read_secret
+
+            read_secret(self.secret_file)

@@ -122,10 +122,16 @@ class WeightPublisher:
         extra = sorted(set(served) - set(self.expected))
         return f"serve {hello.server_id} has tensor {extra[0]!r} the learner does not train" if extra else ""
 
-    def send_progress(self, consumed_by_server: dict[str, int], version: int) -> None:
+    def send_progress(self, consumed_by_server: dict[str, int], version: int,
+                      acks: dict[str, set[str]] | None = None) -> None:  # fmt: skip
+        """Progress to every serve; `acks` (server id -> group ids) are delivered and removed, or kept for a serve
+        not known (yet) — a restarted serve gets them once it has said Hello."""
         for serve in self.serves.values():
-            self.control.send(serve.identity, Progress(version=version, groups_consumed=consumed_by_server.get(
-                serve.server_id, 0)))  # fmt: skip
+            acked = sorted(acks.pop(serve.server_id, ())) if acks is not None else []
+            message = Progress(version=version, groups_consumed=consumed_by_server.get(serve.server_id, 0), acked=acked,
+                               published=self.latest[0] if self.latest is not None else 0)  # fmt: skip
+            if not self.control.send(serve.identity, message) and acks is not None and acked:
+                acks[serve.server_id] = set(acked)  # not delivered: try again next time
 
     # -- the weights group --------------------------------------------------------------------------------------
     def _break_group(self, why: str) -> None:

@@ -47,7 +47,9 @@ def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advan
         advantages = group_advantages(rewards, kind=advantage_kind)[0].tolist()
         for rollout, adv in zip(group, advantages, strict=True):
             lags = (version - rollout.versions.astype(np.int64)).tolist()
-            keep = [lag <= max_lag for lag in lags]
+            # A negative lag is a token from a version this learner never made: one published by a previous life of
+            # a learner that was killed and resumed from an older checkpoint. That policy is gone: gate it too.
+            keep = [0 <= lag <= max_lag for lag in lags]
             stats.tokens += len(lags)
             stats.gated += keep.count(False)
             stats.lag_histogram.update(lags)

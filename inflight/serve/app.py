@@ -60,9 +60,14 @@ async def serve(cfg: ServeConfig) -> int:
     except BaseException:
         engine.shutdown()
         raise
-    stream = RolloutStream(cfg.rollouts)
+    keys = None
+    if cfg.secret_file:
+        from inflight.wire.secure import derive_keys, read_secret
+
+        keys = derive_keys(read_secret(cfg.secret_file))
+    stream = RolloutStream(cfg.rollouts, keys=keys)
     driver = RolloutDriver(engine, cfg, problems, reward, stream, AutoTokenizer.from_pretrained(model_path), latency)
-    control = ControlClient(cfg.control, driver, tensors)
+    control = ControlClient(cfg.control, driver, tensors, keys=keys)
     reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s)
     control.on_update = reporter.update_event
     try:

@@ -54,6 +54,12 @@ class ServeConfig:
                                                       choices=("bfloat16", "float16", "float32")))  # fmt: skip
     seed: int = field(default=0, metadata=_h("engine sampling seed"))
     version: int = field(default=0, metadata=_h("weight version of the served checkpoint"))
+    wait_for_learner: bool = field(default=True, metadata=_h("admit nothing until the learner reports its latest "
+                                                             "published version, then until that version is committed "
+                                                             "here: a (re)started serve never generates with stale "
+                                                             "weights"))  # fmt: skip
+    secret_file: str = field(default="", metadata=_h("shared secret (>= 16 bytes) for the learner's sockets, ZeroMQ "
+                                                     "CURVE; the learner must be given the same file"))  # fmt: skip
 
     def validate(self) -> None:
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
@@ -70,6 +76,10 @@ class ServeConfig:
         require(self.max_lag >= -1, "max_lag", self.max_lag, ">= -1")
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
         require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
+        if self.secret_file:
+            from inflight.wire.secure import read_secret
+
+            read_secret(self.secret_file)
         if self.tool_latency:
             from inflight.serve.latency import parse_latency
 

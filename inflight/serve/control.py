@@ -30,7 +30,8 @@ log = logging.getLogger("inflight.serve")
 
 
 class ControlClient:
-    def __init__(self, address: str, driver: RolloutDriver, tensors: list[TensorSpec], heartbeat_s: float = 1.0):
+    def __init__(self, address: str, driver: RolloutDriver, tensors: list[TensorSpec], heartbeat_s: float = 1.0,
+                 keys=None):  # fmt: skip
         import zmq
         import zmq.asyncio
 
@@ -39,6 +40,10 @@ class ControlClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 1000)
+        if keys is not None:  # inflight.wire.secure.CurveKeys from --secret-file
+            from inflight.wire.secure import secure_client
+
+            secure_client(self._sock, keys)
         self._sock.connect(address)
         self.rejected = 0
         self._update_task: asyncio.Task | None = None
@@ -75,9 +80,16 @@ class ControlClient:
 
     async def _dispatch(self, message) -> None:
         if isinstance(message, Progress):
+            self.driver.learner_published(message.published)
+            self.driver.stream.ack(message.acked)
             self.driver.set_consumed(message.groups_consumed)
+            self.driver.notify()  # acknowledged records free outstanding room
         elif isinstance(message, Introduce):
             await self.send(self.hello())
+            resent = self.driver.stream.resend()
+            if resent:
+                log.warning("the learner asked for an introduction (restarted?): sending %d unacknowledged rollouts "
+                            "again", resent)  # fmt: skip
         elif isinstance(message, JoinGroup):
             asyncio.create_task(self._join(message))
         elif isinstance(message, UpdateWeights):

@@ -48,6 +48,8 @@ class RolloutDriver:
         self._problems = iter(problems)
         self.stats = DriverStats()
         self.groups_consumed = 0
+        # None: waiting for the learner's first Progress (--wait-for-learner); then the version to have committed.
+        self.required_version: int | None = None if cfg.wait_for_learner else cfg.version
         self._admitted_at_version: dict[int, int] = {}
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -57,6 +59,15 @@ class RolloutDriver:
         """Something that admission depends on changed (a request finished, a record was sent, progress arrived)."""
         self._changed.set()
 
+    def learner_published(self, version: int) -> None:
+        """The learner's latest published version, from its first Progress: admission waits until it is committed."""
+        if self.required_version is None:
+            self.required_version = version
+            if version > self.engine.version:
+                log.info("the learner has published v%d; this serve has v%d: waiting for the update before admitting",
+                         version, self.engine.version)  # fmt: skip
+            self.notify()
+
     def set_consumed(self, groups_consumed: int) -> None:
         if groups_consumed > self.groups_consumed:
             self.groups_consumed = groups_consumed
@@ -64,10 +75,12 @@ class RolloutDriver:
 
     @property
     def outstanding(self) -> int:
-        return self.stats.samples_open + len(self.stream.outbox)
+        return self.stats.samples_open + len(self.stream.outbox) + self.stream.retained_records
 
     def can_admit(self) -> bool:
         cfg, n = self.cfg, self.cfg.group_size
+        if self.required_version is None or self.engine.version < self.required_version:
+            return False
         if self.stopping or (cfg.max_groups and self.stats.groups_admitted >= cfg.max_groups):
             return False
         if self.stats.requests_inflight + n > cfg.max_inflight or self.outstanding + n > cfg.max_outstanding:
@@ -146,7 +159,7 @@ class RolloutDriver:
         )  # fmt: skip
         self.stats.rollouts_made += 1
         self.stats.rewards_sum += score
-        self.stream.offer(encode_rollout(record))
+        self.stream.offer(encode_rollout(record), group_id)
 
     async def _score(self, text: str, problem: Problem) -> float:
         try:

@@ -32,6 +32,7 @@ class ProgressReporter:
             "event": "progress", "time": time.time(), "server_id": d.server_id, "version": d.engine.version,
             "tokens_per_s": (d.engine.tokens_generated - last_tokens) / max(now - last_t, 1e-9),
             "tokens": d.engine.tokens_generated, "inflight": d.stats.requests_inflight, "outbox": len(d.stream.outbox),
+            "retained": d.stream.retained_records, "resent": d.stream.resent,
             "rollouts_sent": d.stream.sent, "groups_admitted": d.stats.groups_admitted,
             "groups_consumed": d.groups_consumed, "mean_reward": d.stats.rewards_sum / made,
             "reward_errors": d.stats.reward_errors, "idle_s": d.engine.idle_s, "stalled_s": d.engine.stalled_s,

@@ -3,7 +3,9 @@
 Topology: the learner binds a ZeroMQ ROUTER (the control address); every serve connects a DEALER and introduces itself
 with `Hello`, then sends a `Status` heartbeat every second. The learner answers with `JoinGroup` (form the weights
 group), `UpdateWeights` (a manifest; the buckets follow over the weights group), and `Progress` (how many groups it has
-consumed, which bounds how far generation may run ahead). A serve reports `Joined` and `UpdateDone`.
+consumed, which bounds how far generation may run ahead, and which groups it has journaled: acknowledged groups the
+serve may forget; it sends the others again when a restarted learner asks it to introduce itself). A serve reports
+`Joined` and `UpdateDone`.
 
 Every message carries `schema`; `decode_control` raises `ControlError` naming the problem for anything malformed or of
 another schema, and the receiver logs it and keeps running.
@@ -87,6 +89,8 @@ class UpdateWeights(_Message, tag="update_weights"):
 class Progress(_Message, tag="progress"):
     version: int = 0
     groups_consumed: int = 0
+    acked: list[str] = []  # group ids the learner holds durably (journaled or trained): the serve may forget them
+    published: int = 0  # version of the learner's latest published weights (a joining serve waits for them)
 
 
 class Introduce(_Message, tag="introduce"):

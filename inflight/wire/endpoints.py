@@ -28,11 +28,15 @@ def _bind(sock, host: str, port: int) -> str:
 
 
 class RolloutReceiver:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = 64, ctx=None):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = 64, ctx=None, keys=None):
         import zmq
 
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
+        if keys is not None:  # inflight.wire.secure.CurveKeys: only serves with the same secret get through
+            from inflight.wire.secure import secure_server
+
+            secure_server(self._sock, keys)
         self._sock.setsockopt(zmq.RCVHWM, hwm)  # bounds what piles up here when training is slow
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = _bind(self._sock, host, port)
@@ -41,9 +45,13 @@ class RolloutReceiver:
 
     def receive(self, timeout_s: float | None = None, max_items: int = 1 << 30) -> list[Rollout]:
         """Everything that arrives within `timeout_s` (at least one record unless it times out), up to `max_items`."""
+        return [rollout for rollout, _ in self.receive_raw(timeout_s, max_items)]
+
+    def receive_raw(self, timeout_s: float | None = None, max_items: int = 1 << 30) -> list[tuple[Rollout, bytes]]:
+        """Like `receive`, each valid rollout with the exact bytes it arrived as (what the learner journals)."""
         import zmq
 
-        out: list[Rollout] = []
+        out: list[tuple[Rollout, bytes]] = []
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(out) < max_items:
             wait_ms = 0 if out else (-1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000)))
@@ -51,7 +59,7 @@ class RolloutReceiver:
                 break
             data = self._sock.recv(copy=True)
             try:
-                out.append(decode_rollout(data))
+                out.append((decode_rollout(data), data))
                 self.received += 1
             except RolloutError as exc:
                 reason = str(exc).split(":")[0][:80]
@@ -64,11 +72,15 @@ class RolloutReceiver:
 
 
 class ControlServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ctx=None):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ctx=None, keys=None):
         import zmq
 
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            from inflight.wire.secure import secure_server
+
+            secure_server(self._sock, keys)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished serve raises instead of vanishing
         self.address = _bind(self._sock, host, port)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -80,15 +81,28 @@ class WeightsGroup:
 
 
 def open_store(address: GroupAddress, is_host: bool) -> dist.TCPStore:
-    """The rendezvous store; the host binds `address.host:address.port` (port 0 picks a free port, see `.port`)."""
+    """The rendezvous store; the host binds `address.host:address.port` (port 0 picks a free port, see `.port`).
+
+    The host binds the listening socket itself and hands it over: left to itself, TCPStore listens on every interface
+    whatever `host` says, and the weights store must not be reachable beyond the address it was given.
+    """
+    listen_fd, port = None, address.port
+    if is_host:
+        listener = socket.socket(socket.AF_INET6 if ":" in address.host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address.host, address.port))
+        listener.listen(512)
+        port = listener.getsockname()[1]
+        listen_fd = listener.detach()  # the store owns the descriptor from now on
     return dist.TCPStore(
         address.host,
-        address.port,
+        port,
         world_size=None,
         is_master=is_host,
         timeout=datetime.timedelta(seconds=address.timeout_s),
         wait_for_workers=False,
         use_libuv=True,
+        master_listen_fd=listen_fd,
     )
 
 

@@ -37,6 +37,7 @@ class LearnerSide:
                 self.control.append(message)
                 if isinstance(message, Hello):
                     self.identity = identity
+                    self.ctl.send(identity, Progress(version=0, published=0))  # what a fresh learner says
 
     def groups(self) -> dict[str, list]:
         out = defaultdict(list)
@@ -180,7 +181,8 @@ def test_backpressure_bounds_outstanding_work_and_delivers_every_rollout_once(mo
             side.pump(0.2)
             if len(side.complete_groups()) > consumed:
                 consumed = len(side.complete_groups())
-                side.ctl.send(side.identity, Progress(version=0, groups_consumed=consumed))
+                acked = sorted(side.complete_groups())  # what a learner has journaled: the serve may forget it
+                side.ctl.send(side.identity, Progress(version=0, groups_consumed=consumed, acked=acked))
 
         side.pump_until(lambda: side.identity is not None)
         while consumed < 3:
