@@ -16,15 +16,22 @@ TESTS = Path(__file__).parent
 class ServeProcess:
     """`python -m inflight.serve` (or another `module`) with its output captured line by line."""
 
-    def __init__(self, args: list[str], env: dict | None = None, module: str = "inflight.serve"):
+    def __init__(self, args: list[str], env: dict | None = None, module: str = "inflight.serve",
+                 prefix: tuple[str, ...] = ()):  # fmt: skip
         full_env = {**os.environ, "PYTHONPATH": f"{TESTS / 'inflight'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *(["--progress-s", "1"] if module == "inflight.serve" else []), *args],
+            [*prefix, sys.executable, "-m", module, *(["--progress-s", "1"] if module == "inflight.serve" else []),
+             *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**full_env, **(env or {})},
         )  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    @classmethod
+    def in_netns(cls, ns: str, args: list[str], module: str, env: dict | None = None) -> ServeProcess:
+        """The same, inside network namespace `ns` (`ip netns exec` replaces itself with the interpreter)."""
+        return cls(args, env=env, module=module, prefix=("ip", "netns", "exec", ns))
 
     def _read(self) -> None:
         for line in self.proc.stdout:

@@ -88,13 +88,14 @@ class StagedUpdate:
 
 
 def _maybe_stall(index: int, version: int) -> None:
-    """Fault injection for tests, off unless INFLIGHT_FAULT_RECEIVE_STALL="<bucket>:<seconds>" is set: after receiving
-    that bucket of any update, hold the transfer for that long, so a test can kill this serve mid-transfer on cue."""
+    """Fault injection for tests, off unless INFLIGHT_FAULT_RECEIVE_STALL="<bucket>:<seconds>[:<version>]" is set:
+    after receiving that bucket of any update (or only of that version), hold the transfer for that long, so a test
+    can kill this serve or cut its link mid-transfer on cue."""
     spec = os.environ.get("INFLIGHT_FAULT_RECEIVE_STALL", "")
     if not spec:
         return
-    bucket, _, seconds = spec.partition(":")
-    if index == int(bucket):
+    bucket, seconds, *only = spec.split(":")
+    if index == int(bucket) and (not only or int(only[0]) == version):
         print(f"inflight fault injection: stalling the receive of v{version} after bucket {index} for {seconds}s",
               file=sys.stderr, flush=True)  # fmt: skip
         time.sleep(float(seconds))

@@ -82,7 +82,7 @@ class Learner:
         self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
         self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
                                          cfg.bucket_mb << 20)  # fmt: skip
-        self.publisher.set_model(state)
+        self.publisher.set_model(state, cfg.dtype if cfg.autocast == "none" else cfg.autocast)
         if self.version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
             self.publisher.latest = (self.version, state)
         self.buffer = RolloutBuffer(cfg.model, consumed, cfg.temperature)

@@ -17,8 +17,19 @@ from pathlib import Path
 from inflight.serve.config import MODES
 
 # What the demo trains with on two CPU cores: bf16 autocast in the learner (AMX) and a short completion budget keep
-# a step near ten seconds, so a few minutes give a few dozen updates.
-DEMO_FLAGS = ["--lr", "1e-5", "--max-tokens", "40", "--learn-args", "--autocast bfloat16"]
+# a step near ten seconds, so a few minutes give a few dozen updates. The serve samples in bf16 too: a learner that
+# computes in bf16 must be matched by a bf16 serve, or fp32 weight updates below bf16 resolution move the serve's
+# policy but not the learner's view of it (lag-0 mismatch grew 0.015 -> 0.5 in 16 steps with an fp32 serve).
+DEMO_FLAGS = [
+    "--lr",
+    "1e-5",
+    "--max-tokens",
+    "40",
+    "--learn-args",
+    "--autocast bfloat16",
+    "--serve-args",
+    "--dtype bfloat16",
+]
 
 
 def run_modes(modes: list[str], duration_s: float, out: Path, extra: list[str], reuse: bool = False,

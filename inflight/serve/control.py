@@ -18,6 +18,7 @@ from inflight.wire.control import (
     Joined,
     JoinGroup,
     Progress,
+    Refused,
     Status,
     TensorSpec,
     UpdateDone,
@@ -27,6 +28,10 @@ from inflight.wire.control import (
 )
 
 log = logging.getLogger("inflight.serve")
+
+
+class RefusedError(RuntimeError):
+    """The learner refused this serve (its model differs): the serve stops with a non-zero exit code."""
 
 
 class ControlClient:
@@ -84,6 +89,9 @@ class ControlClient:
             self.driver.stream.ack(message.acked)
             self.driver.set_consumed(message.groups_consumed)
             self.driver.notify()  # acknowledged records free outstanding room
+        elif isinstance(message, Refused):
+            log.error("the learner refused this serve: %s", message.reason)
+            raise RefusedError(f"the learner refused this serve: {message.reason}")
         elif isinstance(message, Introduce):
             await self.send(self.hello())
             resent = self.driver.stream.resend()

@@ -93,12 +93,18 @@ class Progress(_Message, tag="progress"):
     published: int = 0  # version of the learner's latest published weights (a joining serve waits for them)
 
 
+class Refused(_Message, tag="refused"):
+    """The learner will not send weights to this serve (another model): the serve stops, with `reason`."""
+
+    reason: str = ""
+
+
 class Introduce(_Message, tag="introduce"):
     """The learner does not know this serve (e.g. it restarted): send `Hello` again."""
 
 
 ToLearner = Hello | Status | Joined | UpdateDone
-ToServe = JoinGroup | UpdateWeights | Progress | Introduce
+ToServe = JoinGroup | UpdateWeights | Progress | Introduce | Refused
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {"learner": msgspec.msgpack.Decoder(ToLearner), "serve": msgspec.msgpack.Decoder(ToServe)}

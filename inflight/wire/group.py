@@ -113,5 +113,19 @@ def _make_process_group(store, rank: int, address: GroupAddress, timeout: dateti
         return dist.ProcessGroupNCCL(store, rank, address.world_size, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address.host)]
+    # Rank 0 (the learner) listens on the address it was given; every other rank uses its own address on the route
+    # to rank 0 — on another host `address.host` is not a local address at all.
+    local = address.host if rank == 0 else local_address_towards(address.host, address.port)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
     return dist.ProcessGroupGloo(store, rank, address.world_size, opts)
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent: a UDP connect only picks the route)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, port or 9))
+        except OSError as exc:
+            raise WeightsGroupError(f"no route from this host to the learner at {host}: {exc}") from exc
+        return probe.getsockname()[0]

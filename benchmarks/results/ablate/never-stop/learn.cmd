@@ -1,1 +1,0 @@
-/work/main/.venv/bin/python -m inflight.learn --model smollm2 --host 127.0.0.1 --rollouts-port 41617 --control-port 33915 --weights-port 42047 --groups-per-step 4 --steps 0 --max-lag 4 --temperature 1.0 --lr 1e-05 --seed 0 --run-dir benchmarks/results/ablate/never-stop --autocast bfloat16
