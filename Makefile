@@ -25,7 +25,7 @@ models: setup
 
 test: models
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q tests benchmarks/micro --benchmark-disable
+	$(PY) -m pytest -q tests benchmarks/micro -m "not engine_bench"
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not engine"
@@ -42,7 +42,7 @@ bench: models
 	$(PY) -m benchmarks.weight_swap
 
 bench-micro: setup
-	$(PY) -m pytest -q benchmarks/micro --benchmark-only --benchmark-columns=min,median,max,ops --benchmark-group-by=group
+	$(PY) -m pytest -q benchmarks/micro --benchmark-enable --benchmark-only --benchmark-columns=min,median,max,ops --benchmark-group-by=group
 
 # Five update modes, the same task, seed and budget each (about 45 minutes on 2 cores), then the simulator.
 ablate: models

@@ -101,6 +101,8 @@ def plots(out: Path, modes: list[str]) -> None:
         total = sum(hist.values()) or 1
         xs = sorted(hist)
         ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width, label=m)
+    lags = sorted({int(k) for run in runs.values() for s in run["steps"] for k in s.get("lag_histogram", {})})
+    ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in lags], [str(x) for x in lags])  # one label per lag
     ax.set_xlabel("token lag (versions)")
     ax.set_ylabel("fraction of trained tokens")
     ax.set_title("per-token lag by update mode")

@@ -299,7 +299,7 @@ def measured_speedup(runs: Path) -> dict[str, float]:
     return out
 
 
-def probe_decode(model: str, core: int, out: Path) -> dict:
+def probe_decode(model: str, core: int, out: Path, dtype: str = "bfloat16") -> dict:
     """Seconds per decode step at several batch sizes on a real engine pinned to `core`, and the d0 + d1·b fit."""
     import asyncio
     import os
@@ -317,7 +317,7 @@ def probe_decode(model: str, core: int, out: Path) -> dict:
     async def run() -> dict:
         from vllm import SamplingParams
 
-        engine = await InflightEngine.start(EngineConfig(model=str(resolve_model(model)), dtype="float32"))
+        engine = await InflightEngine.start(EngineConfig(model=str(resolve_model(model)), dtype=dtype))
         try:
             prompt = list(range(100, 140))
             points, tokens = [], 24
@@ -336,7 +336,7 @@ def probe_decode(model: str, core: int, out: Path) -> dict:
         mb, mt = sum(bs) / len(bs), sum(ts) / len(ts)
         d1 = sum((b - mb) * (x - mt) for b, x in zip(bs, ts, strict=True)) / sum((b - mb) ** 2 for b in bs)
         return {"points": points, "d0": max(mt - d1 * mb, 0.0), "d1": max(d1, 0.0), "prefill_per_token": prefill,
-                "model": model, "core": core}  # fmt: skip
+                "model": model, "core": core, "dtype": dtype}  # fmt: skip
 
     result = asyncio.run(run())
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--core", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/decode-probe.json")
+    p.add_argument("--dtype", default="bfloat16", help="the serve's dtype (the ablation serves bf16)")
     q = sub.add_parser("predict", help="calibrate from runs and simulate")
     q.add_argument("--runs", default="benchmarks/results/ablate")
     q.add_argument("--probe", default="benchmarks/results/decode-probe.json")
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--out", default="", help="also write the report here (markdown)")
     args = parser.parse_args(argv)
     if args.command == "probe":
-        print(json.dumps(probe_decode(args.model, args.core, Path(args.out)), indent=2))
+        print(json.dumps(probe_decode(args.model, args.core, Path(args.out), args.dtype), indent=2))
         return 0
     report = predict(Path(args.runs), Path(args.probe), [int(s) for s in args.sizes.split(",")], args.steps)
     if args.out:

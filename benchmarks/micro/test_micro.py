@@ -1,6 +1,6 @@
 """pytest-benchmark micro benchmarks: bucket pack/unpack, weights-group transfer vs memcpy, chunked vs naive logprobs.
 
-    make bench-micro        # = pytest benchmarks/micro --benchmark-only --benchmark-columns=min,median,max,ops
+    make bench-micro        # = pytest benchmarks/micro --benchmark-enable --benchmark-only ...
     pytest benchmarks/micro --benchmark-disable    # each body once, as a test (what `make test` does)
 
 Sizes are SmolLM2-like: 64 MiB of weights in 16 MiB buckets for the wire path; 2048 tokens × 576 hidden × 49152 vocab
@@ -132,3 +132,38 @@ def test_token_logprobs_forward_backward(benchmark, lm_head_inputs, impl):
 
     out = benchmark.pedantic(step, rounds=1 if benchmark.disabled else 3, iterations=1)
     assert out.shape == (2048,) and torch.isfinite(out).all() and hidden.grad is not None
+
+
+@pytest.mark.engine_bench
+@pytest.mark.benchmark(group="commit vs model size")
+@pytest.mark.parametrize("model", ["tiny-llama", "smollm2"])
+def test_commit_time_vs_model_size(benchmark, model):
+    """Receive + commit of a full update on a real engine (bf16), idle engine: the stall a never-stop update costs
+    grows with the model (vLLM's layerwise reload + the CPU repack of every linear layer). Not in `make test`."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from support import Sender, load_state, start_engine, stop_engine
+
+    from inflight.models import prepare
+
+    path = prepare(model)
+    loop = asyncio.new_event_loop()
+    engine = start_engine(loop, path, dtype="bfloat16")
+    try:
+        sender = Sender()
+        loop.run_until_complete(sender.connect(engine))
+        state = {k: v.bfloat16() for k, v in load_state(path).items()}
+        version = iter(range(1, 1000))
+        reports = []
+
+        def update():
+            reports.append(loop.run_until_complete(sender.push(engine, state, next(version), bucket_bytes=16 << 20)))
+
+        benchmark.pedantic(update, rounds=1 if benchmark.disabled else 4, iterations=1, warmup_rounds=0)
+        benchmark.extra_info["commit_ms"] = [round(1e3 * r.commit_s, 1) for r in reports]
+        assert all(r.version >= 1 for r in reports)
+    finally:
+        stop_engine(loop, engine)

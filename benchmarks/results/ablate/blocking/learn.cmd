@@ -1,0 +1,1 @@
+/work/main/.venv/bin/python -m inflight.learn --model smollm2 --host 127.0.0.1 --rollouts-port 41669 --control-port 56607 --weights-port 39949 --groups-per-step 4 --steps 0 --max-lag 4 --temperature 1.0 --lr 1e-05 --seed 0 --run-dir benchmarks/results/ablate/blocking --autocast bfloat16

@@ -1,0 +1,1 @@
+/work/main/.venv/bin/python -m inflight.serve --model smollm2 --task arithmetic --mode blocking --group-size 8 --groups-per-step 4 --max-tokens 40 --temperature 1.0 --max-lag 1 --task-seed 0 --seed 0 --rollouts tcp://127.0.0.1:41669 --control tcp://127.0.0.1:56607 --metrics benchmarks/results/ablate/blocking/serve-metrics.jsonl --dtype bfloat16
