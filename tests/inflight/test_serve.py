@@ -27,12 +27,18 @@ class LearnerSide:
     def __init__(self):
         self.rx, self.ctl = RolloutReceiver(hwm=1), ControlServer()
         self.rollouts, self.control, self.identity = [], [], None
+        self.acked: set[str] = set()
 
     def pump(self, seconds: float, read_rollouts: bool = True) -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             if read_rollouts:
                 self.rollouts += self.rx.receive(timeout_s=0.05)
+                # Like the real learner: acknowledge complete groups, so the serve may forget them.
+                fresh = sorted(set(self.complete_groups()) - self.acked)
+                if fresh and self.identity is not None:
+                    self.ctl.send(self.identity, Progress(version=0, acked=fresh))
+                    self.acked |= set(fresh)
             for identity, message in self.ctl.poll(0.05):
                 self.control.append(message)
                 if isinstance(message, Hello):
