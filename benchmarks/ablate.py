@@ -28,14 +28,14 @@ import json
 import sys
 from pathlib import Path
 
+from inflight.run.report import ready_time
 from inflight.serve.config import MODES
 
 
 def time_to_target(run_dir: Path, target: float, window: int = 5) -> float:
     """Seconds since ready until the moving mean of the batch reward over `window` steps first reaches `target`."""
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    ready = [json.loads(line)["time"] for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-    t0 = ready[0] if ready else steps[0]["time"]
+    t0 = ready_time(run_dir) or steps[0]["time"]
     for i in range(window - 1, len(steps)):
         if sum(s["reward"] for s in steps[i - window + 1 : i + 1]) / window >= target:
             return steps[i]["time"] - t0
@@ -72,10 +72,7 @@ def plots(out: Path, modes: list[str]) -> None:
     from inflight.run.report import load_run
 
     runs = {m: load_run(out / m) for m in modes if (out / m / "metrics.jsonl").exists()}
-    t0s = {}
-    for m in runs:
-        ready = (out / m / "events.jsonl").read_text().splitlines()
-        t0s[m] = json.loads(ready[0])["time"] if ready else runs[m]["steps"][0]["time"]
+    t0s = {m: ready_time(out / m) or run["steps"][0]["time"] for m, run in runs.items()}
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for m, run in runs.items():
@@ -126,11 +123,9 @@ def plots(out: Path, modes: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    from inflight.run.demo import split_run_flags
+
+    argv, extra = split_run_flags(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ablate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=300.0, help="training budget per mode (default 300)")
     parser.add_argument("--out", default="benchmarks/results/ablate", help="parent of the per-mode run directories")

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_dataclass(RunConfig, argv, "python -m inflight.run", __doc__.split("\n\n")[0].split(": ", 1)[1])
     run_dir = Path(cfg.resolved_run_dir())
     run_dir.mkdir(parents=True, exist_ok=True)
-    ports = tuple(range(cfg.port_base, cfg.port_base + 3)) if cfg.port_base else tuple(free_ports(4, cfg.host)[:3])
+    ports = tuple(range(cfg.port_base, cfg.port_base + 3)) if cfg.port_base else tuple(free_ports(3, cfg.host))
     commands = side_commands(cfg, run_dir, ports)  # type: ignore[arg-type]
     for side, args in commands.items():
         _check_side_args(args, side, run_dir)

@@ -32,6 +32,14 @@ DEMO_FLAGS = [
 ]
 
 
+def split_run_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(own flags, flags after `--` that go to every `inflight.run`)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
 def run_modes(modes: list[str], duration_s: float, out: Path, extra: list[str], reuse: bool = False,
               tag: str = "demo") -> tuple[dict[str, int], list[dict]]:  # fmt: skip
     """One `inflight.run` per mode in `<out>/<mode>` with the demo flags + `extra`; (exit codes, summaries).
@@ -54,8 +62,13 @@ def run_modes(modes: list[str], duration_s: float, out: Path, extra: list[str], 
             codes[mode] = 0
             summaries.append(write_report(run_dir))
             continue
-        if run_dir.exists():  # a re-run starts fresh; an old run would mix into the metrics
-            shutil.rmtree(run_dir)
+        if run_dir.exists():  # a re-run starts fresh; a finished old run is kept aside, never deleted
+            if (run_dir / "summary.json").exists():
+                kept = run_dir.with_name(f"{mode}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+                run_dir.rename(kept)
+                print(f"[{tag}] {mode}: the previous run (other flags) is kept in {kept}", file=sys.stderr)
+            else:
+                shutil.rmtree(run_dir)
         started = time.monotonic()
         print(f"[{tag}] {mode}: {duration_s:.0f}s of training in {run_dir}", file=sys.stderr, flush=True)
         codes[mode] = run_main(["--run-dir", str(run_dir), *flags, "--plots", "false"])
@@ -64,15 +77,13 @@ def run_modes(modes: list[str], duration_s: float, out: Path, extra: list[str], 
             summaries.append(write_report(run_dir))
             if codes[mode] == 0:
                 stamp.write_text(json.dumps(flags) + "\n")
+        if codes[mode] == 130:  # Ctrl-C / SIGTERM stops the whole series, not just this mode
+            break
     return codes, summaries
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = split_run_flags(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m inflight.run.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=420.0, help="training budget per mode (default 420)")
     parser.add_argument("--out", default="runs/demo", help="parent of the per-mode run directories")

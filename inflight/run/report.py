@@ -51,6 +51,12 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / len(values))
 
 
+def ready_time(run_dir: Path) -> float | None:
+    """When both sides of the run were ready (the launcher's `ready` event), or None."""
+    ready = [e["time"] for e in _read_jsonl(run_dir / "events.jsonl") if e.get("event") == "ready"]
+    return ready[0] if ready else None
+
+
 def load_run(run_dir: Path) -> dict:
     steps = _read_jsonl(run_dir / "metrics.jsonl")
     serve = _read_jsonl(run_dir / "serve-metrics.jsonl")
@@ -129,8 +135,7 @@ def plot(run_dir: Path) -> list[Path]:
     run = load_run(run_dir)
     steps, serve = run["steps"], run["serve"]
     mode = run["config"].get("mode", "")
-    ready = [e["time"] for e in _read_jsonl(run_dir / "events.jsonl") if e.get("event") == "ready"]
-    t0 = ready[0] if ready else (steps[0]["time"] if steps else 0.0)
+    t0 = ready_time(run_dir) or (steps[0]["time"] if steps else 0.0)
     out = []
 
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4))
