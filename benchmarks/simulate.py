@@ -309,7 +309,7 @@ def probe_decode(model: str, core: int, out: Path, dtype: str = "bfloat16") -> d
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     os.environ["OMP_NUM_THREADS"] = "1"
     from inflight.demo import import_vllm_optional_media
-    from inflight.serve.app import resolve_model
+    from inflight.models import resolve_model
     from vllm_patches.engine import EngineConfig, InflightEngine
 
     import_vllm_optional_media()

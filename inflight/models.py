@@ -177,6 +177,20 @@ _BUILDERS = {
 }
 
 
+def resolve_model(name_or_path: str) -> Path:
+    """A prepared model's name (see MODEL_NAMES) or an HF directory -> the directory both sides load."""
+    if name_or_path in MODEL_NAMES:
+        path = model_dir(name_or_path)
+        if not is_prepared(path):
+            raise SystemExit(f"model {name_or_path} is not prepared: run `python -m inflight.models prepare "
+                             f"{name_or_path}` (or `make models`)")  # fmt: skip
+        return path
+    path = Path(name_or_path)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {name_or_path!r} is neither a prepared model name nor an HF directory")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inflight.models", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,33 @@ def latest_checkpoint(root: str | Path) -> Path | None:
             f"committed; delete {pointer} to start fresh or point it at a complete checkpoint"
         )
     return path
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Keep the checkpoint `latest` names and the `keep` - 1 complete ones before it; delete the other complete ones
+    before it and the remnants of interrupted saves before it. Return what was deleted. `keep` <= 0 keeps everything.
+
+    Nothing after `latest` is touched (e.g. the checkpoints of a lineage an operator rolled back from). Call it on
+    one rank after `save_checkpoint` returned (its barrier means no rank is still writing). Directories are ordered
+    by the step number in their names (`checkpoint_dir`).
+    """
+    if keep <= 0:
+        return []
+    newest = latest_checkpoint(root)
+    if newest is None:
+        return []
+    dirs = sorted((p for p in Path(root).iterdir() if _step_of(p) is not None), key=_step_of)
+    older = [p for p in dirs if (p / META_FILE).exists() and _step_of(p) < _step_of(newest)]
+    keep_set = set([*older, newest][-keep:])
+    doomed = [p for p in dirs if p not in keep_set and _step_of(p) < _step_of(newest)]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def _step_of(path: Path) -> int | None:
+    tail = path.name.removeprefix("step-")
+    return int(tail) if path.name.startswith("step-") and tail.isdigit() and path.is_dir() else None
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+REWARDS = Path(__file__).resolve().parents[1] / "tests" / "inflight"  # serve_rewards.text_length
 
 
 def tree_figures(pid: int) -> dict:
@@ -51,13 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-minutes", type=float, default=3.0)
     parser.add_argument("--every-s", type=float, default=20.0)
     parser.add_argument("--run-dir", default="runs/soak")
+    parser.add_argument("--checkpoint-every", type=int, default=300, help="learner steps between checkpoints")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     total_s = 60 * (args.minutes + args.warmup_minutes)
+    # A reward that varies within a group even for a random model, so every step has gradients and every update
+    # changes the weights; a checkpoint every few minutes exercises journal rotation and checkpoint pruning too.
     cmd = [sys.executable, "-m", "inflight.run", "--model", "tiny-llama", "--run-dir", str(run_dir), "--duration-s",
            str(total_s), "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "16", "--echo", "none",
-           "--learn-args", "--publish-every 1 --checkpoint-every 0"]  # fmt: skip
-    launcher = subprocess.Popen(cmd)
+           "--serve-args", "--reward serve_rewards:text_length", "--learn-args",
+           f"--publish-every 1 --checkpoint-every {args.checkpoint_every} --keep-checkpoints 2"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REWARDS), os.environ.get("PYTHONPATH", "")])}
+    launcher = subprocess.Popen(cmd, env=env)
+    # Background jobs start with SIGINT ignored: stop on SIGTERM too, and stop the run with SIGTERM (inflight.run
+    # handles both: learner first, then serve).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     proc = psutil.Process(launcher.pid)
     samples: list[dict] = []
     start = time.monotonic()
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             with (run_dir / "soak.jsonl").open("a") as f:
                 f.write(json.dumps(sample) + "\n")
     except KeyboardInterrupt:
-        launcher.send_signal(signal.SIGINT)
+        launcher.send_signal(signal.SIGTERM)
         launcher.wait()
     steady = [s for s in samples if s["t"] >= 60 * args.warmup_minutes]
     if len(steady) < 2:

@@ -22,7 +22,7 @@ async def measure(args) -> dict:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from inflight.serve.app import resolve_model
+    from inflight.models import resolve_model
     from inflight.tasks.arithmetic import ArithmeticTask, reward
     from vllm_patches.engine import EngineConfig, InflightEngine
 

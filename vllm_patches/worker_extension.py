@@ -16,6 +16,7 @@ through vLLM's layerwise `reload_weights` and then re-processes a tied `lm_head`
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -28,6 +29,21 @@ from vllm_patches.staging import StagedUpdate, StageState
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 _FLOATS = frozenset(_SAFETENSORS_DTYPES.values())
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """reload_weights warns "<Layer>: Failed to load weights" for layers the checkpoint holds no tensor for: the
+    rotary embedding (a computed cos/sin cache) and a tied LM head (it is the embedding; the commit re-processes it
+    right after). Expected on every update, they would fill the serve log with false alarms; any other layer's
+    warning still shows (an untied head that fails to load is a real failure)."""
+
+    def __init__(self, layers: list[str]):
+        super().__init__()
+        self.messages = frozenset(f"{layer}: Failed to load weights" for layer in layers)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.messages
 
 
 class InflightWorkerExtension:
@@ -117,10 +133,14 @@ class InflightWorkerExtension:
         return {"version": version, "apply_s": time.perf_counter() - start}
 
     def _inflight_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)
+        if getattr(self, "_inflight_log_filter", None) is None:
+            expected = ["RotaryEmbedding", "ParallelLMHead"] if tied else ["RotaryEmbedding"]
+            self._inflight_log_filter = _ExpectedReloadWarnings(expected)
+            logging.getLogger(_LAYERWISE_LOGGER).addFilter(self._inflight_log_filter)
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
             # reload_weights skips a tied lm_head; on CPU it keeps its own prepacked copy of the old matrix.
             lm_head.quant_method.process_weights_after_loading(lm_head)

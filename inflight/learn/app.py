@@ -26,7 +26,7 @@ log = logging.getLogger("inflight.learn")
 
 class Learner:
     def __init__(self, cfg: LearnConfig, rank: int, world: int):
-        from inflight.serve.app import resolve_model
+        from inflight.models import resolve_model
         from learner.model import full_hf_state, load_policy, shard_policy
         from learner.step import TrainConfig, make_optimizer
 
@@ -233,14 +233,17 @@ class Learner:
                  publish.get("publish_s", 0.0))  # fmt: skip
 
     def checkpoint(self) -> None:
-        from learner.checkpoint import save_checkpoint
+        from learner.checkpoint import checkpoint_dir, prune_checkpoints, save_checkpoint
 
         consumed = sorted(self.buffer.consumed) if self.rank == 0 else []
         by_server = dict(self.buffer.consumed_by_server) if self.rank == 0 else {}
         meta = {"step": self.step, "version": self.version, "consumed": consumed, "consumed_by_server": by_server}
-        save_checkpoint(self.run_dir / "checkpoints" / f"step-{self.step:06d}", self.model, self.optimizer, meta)
+        root = self.run_dir / "checkpoints"
+        save_checkpoint(checkpoint_dir(root, self.step), self.model, self.optimizer, meta)
         if self.rank == 0:  # the checkpoint holds the trained groups; the journal keeps only the others
             self.journal.rotate(self.raw.values())
+            for old in prune_checkpoints(root, self.cfg.keep_checkpoints):
+                log.info("checkpoint %s deleted (--keep-checkpoints %d)", old.name, self.cfg.keep_checkpoints)
 
     def export_hf(self) -> None:
         """The trained weights as an HF directory (`<run_dir>/hf-final`) that vLLM or transformers can load."""

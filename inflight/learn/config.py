@@ -44,6 +44,7 @@ class LearnConfig:
     timeout_s: float = field(default=60.0, metadata=_h("timeout of every weights-group collective"))
     run_dir: str = field(default="runs/learn", metadata=_h("metrics, checkpoints and the resolved config go here"))
     checkpoint_every: int = field(default=0, metadata=_h("checkpoint every N steps; 0 = only at the end"))
+    keep_checkpoints: int = field(default=2, metadata=_h("keep the N newest checkpoints; 0 = all"))
     resume: bool = field(default=False, metadata=_h("continue from the latest checkpoint in run_dir"))
     wait_for_serves: int = field(default=1, metadata=_h("serves to wait for before the first step"))
     seed: int = field(default=0, metadata=_h("torch seed"))
@@ -61,6 +62,7 @@ class LearnConfig:
         require(self.lr > 0, "lr", self.lr, "> 0")
         require(self.temperature > 0, "temperature", self.temperature, "> 0")
         require(self.steps >= 0, "steps", self.steps, ">= 0")
+        require(self.keep_checkpoints >= 0, "keep_checkpoints", self.keep_checkpoints, ">= 0 (0 keeps all)")
         if self.secret_file:
             from inflight.wire.secure import read_secret
 

@@ -19,24 +19,10 @@ from inflight.serve.config import ServeConfig
 log = logging.getLogger("inflight.serve")
 
 
-def resolve_model(name_or_path: str) -> Path:
-    from inflight.models import MODEL_NAMES, is_prepared, model_dir
-
-    if name_or_path in MODEL_NAMES:
-        path = model_dir(name_or_path)
-        if not is_prepared(path):
-            raise SystemExit(f"model {name_or_path} is not prepared: run `python -m inflight.models prepare "
-                             f"{name_or_path}` (or `make models`)")  # fmt: skip
-        return path
-    path = Path(name_or_path)
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {name_or_path!r} is neither a prepared model name nor an HF directory")
-    return path
-
-
 async def serve(cfg: ServeConfig) -> int:
     from transformers import AutoTokenizer
 
+    from inflight.models import resolve_model
     from inflight.serve.control import ControlClient
     from inflight.serve.driver import RolloutDriver
     from inflight.serve.latency import parse_latency

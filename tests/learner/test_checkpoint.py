@@ -120,3 +120,33 @@ def test_pointer_to_a_removed_checkpoint_raises_naming_it(tmp_path: Path) -> Non
     (checkpoint_dir(tmp_path, 1) / "meta.json").unlink()
     with pytest.raises(FileNotFoundError, match="step-00000001"):
         latest_checkpoint(tmp_path)
+
+
+def test_prune_keeps_the_newest_complete_and_drops_older_remnants(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        saved(tmp_path, step)
+    remnant = checkpoint_dir(tmp_path, 0)  # an interrupted save older than the newest complete one
+    remnant.mkdir()
+    (remnant / "__0_0.distcp").write_bytes(b"partial")
+    stray = tmp_path / "notes"  # not a checkpoint: never touched
+    stray.mkdir()
+    saved(tmp_path, 4)
+
+    deleted = checkpoint.prune_checkpoints(tmp_path, keep=2)
+
+    assert sorted(p.name for p in deleted) == ["step-00000000", "step-00000001", "step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["notes", "step-00000003", "step-00000004"]
+    model, optimizer = fresh(1)
+    assert load_checkpoint(latest_checkpoint(tmp_path), model, optimizer)["version"] == 4
+    assert checkpoint.prune_checkpoints(tmp_path, keep=2) == []  # idempotent
+
+
+def test_prune_never_touches_latest_or_later_ones_and_keep_zero_keeps_all(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        saved(tmp_path, step)
+    assert checkpoint.prune_checkpoints(tmp_path, keep=0) == []
+    (tmp_path / "latest").write_text("step-00000001")  # e.g. an operator rolled back to an older checkpoint
+    assert checkpoint.prune_checkpoints(tmp_path, keep=1) == []  # nothing after latest is touched
+    assert latest_checkpoint(tmp_path).name == "step-00000001"
+    assert len(list(tmp_path.glob("step-*"))) == 3
+    assert checkpoint.prune_checkpoints(tmp_path, keep=1) == []
