@@ -235,7 +235,7 @@ class Learner:
     def checkpoint(self) -> None:
         from learner.checkpoint import checkpoint_dir, prune_checkpoints, save_checkpoint
 
-        consumed = sorted(self.buffer.consumed) if self.rank == 0 else []
+        consumed = self.buffer.consumed.to_json() if self.rank == 0 else {}
         by_server = dict(self.buffer.consumed_by_server) if self.rank == 0 else {}
         meta = {"step": self.step, "version": self.version, "consumed": consumed, "consumed_by_server": by_server}
         root = self.run_dir / "checkpoints"

@@ -3,8 +3,8 @@
 Called by the learner's rank 0. Records arrive one per sample from any number of serves; a group becomes trainable
 when all `group_size` samples are in. Anything inconsistent (a duplicate rollout id, a sample whose group disagrees on
 its size or prompt, a record for another model, a group id already trained) is rejected, counted by reason and logged
-— never silently dropped, never trained twice. `consumed` (group ids already trained) goes into every checkpoint so a
-resumed learner refuses replays.
+— never silently dropped, never trained twice. `consumed` (the groups already trained, inflight/learn/consumed.py) goes
+into every checkpoint so a resumed learner refuses replays; a group leaves `completed` when it is trained.
 """
 
 from __future__ import annotations
@@ -13,19 +13,20 @@ import collections
 import logging
 from collections.abc import Iterable
 
+from inflight.learn.consumed import ConsumedGroups
 from inflight.wire.rollouts import Rollout
 
 log = logging.getLogger("inflight.learn")
 
 
 class RolloutBuffer:
-    def __init__(self, model: str | None = None, consumed: Iterable[str] = (), temperature: float | None = None):
+    def __init__(self, model: str | None = None, consumed: Iterable[str] | dict = (), temperature: float | None = None):
         self.temperature = temperature
         self.model = _model_name(model) if model else None
         self.pending: dict[str, dict[int, Rollout]] = {}
         self.ready: collections.deque[list[Rollout]] = collections.deque()
-        self.consumed: set[str] = set(consumed)
-        self.completed: set[str] = set()  # complete groups (waiting or trained) of this process
+        self.consumed = ConsumedGroups(consumed)
+        self.completed: set[str] = set()  # complete groups waiting to be trained
         self.consumed_by_server: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.accepted = 0
@@ -84,6 +85,7 @@ class RolloutBuffer:
         groups = [self.ready.popleft() for _ in range(n_groups)]
         for group in groups:
             self.consumed.add(group[0].group_id)
+            self.completed.discard(group[0].group_id)
             self.consumed_by_server[group[0].server_id] += 1
         return groups
 

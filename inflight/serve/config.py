@@ -20,7 +20,7 @@ class ServeConfig:
     model: str = field(
         default="smollm2", metadata=_h("prepared model name (smollm2, tiny-llama, tiny-qwen2) or HF dir")
     )
-    server_id: str = field(default="", metadata=_h("name in every rollout record; empty = <hostname>-<pid>"))
+    server_id: str = field(default="", metadata=_h("name (default <hostname>-<pid>); records say <name>@<run>"))
     rollouts: str = field(default="tcp://127.0.0.1:5555", metadata=_h("learner's rollout address (ZeroMQ PUSH to it)"))
     control: str = field(default="tcp://127.0.0.1:5556", metadata=_h("learner's control address (ZeroMQ DEALER)"))
     task: str = field(default="arithmetic", metadata=_h("'arithmetic' or 'jsonl:<path>'"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ class RolloutDriver:
                  stream: RolloutStream, tokenizer, tool_latency: Callable[[], float] | None = None):  # fmt: skip
         self.engine, self.cfg, self.reward, self.stream = engine, cfg, reward, stream
         self.tokenizer, self.tool_latency = tokenizer, tool_latency
-        self.server_id = cfg.resolved_server_id()
+        # One incarnation per process: a serve restarted under the same --server-id is a new stream to the learner,
+        # so its group ids and consumed counts start afresh instead of colliding with those of its previous life.
+        self.server_id = f"{cfg.resolved_server_id()}@{secrets.token_hex(4)}"
         self._problems = iter(problems)
         self.stats = DriverStats()
         self.groups_consumed = 0

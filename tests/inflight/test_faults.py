@@ -168,6 +168,12 @@ def kill_tree(proc) -> None:
     proc.wait(30)
 
 
+def stream_id(serve) -> str:
+    """The id a serve's records carry: its --server-id plus this start's incarnation."""
+    ready = next(line for line in serve.lines if "inflight.serve ready: server " in line)
+    return ready.split("inflight.serve ready: server ", 1)[1].split(",")[0]
+
+
 def serve_args(model_dir, ports, server_id, metrics):
     return ["--model", str(model_dir), "--rollouts", f"tcp://127.0.0.1:{ports[0]}", "--control",
             f"tcp://127.0.0.1:{ports[1]}", "--group-size", str(GROUP), "--groups-per-step", str(PER_STEP),
@@ -190,10 +196,13 @@ def test_serve_killed_mid_transfer_is_dropped_the_other_keeps_updating_and_a_res
         learn.wait_for("publishing v1 failed", 60)
         assert time.monotonic() - killed_at < 20 + 10  # within --timeout-s (plus the quiet probe)
         learn.wait_for("step 3 v3", 240)  # training and publishing go on with serve B alone
-        a2 = ServeProcess(serve_args(model, ports, "serve-a2", tmp_path / "a2.jsonl"))
+        # Restarted under the same name, as a supervisor would: a new stream, never mistaken for the dead one.
+        a2 = ServeProcess(serve_args(model, ports, "serve-a", tmp_path / "a2.jsonl"))
         a2.wait_for("committed", 240)
+        first, second = stream_id(a), stream_id(a2)
+        assert first.startswith("serve-a@") and second.startswith("serve-a@") and first != second
         deadline = time.monotonic() + 180
-        while not any(g.startswith("serve-a2-") for s in read_jsonl(tmp_path / "metrics.jsonl") for g in s["groups"]):
+        while not any(g.startswith(second + "-g") for s in read_jsonl(tmp_path / "metrics.jsonl") for g in s["groups"]):
             assert time.monotonic() < deadline, "the restarted serve's rollouts were never trained on"
             time.sleep(1)
         assert learn.stop() == 0, learn.tail()
@@ -212,3 +221,8 @@ def test_serve_killed_mid_transfer_is_dropped_the_other_keeps_updating_and_a_res
     caught_up = events[first_update]["version"]
     assert caught_up >= 3
     assert all(e["groups_admitted"] == 0 for e in events[:first_update] if e["event"] == "progress")
+    # Its admission gate counts only its own groups (the dead incarnation's consumed groups are not credited to it),
+    # and none of its rollouts was refused as a group trained before.
+    progress = [e for e in events if e["event"] == "progress"]
+    assert progress and all(e["groups_consumed"] <= e["groups_admitted"] for e in progress)
+    assert not any("already trained" in reason for reason in steps[-1]["rejected"])
