@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from inflight.wire.group import GroupAddress, WeightsGroup
+from inflight.wire.memory import trim_heap
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
 from vllm_patches.staging import StagedUpdate, StageState
 
@@ -128,9 +129,10 @@ class InflightWorkerExtension:
             self._inflight_apply(self._inflight_rollback_source())
             stage.state = StageState.FAILED
             raise
-        self._inflight_live = stage.tensors  # the rollback source for the next commit
+        self._inflight_live = stage.tensors  # the rollback source for the next commit (the previous one is freed)
         stage.state = StageState.COMMITTED
-        return {"version": version, "apply_s": time.perf_counter() - start}
+        applied = time.perf_counter() - start
+        return {"version": version, "apply_s": applied, "trim_s": trim_heap()}
 
     def _inflight_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         model = self.model_runner.get_model()

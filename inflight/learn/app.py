@@ -20,6 +20,7 @@ import torch
 
 from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
+from inflight.wire.memory import trim_heap
 
 log = logging.getLogger("inflight.learn")
 
@@ -211,7 +212,9 @@ class Learner:
             return {}
         report = self.publisher.publish(state, self.version, dict(self.buffer.consumed_by_server))
         seconds = time.perf_counter() - start
+        del state  # the snapshot (the publisher keeps what a late joiner needs)
         return {"publish_s": seconds, "publish_bytes": report.bytes, "publish_serves": report.serves,
+                "trim_s": trim_heap(),
                 "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
                 "publish_failed": report.failed}  # fmt: skip
 

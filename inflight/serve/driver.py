@@ -53,7 +53,7 @@ class RolloutDriver:
         self.groups_consumed = 0
         # None: waiting for the learner's first Progress (--wait-for-learner); then the version to have committed.
         self.required_version: int | None = None if cfg.wait_for_learner else cfg.version
-        self._admitted_at_version: dict[int, int] = {}
+        self._admitted_at = (0, 0)  # (engine version, groups admitted under it): blocking mode's gate
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.stopping = False
@@ -92,7 +92,9 @@ class RolloutDriver:
                                  >= (cfg.max_lag + 1) * cfg.groups_per_step):  # fmt: skip
             return False
         return not (
-            cfg.mode == "blocking" and self._admitted_at_version.get(self.engine.version, 0) >= cfg.groups_per_step
+            cfg.mode == "blocking"
+            and self._admitted_at[0] == self.engine.version
+            and self._admitted_at[1] >= cfg.groups_per_step
         )
 
     async def run(self) -> None:
@@ -106,7 +108,8 @@ class RolloutDriver:
             self.stats.requests_inflight += self.cfg.group_size  # counted now: the group's tasks start later
             self.stats.samples_open += self.cfg.group_size
             version = self.engine.version
-            self._admitted_at_version[version] = self._admitted_at_version.get(version, 0) + 1
+            at, count = self._admitted_at
+            self._admitted_at = (version, count + 1 if at == version else 1)
             task = asyncio.create_task(self._run_group(group_index, problem))
             self._tasks.add(task)
             task.add_done_callback(self._group_done)

@@ -1,0 +1,34 @@
+"""Handing freed heap memory back to the operating system after each weight update (glibc; a no-op elsewhere).
+
+Every update frees and allocates hundreds of MB in blocks of many sizes on both sides: the learner's snapshot and
+buckets, the serve's staging buckets and the weights vLLM repacks on reload. glibc keeps such freed memory mapped
+inside its arenas (its mmap threshold rises to the size of the blocks freed, so later ones come from the heap), and
+resident memory creeps up with the number of updates although nothing leaks. `malloc_trim(0)` returns every free page
+of every arena; measured here at a few milliseconds per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+
+_malloc_trim = None
+_looked_up = False
+
+
+def trim_heap() -> float:
+    """Return free heap pages to the OS; the seconds it took (0.0 where the C library has no malloc_trim)."""
+    global _malloc_trim, _looked_up
+    if not _looked_up:
+        _looked_up = True
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+            _malloc_trim = None
+    if _malloc_trim is None:
+        return 0.0
+    start = time.perf_counter()
+    _malloc_trim(0)
+    return time.perf_counter() - start
