@@ -35,3 +35,35 @@ def register() -> None:
 
     if getattr(EngineCore, "inflight_commit", None) is not inflight_commit:
         EngineCore.inflight_commit = inflight_commit
+    _exit_with_parent()
+
+
+def _exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
+    """In vLLM's child processes (EngineCore, workers): exit when the process that started this one is gone.
+
+    A serve killed with -9 cannot stop its engine; vLLM's EngineCore does not notice and would keep its weights and KV
+    cache (GBs) for ever, and a supervisor that restarts the serve would pile them up. A daemon thread watches the
+    parent pid; when it changes (re-parented), SIGTERM runs vLLM's own shutdown, and after `grace_s` the process exits
+    regardless.
+    """
+    import multiprocessing
+    import os
+    import signal
+    import sys
+    import threading
+
+    watching = any(t.name == "inflight-parent-watch" for t in threading.enumerate())
+    if multiprocessing.parent_process() is None or watching:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"inflight: parent process {parent} is gone; stopping {multiprocessing.current_process().name} "
+              f"(pid {os.getpid()})", file=sys.stderr, flush=True)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="inflight-parent-watch", daemon=True).start()

@@ -85,15 +85,24 @@ def test_a_dying_serve_fails_the_run_with_its_last_lines(tmp_path):
     try:
         launcher.wait_for("inflight.serve ready", 240)
         serve = children(launcher)["serve"]
+        engine = serve.children(recursive=True)  # vLLM's EngineCore and worker
+        assert any("EngineCore" in " ".join(p.cmdline()) for p in engine), [p.cmdline() for p in engine]
         os.kill(serve.pid, signal.SIGKILL)
         launcher.proc.wait(240)
+        # The orphaned engine processes stop by themselves (vllm_patches.plugin's parent watch), not holding their
+        # weights and KV cache for ever.
+        gone, alive = psutil.wait_procs(engine, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         launcher.stop()
     assert launcher.proc.returncode == 1
     out = launcher.tail(80)
     assert "serve exited with code -9" in out
-    last = [line for line in (run_dir / "serve.log").read_text().splitlines() if line.strip()][-1]
-    assert last in out.split("serve exited with code -9", 1)[1]  # the serve's last lines follow the reason
+    # The serve's last lines follow the reason. (The orphaned engine's shutdown lines may land in serve.log after the
+    # report, so the quoted lines are compared with the log, not with its end.)
+    quoted = out.split("serve exited with code -9; its last lines:\n", 1)[1].splitlines()
+    logged = set((run_dir / "serve.log").read_text().splitlines())
+    assert quoted[0].strip() and quoted[0] in logged, quoted[:3]
 
 
 def test_bad_side_flags_fail_before_anything_starts(tmp_path):
