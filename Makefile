@@ -25,7 +25,7 @@ models: setup
 
 test: models
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q tests benchmarks/micro -m "not engine_bench"
+	$(PY) -m pytest -q tests benchmarks/micro -m "not engine_bench" --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not engine"

@@ -80,7 +80,10 @@ def test_learner_killed_mid_run_resumes_and_every_group_is_trained_exactly_once(
     # (journal replay + the serve's re-send), nothing was trained twice (checkpointed consumed set).
     assert sorted(lineage) == sorted(set(lineage)) and len(lineage) == GROUPS
     assert {g.rsplit("-g", 1)[1] for g in lineage} == {str(i) for i in range(GROUPS)}
+    # Steps and versions go on from the checkpoint: the versions the dead learner published after it are re-used by
+    # the weights the surviving model publishes.
     assert [s["step"] for s in steps[len(life1) :]] == list(range(resumed_from + 1, GROUPS // PER_STEP + 1))
+    assert [s["version"] for s in steps[len(life1) :]] == [s["step"] for s in steps[len(life1) :]]
     assert "replayed" in second.tail(200) or any("resent" in e and e["resent"] for e in read_jsonl(
         tmp_path / "serve.jsonl"))  # fmt: skip
     assert (tmp_path / "hf-final" / "model.safetensors").exists()

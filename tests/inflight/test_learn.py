@@ -1,4 +1,5 @@
-"""inflight.learn + inflight.serve as real processes: train on streamed rollouts, publish every step, resume."""
+"""inflight.learn + inflight.serve as real processes: train on streamed rollouts, publish every step. (Resume, with the
+serve up through the learner's death, is tests/inflight/test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -59,31 +60,6 @@ def test_learner_trains_on_served_rollouts_and_every_update_reaches_the_serve(mo
     assert all(s.get("mismatch_lag0", 0.0) < 0.05 for s in steps)
     assert (tmp_path / "hf-final" / "model.safetensors").is_file()
     assert (tmp_path / "checkpoints").is_dir()
-
-
-def test_resume_continues_version_numbering_and_never_trains_a_group_twice(model_dirs, tmp_path):
-    learn, serve = start_pair(model_dirs["tiny-llama"], tmp_path, 2, extra_learn=["--checkpoint-every", "1"])
-    ports = [learn.proc.args[learn.proc.args.index(f"--{k}-port") + 1] for k in ("rollouts", "control", "weights")]
-    try:
-        assert wait_exit(learn) == 0, learn.tail()
-        serve.stop()
-        # The learner comes back on the same ports from its latest checkpoint, with a fresh serve. (A serve that stays
-        # up through a learner restart is issue 8: it needs rollout acks and replay.)
-        resumed = ServeProcess(["--model", str(model_dirs["tiny-llama"]), "--steps", "4", "--groups-per-step", "2",
-                                "--run-dir", str(tmp_path), "--rollouts-port", ports[0], "--control-port", ports[1],
-                                "--weights-port", ports[2], "--bucket-mb", "1", "--timeout-s", "30", "--lr", "1e-3",
-                                "--checkpoint-every", "1", "--resume", "true"], module="inflight.learn")  # fmt: skip
-        resumed.wait_for("inflight.learn ready", timeout_s=120)
-        serve = ServeProcess(serve.proc.args[5:])  # the same flags: a fresh serve process
-        assert wait_exit(resumed) == 0, resumed.tail()
-    finally:
-        serve.stop()
-    steps = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [s["step"] for s in steps] == [1, 2, 3, 4] and [s["version"] for s in steps] == [1, 2, 3, 4]
-    trained = [g for s in steps for g in s["groups"]]
-    assert len(trained) == len(set(trained)) == 8
-    updates = [e["version"] for e in read_jsonl(tmp_path / "serve.jsonl") if e["event"] == "update" and e["ok"]]
-    assert updates[-1] == 4 and 3 in updates
 
 
 def test_after_a_published_update_the_serve_answers_like_the_learners_model(model_dirs, tmp_path):
