@@ -20,9 +20,10 @@ import torch
 
 from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
-from inflight.wire.memory import trim_heap
+from inflight.wire.memory import trim_heap_in_background
 
 log = logging.getLogger("inflight.learn")
+TRIM_EVERY_S = 30.0  # seconds between two heap trims after publishes (inflight.wire.memory)
 
 
 class Learner:
@@ -213,8 +214,8 @@ class Learner:
         report = self.publisher.publish(state, self.version, dict(self.buffer.consumed_by_server))
         seconds = time.perf_counter() - start
         del state  # the snapshot (the publisher keeps what a late joiner needs)
+        trim_heap_in_background(min_interval_s=TRIM_EVERY_S)  # freed snapshots and buckets back to the OS
         return {"publish_s": seconds, "publish_bytes": report.bytes, "publish_serves": report.serves,
-                "trim_s": trim_heap(),
                 "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
                 "publish_failed": report.failed}  # fmt: skip
 

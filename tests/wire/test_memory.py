@@ -27,11 +27,26 @@ PROBE = textwrap.dedent("""
     seconds = trim_heap()
     print(before, rss(), seconds)
 """)
+# The same, trimmed by a background thread: the call returns at once and the pages are back once the thread is done.
+BACKGROUND = PROBE.replace(
+    "seconds = trim_heap()",
+    textwrap.dedent("""
+    import threading, time
+    from inflight.wire.memory import trim_heap_in_background
+    start = time.perf_counter()
+    assert trim_heap_in_background()
+    seconds = time.perf_counter() - start
+    for t in threading.enumerate():
+        if t.name == "inflight-trim-heap":
+            t.join()
+    """).strip(),
+)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
-def test_trim_returns_freed_heap_pages_that_free_alone_keeps():
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
+@pytest.mark.parametrize("probe", [PROBE, BACKGROUND], ids=["inline", "background"])
+def test_trim_returns_freed_heap_pages_that_free_alone_keeps(probe):
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     before, after, seconds = out.stdout.split()
     assert int(before) - int(after) > 150, out.stdout  # MB given back
     assert 0 < float(seconds) < 1.0
@@ -39,3 +54,17 @@ def test_trim_returns_freed_heap_pages_that_free_alone_keeps():
 
 def test_trim_is_safe_to_call_repeatedly():
     assert all(trim_heap() >= 0.0 for _ in range(3))
+
+
+def test_one_background_trim_at_a_time():
+    from inflight.wire import memory
+
+    with memory._trimming:  # as if a trim were running
+        assert not memory.trim_heap_in_background()
+    assert memory.trim_heap_in_background()
+    with memory._trimming:  # that one has finished: the lock is free again
+        pass
+    assert not memory.trim_heap_in_background(min_interval_s=3600)  # too soon after the last one
+    with memory._trimming:
+        pass
+    assert memory.trim_heap_in_background(min_interval_s=0.0)
