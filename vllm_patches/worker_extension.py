@@ -24,11 +24,9 @@ from collections.abc import Iterator
 import torch
 
 from inflight.wire.group import GroupAddress, WeightsGroup
-from inflight.wire.memory import trim_heap_in_background
+from inflight.wire.memory import trim_after_update
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
 from vllm_patches.staging import StagedUpdate, StageState
-
-TRIM_EVERY_S = 30.0  # seconds between two heap trims after commits
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 _FLOATS = frozenset(_SAFETENSORS_DTYPES.values())
@@ -134,9 +132,9 @@ class InflightWorkerExtension:
         self._inflight_live = stage.tensors  # the rollback source for the next commit (the previous one is freed)
         stage.state = StageState.COMMITTED
         applied = time.perf_counter() - start
-        # Freed weights and buckets go back to the OS every 30 s, off the engine's critical path: a trim after every
-        # commit added ~20 ms to each stall (inflight.wire.memory).
-        trim_heap_in_background(min_interval_s=TRIM_EVERY_S)
+        # Freed weights and buckets go back to the OS every 30 s (INFLIGHT_TRIM_EVERY_S), off the engine's critical
+        # path: a trim after every commit added ~20 ms to each stall (inflight.wire.memory).
+        trim_after_update()
         return {"version": version, "apply_s": applied}
 
     def _inflight_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -20,10 +20,9 @@ import torch
 
 from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
-from inflight.wire.memory import trim_heap_in_background
+from inflight.wire.memory import trim_after_update
 
 log = logging.getLogger("inflight.learn")
-TRIM_EVERY_S = 30.0  # seconds between two heap trims after publishes (inflight.wire.memory)
 
 
 class Learner:
@@ -192,7 +191,7 @@ class Learner:
                     for s in mine]  # fmt: skip
         tokens = sum(sum(s.token_mask) for s in samples)
         batch = make_batch(as_train, pad_id=0)
-        fresh = [t._replace(token_mask=[lag == 0 for lag in s.lags]) for t, s in zip(as_train, mine, strict=True)]
+        fresh = [t._replace(token_mask=s.on_policy_prefix) for t, s in zip(as_train, mine, strict=True)]
         lag0 = make_batch(fresh, pad_id=0).mask
         start = time.perf_counter()
         sequences = sum(any(s.token_mask) for s in samples)  # a wholly gated sample does not count
@@ -214,7 +213,7 @@ class Learner:
         report = self.publisher.publish(state, self.version, dict(self.buffer.consumed_by_server))
         seconds = time.perf_counter() - start
         del state  # the snapshot (the publisher keeps what a late joiner needs)
-        trim_heap_in_background(min_interval_s=TRIM_EVERY_S)  # freed snapshots and buckets back to the OS
+        trim_after_update()  # freed snapshots and buckets back to the OS (INFLIGHT_TRIM_EVERY_S)
         return {"publish_s": seconds, "publish_bytes": report.bytes, "publish_serves": report.serves,
                 "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
                 "publish_failed": report.failed}  # fmt: skip

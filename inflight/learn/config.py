@@ -63,6 +63,9 @@ class LearnConfig:
         require(self.temperature > 0, "temperature", self.temperature, "> 0")
         require(self.steps >= 0, "steps", self.steps, ">= 0")
         require(self.keep_checkpoints >= 0, "keep_checkpoints", self.keep_checkpoints, ">= 0 (0 keeps all)")
+        from inflight.wire.memory import trim_every_s
+
+        trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update
         if self.secret_file:
             from inflight.wire.secure import read_secret
 

@@ -7,6 +7,8 @@ trains on its fresh tail. A sample whose every token is gated contributes nothin
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -24,6 +26,16 @@ class Sample:
     advantage: float
     token_mask: list[bool]
     lags: list[int]
+
+    @property
+    def on_policy_prefix(self) -> list[bool]:
+        """Tokens sampled by the learner's current version after a completion prefix that was too (lag 0 all along).
+
+        The probe for train/inference mismatch. With kv="keep", a lag-0 token late in a sequence begun under older
+        weights attends to KV those weights computed, while the learner recomputes that prefix with its own: the gap
+        there measures staleness, not mismatch. (Token i's KV context comes from the steps that sampled tokens 0..i.)
+        """
+        return list(itertools.accumulate((lag == 0 for lag in self.lags), operator.and_))
 
 
 @dataclass

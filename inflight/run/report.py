@@ -10,7 +10,8 @@ Figures, all from the metrics files (nothing is re-measured):
   on the old weights and the first on the new ones, as the engine measured it).
 - lag: per-token lag (learner version at training time − the version that generated the token), token-weighted over
   the whole run; `gated` is the fraction of tokens masked by the staleness gate.
-- mismatch: mean |learner logprob − behaviour logprob| over lag-0 tokens; ESS: effective sample size of the token
+- mismatch: mean |learner logprob − behaviour logprob| over lag-0 tokens whose whole completion prefix is lag 0 too
+  (so the engine's KV for them came from the same weights); ESS: effective sample size of the token
   importance weights, mean over steps.
 - gen tok/s: the serve's generated tokens per second of the run's wall clock (from its cumulative token counter).
 - serve idle: fraction of the serve's wall clock with nothing to generate (starved by the learner gate or waiting in

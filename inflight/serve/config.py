@@ -76,6 +76,9 @@ class ServeConfig:
         require(self.max_lag >= -1, "max_lag", self.max_lag, ">= -1")
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
         require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
+        from inflight.wire.memory import trim_every_s
+
+        trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update
         if self.secret_file:
             from inflight.wire.secure import read_secret
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 import time
 
@@ -37,6 +38,35 @@ def trim_heap() -> float:
 
 _trimming = threading.Lock()
 _last_trim_start = float("-inf")
+
+
+TRIM_EVERY_ENV = "INFLIGHT_TRIM_EVERY_S"
+
+
+def trim_every_s(default: float = 30.0) -> float | None:
+    """The trim interval after weight updates: `INFLIGHT_TRIM_EVERY_S` (seconds; 0 = after every update, `never` = no
+    trim), else `default`. None means never."""
+    raw = os.environ.get(TRIM_EVERY_ENV, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("never", "off", "none"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ValueError(f"{TRIM_EVERY_ENV}={raw!r}: expected seconds >= 0 (0 = after every update) or 'never'")
+    return value
+
+
+def trim_after_update() -> bool:
+    """After a weight update (the engine's commit, the learner's publish): a background trim per `trim_every_s()`."""
+    try:
+        every = trim_every_s()
+    except ValueError:  # inflight.serve and inflight.learn refuse a bad value at start-up; a library user: the default
+        every = 30.0
+    return False if every is None else trim_heap_in_background(min_interval_s=every)
 
 
 def trim_heap_in_background(min_interval_s: float = 0.0) -> bool:

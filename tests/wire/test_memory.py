@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -68,3 +69,29 @@ def test_one_background_trim_at_a_time():
     with memory._trimming:
         pass
     assert memory.trim_heap_in_background(min_interval_s=0.0)
+
+
+@pytest.mark.parametrize(("raw", "want"), [("", 30.0), ("0", 0.0), ("12.5", 12.5), ("never", None), ("OFF", None)])
+def test_trim_interval_comes_from_the_environment(monkeypatch, raw, want):
+    from inflight.wire.memory import trim_every_s
+
+    monkeypatch.setenv("INFLIGHT_TRIM_EVERY_S", raw)
+    assert trim_every_s() == want
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon"])
+def test_a_bad_trim_interval_names_the_variable_and_the_fix(monkeypatch, raw):
+    from inflight.wire.memory import trim_every_s
+
+    monkeypatch.setenv("INFLIGHT_TRIM_EVERY_S", raw)
+    with pytest.raises(ValueError, match=r"INFLIGHT_TRIM_EVERY_S=.*seconds >= 0 .* or 'never'"):
+        trim_every_s()
+
+
+@pytest.mark.parametrize("side", ["inflight.serve", "inflight.learn"])
+def test_serve_and_learn_refuse_a_bad_trim_interval_at_start_up(side):
+    env = {**os.environ, "INFLIGHT_TRIM_EVERY_S": "soon"}
+    out = subprocess.run([sys.executable, "-m", side, "--model", "tiny-llama"], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "INFLIGHT_TRIM_EVERY_S='soon'" in out.stderr
