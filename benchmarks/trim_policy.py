@@ -12,19 +12,19 @@ RSS drift needs the 30-minute soak (BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from inflight.run.report import load_run
+
 SOAK = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
 
-def stalls_ms(metrics: Path, warmup_s: float) -> list[float]:
-    updates = [json.loads(line) for line in metrics.read_text().splitlines() if '"update"' in line]
-    updates = [u for u in updates if u.get("event") == "update" and u.get("ok")]
+def stalls_ms(run_dir: Path, warmup_s: float) -> list[float]:
+    updates = [u for u in load_run(run_dir)["serve"] if u.get("event") == "update" and u.get("ok")]
     if not updates:
         return []
     t0 = updates[0]["time"]
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                                str(args.warmup_minutes), "--run-dir", str(run_dir)],
                               env=env, capture_output=True, text=True)  # fmt: skip
         change = dict(re.findall(r"^\| (\w+_rss) \| \d+ \| \d+ \| ([+-][\d.]+%)", soak.stdout, re.M))
-        stalls = stalls_ms(run_dir / "serve-metrics.jsonl", 60 * args.warmup_minutes)
+        stalls = stalls_ms(run_dir, 60 * args.warmup_minutes)
         if soak.returncode not in (0, 1) or not stalls:  # 1 = the soak's verdict, still a measurement
             print(soak.stdout[-2000:], soak.stderr[-2000:], sep="\n", file=sys.stderr)
             raise SystemExit(f"policy {policy}: the run failed (exit {soak.returncode})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import threading
 import time
@@ -36,14 +37,13 @@ def trim_heap() -> float:
     return time.perf_counter() - start
 
 
+TRIM_EVERY_ENV = "INFLIGHT_TRIM_EVERY_S"
+DEFAULT_TRIM_EVERY_S = 30.0
 _trimming = threading.Lock()
 _last_trim_start = float("-inf")
 
 
-TRIM_EVERY_ENV = "INFLIGHT_TRIM_EVERY_S"
-
-
-def trim_every_s(default: float = 30.0) -> float | None:
+def trim_every_s(default: float = DEFAULT_TRIM_EVERY_S) -> float | None:
     """The trim interval after weight updates: `INFLIGHT_TRIM_EVERY_S` (seconds; 0 = after every update, `never` = no
     trim), else `default`. None means never."""
     raw = os.environ.get(TRIM_EVERY_ENV, "").strip().lower()
@@ -60,12 +60,18 @@ def trim_every_s(default: float = 30.0) -> float | None:
     return value
 
 
+@functools.cache
+def _process_trim_every_s() -> float | None:
+    """`trim_every_s()` read once per process (it is called on every commit)."""
+    try:
+        return trim_every_s()
+    except ValueError:  # inflight.serve and inflight.learn refuse a bad value at start-up; a library user: the default
+        return DEFAULT_TRIM_EVERY_S
+
+
 def trim_after_update() -> bool:
     """After a weight update (the engine's commit, the learner's publish): a background trim per `trim_every_s()`."""
-    try:
-        every = trim_every_s()
-    except ValueError:  # inflight.serve and inflight.learn refuse a bad value at start-up; a library user: the default
-        every = 30.0
+    every = _process_trim_every_s()
     return False if every is None else trim_heap_in_background(min_interval_s=every)
 
 
