@@ -11,6 +11,12 @@ import time
 from pathlib import Path
 
 TESTS = Path(__file__).parent
+# Test engines get a 256 MiB KV cache (vLLM zeroes it at start; on this VM first-touch page faults make 1 GiB cost
+# ~14 s of every engine start). Plenty for the tests' few short sequences, even SmolLM2 in float32 (5.8k tokens).
+TEST_KV_GIB = 0.25
+
+
+SERVE_DEFAULTS = ["--progress-s", "1", "--kv-cache-gib", str(TEST_KV_GIB)]  # a test's own flags come after, and win
 
 
 class ServeProcess:
@@ -20,8 +26,7 @@ class ServeProcess:
                  prefix: tuple[str, ...] = ()):  # fmt: skip
         full_env = {**os.environ, "PYTHONPATH": f"{TESTS / 'inflight'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", module, *(["--progress-s", "1"] if module == "inflight.serve" else []),
-             *args],
+            [*prefix, sys.executable, "-m", module, *(SERVE_DEFAULTS if module == "inflight.serve" else []), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**full_env, **(env or {})},
         )  # fmt: skip
         self.lines: list[str] = []
@@ -34,8 +39,11 @@ class ServeProcess:
         return cls(args, env=env, module=module, prefix=("ip", "netns", "exec", ns))
 
     def _read(self) -> None:
+        echo = os.environ.get("INFLIGHT_TEST_ECHO") == "1"  # debugging a slow or stuck test: `pytest -s` shows all
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+            if echo:
+                print(f"{time.strftime('%H:%M:%S')} [{self.proc.pid}] {line.rstrip()}", file=sys.stderr, flush=True)
 
     def wait_for(self, text: str, timeout_s: float = 180.0, count: int = 1) -> None:
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from serve_support import TEST_KV_GIB
 
 from inflight.wire.group import GroupAddress, WeightsGroup, open_store
 from inflight.wire.transfer import send_update
@@ -111,7 +112,7 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 def start_engine(loop, model_dir, **overrides):
     from vllm_patches.engine import EngineConfig, InflightEngine
 
-    cfg = EngineConfig(model=str(model_dir), **overrides)
+    cfg = EngineConfig(model=str(model_dir), **{"kv_cache_gib": TEST_KV_GIB, **overrides})
     return loop.run_until_complete(InflightEngine.start(cfg))
 
 

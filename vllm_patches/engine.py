@@ -16,7 +16,6 @@ Called by `inflight.serve` (and the tests and benchmarks). It owns three things 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +32,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     seed: int = 0
     enforce_eager: bool = True
-    kv_cache_gib: int = 1
+    kv_cache_gib: float = 1.0  # KV cache bytes, allocated and zeroed at start: first-touch page faults cost seconds
     dtype: str = "bfloat16"
     enable_prefix_caching: bool = True
 
@@ -75,7 +74,8 @@ class UpdateError(RuntimeError):
 def engine_args(cfg: EngineConfig):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    if not cfg.kv_cache_gib > 0:
+        raise ValueError(f"kv_cache_gib must be > 0 (got {cfg.kv_cache_gib}): the KV cache size in GiB, e.g. 0.25")
     return AsyncEngineArgs(
         model=cfg.model,
         dtype=cfg.dtype,
@@ -84,6 +84,8 @@ def engine_args(cfg: EngineConfig):
         seed=cfg.seed,
         enforce_eager=cfg.enforce_eager,
         enable_prefix_caching=cfg.enable_prefix_caching,
+        # An explicit size (vLLM's legacy VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it when set).
+        kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
         logprobs_mode="processed_logprobs",
         async_scheduling=False,  # versions are exact only on the synchronous step path
         worker_extension_cls=WORKER_EXTENSION,

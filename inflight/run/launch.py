@@ -102,8 +102,9 @@ class Side:
         for line in self.proc.stdout:
             self.log.write(line)
             line = line.rstrip("\n")
-            with self.lock:
-                self.tail.append(line)
+            if line.strip():  # progress bars redraw with '\r', read here as blank lines: not worth quoting
+                with self.lock:
+                    self.tail.append(line)
             if f"inflight.{self.name} ready" in line:
                 self.ready.set()
             if self.echo == "all" or (self.echo == "progress" and any(m in line for m in _PROGRESS_MARKS)):

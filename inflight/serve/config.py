@@ -48,7 +48,8 @@ class ServeConfig:
     progress_s: float = field(default=5.0, metadata=_h("seconds between progress lines"))
     max_model_len: int = field(default=1024, metadata=_h("engine context length"))
     max_num_seqs: int = field(default=256, metadata=_h("engine batch limit"))
-    kv_cache_gib: int = field(default=1, metadata=_h("CPU KV cache size"))
+    kv_cache_gib: float = field(default=1.0, metadata=_h("KV cache size in GiB (fractions allowed); allocated and "
+                                                         "zeroed at start: a smaller one starts faster"))  # fmt: skip
     dtype: str = field(default="float32", metadata=_h("engine dtype; float32 keeps behaviour logprobs within 1e-5 of "
                                                       "an fp32 learner's (bf16: 3e-2)",
                                                       choices=("bfloat16", "float16", "float32")))  # fmt: skip
@@ -76,6 +77,7 @@ class ServeConfig:
         require(self.max_lag >= -1, "max_lag", self.max_lag, ">= -1")
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
         require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
+        require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "> 0 GiB (fractions allowed, e.g. 0.25)")
         from inflight.wire.memory import trim_every_s
 
         trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update

@@ -1,6 +1,8 @@
 """Learner logprobs vs the behaviour logprobs vLLM streamed with the rollouts (SmolLM2, version 0, real serve).
 
-If these disagree, every importance ratio is off before any staleness: the mismatch floor of the whole system.
+If these disagree, every importance ratio is off before any staleness: the mismatch floor of the whole system. Here
+the serve runs bf16 (cheaper, and what many deployments do) against a float32 learner; the float32 serve (the default)
+is checked by the real learner's own probe in tests/inflight/test_learn.py (5e-3).
 """
 
 from __future__ import annotations
@@ -42,12 +44,11 @@ def learner_logprobs(model_dir, rollouts, dtype=torch.float32) -> tuple[torch.Te
     return logp[batch.mask].float(), batch.behaviour_logp[batch.mask].float()
 
 
-@pytest.mark.parametrize("serve_dtype", ["bfloat16", "float32"])
-def test_learner_logprobs_match_vllm_behaviour_logprobs_on_smollm2(model_dirs, serve_dtype):
+def test_float32_learner_logprobs_match_a_bf16_serves_behaviour_logprobs_on_smollm2(model_dirs):
+    serve_dtype = "bfloat16"
     rollouts = collect(model_dirs["smollm2"], serve_dtype)
     mine, theirs = learner_logprobs(model_dirs["smollm2"], rollouts)
     diff = (mine - theirs).abs()
     print(f"\nserve {serve_dtype} vs learner float32: {diff.numel()} tokens, mean |d logprob| {diff.mean():.2e}, "
           f"p99 {diff.quantile(0.99):.2e}, max {diff.max():.2e}")  # fmt: skip
-    limit = 5e-3 if serve_dtype == "float32" else 5e-2
-    assert diff.mean() <= limit
+    assert diff.mean() <= 5e-2

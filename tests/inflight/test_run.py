@@ -13,12 +13,17 @@ import time
 
 import psutil
 import pytest
-from serve_support import ServeProcess
+from serve_support import TEST_KV_GIB, ServeProcess
 
 pytestmark = pytest.mark.engine
+STEPS = 4
 
 FAST = ["--model", "tiny-llama", "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "8",
-        "--serve-args", "--progress-s 1 --max-inflight 16"]  # fmt: skip
+        "--serve-args", f"--progress-s 1 --max-inflight 16 --kv-cache-gib {TEST_KV_GIB}"]  # fmt: skip
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def children(launcher: ServeProcess) -> dict[str, psutil.Process]:
@@ -32,9 +37,9 @@ def children(launcher: ServeProcess) -> dict[str, psutil.Process]:
     return found
 
 
-def test_run_trains_on_split_cores_and_fills_the_run_directory(tmp_path):
+def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", "3", *FAST], module="inflight.run")
+    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", str(STEPS), *FAST], module="inflight.run")
     try:
         launcher.wait_for("inflight.serve ready", 240)
         sides = children(launcher)
@@ -52,13 +57,23 @@ def test_run_trains_on_split_cores_and_fills_the_run_directory(tmp_path):
                  "throughput.png", "hf-final/model.safetensors", "learn.cmd", "serve.cmd"):  # fmt: skip
         assert (run_dir / name).exists(), name
     assert any((run_dir / "checkpoints").iterdir())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2, 3]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["updates"] >= 1
+    assert summary["steps"] == STEPS and summary["updates"] >= 1
     assert json.loads((run_dir / "serve-config.json").read_text())["model"] == "tiny-llama"
-    assert "step 3 v3" in (run_dir / "learn.log").read_text()  # the learner's whole log is kept
+    assert f"step {STEPS} v{STEPS}" in (run_dir / "learn.log").read_text()  # the learner's whole log is kept
     assert "| mode |" in launcher.tail(60)  # the final table is printed
+
+    # Every step trained on real tokens, published one version to the one serve, and the serve committed each in order.
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [s["version"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["publish_serves"] == 1 and s["publish_bytes"] > 0 and not s["publish_failed"] for s in steps)
+    assert all(s["tokens"] > 0 and s["grad_norm"] > 0 for s in steps)
+    updates = [e for e in read_jsonl(run_dir / "serve-metrics.jsonl") if e["event"] == "update"]
+    # (the launcher stops the serve after the learner: the last update is committed before it goes)
+    assert [u["version"] for u in updates if u["ok"]] == list(range(1, STEPS + 1)), updates
+    # rollouts sampled after the first commit carry the new versions: lags below the oldest possible one show up
+    assert any(int(lag) < s["version"] - 1 for s in steps[1:] for lag in s["lag_histogram"]), steps
+    assert all(s.get("mismatch_lag0", 0.0) < 0.05 for s in steps)
 
 
 def test_ctrl_c_stops_the_learner_first_then_the_serve_and_keeps_the_run(tmp_path):
