@@ -18,8 +18,10 @@ from serve_support import TEST_KV_GIB, ServeProcess
 pytestmark = pytest.mark.engine
 STEPS = 4
 
+# A continuous reward (text length) so that a random tiny model's groups have non-zero advantages and real gradients.
+SERVE_ARGS = f"--progress-s 1 --max-inflight 16 --kv-cache-gib {TEST_KV_GIB} --reward serve_rewards:text_length"
 FAST = ["--model", "tiny-llama", "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "8",
-        "--serve-args", f"--progress-s 1 --max-inflight 16 --kv-cache-gib {TEST_KV_GIB}"]  # fmt: skip
+        "--serve-args", SERVE_ARGS]  # fmt: skip
 
 
 def read_jsonl(path) -> list[dict]:
