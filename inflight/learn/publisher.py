@@ -266,6 +266,10 @@ class WeightPublisher:
         return self.publish(state, version, consumed)
 
     def close(self) -> None:
+        """Wait (up to `timeout_s`) until every member serve has answered the last published update, then break the
+        group: a learner that stops cleanly leaves its final weights committed on the serves, not in flight."""
+        if self.group is not None and self.latest is not None:
+            self._wait_for_commits(self.latest[0])
         self._break_group("learner shutting down")
 
 
