@@ -76,6 +76,7 @@ class WeightPublisher:
         self.generation = 0
         self.expected: dict[str, tuple[str, list[int]]] | None = None  # what the learner sends: name -> (dtype, shape)
         self.latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._introduced: dict[bytes, float] = {}  # identity -> when we last asked it to introduce itself
 
     @property
     def store_port(self) -> int:
@@ -90,7 +91,7 @@ class WeightPublisher:
             if isinstance(message, Hello):
                 self._hello(identity, message)
             elif serve is None:
-                self.control.send(identity, Introduce())
+                self._introduce(identity)
             else:
                 serve.last_seen = time.monotonic()
                 if isinstance(message, UpdateDone):
@@ -105,7 +106,19 @@ class WeightPublisher:
                     serve.version = message.version
         return done
 
+    def _introduce(self, identity: bytes) -> None:
+        """Ask an unknown sender for its Hello — once a second at most: after a cut link heals, the heartbeats queued
+        on the serve's side arrive in one burst, and one Introduce per heartbeat would make it say Hello (and resend
+        its unacknowledged rollouts) as many times."""
+        now = time.monotonic()
+        if now - self._introduced.get(identity, -1e9) >= 1.0:
+            if len(self._introduced) > 256:  # senders that never answered (gone): forget them
+                self._introduced = {i: t for i, t in self._introduced.items() if now - t < 60.0}
+            self._introduced[identity] = now
+            self.control.send(identity, Introduce())
+
     def _hello(self, identity: bytes, hello: Hello) -> None:
+        self._introduced.pop(identity, None)
         problem = self._mismatch(hello)
         if problem:
             if self.refused.get(hello.server_id) != problem:  # once per serve, not once per retry
@@ -114,9 +127,19 @@ class WeightPublisher:
             self.control.send(identity, Refused(reason=problem))
             return
         old = self.serves.get(identity)
+        if old is not None and old.hello.server_id == hello.server_id:
+            # the same process again (it answered an Introduce that crossed its first Hello): keep its record, and its
+            # membership — replacing it would orphan a group that is forming or formed with it
+            old.last_seen, old.version = time.monotonic(), max(old.version, hello.version)
+            return
+        # a serve's id carries a per-process nonce: the same id under another identity is the same process reconnected
+        # (a new ZeroMQ connection after a cut link), so its old record goes
+        stale = [s for s in self.serves.values() if s.identity != identity and s.hello.server_id == hello.server_id]
+        for s in stale:
+            self.serves.pop(s.identity)
         self.serves[identity] = Serve(identity, hello, time.monotonic(), version=hello.version)
-        if old is not None and old.member:
-            self._break_group("a member said Hello again (restarted)")
+        if (old is not None and old.member) or any(s.member for s in stale):
+            self._break_group("a member said Hello again (restarted or reconnected)")
         log.info("serve %s (%d workers, mode %s) accepted", hello.server_id, hello.workers, hello.mode)
         served = {t.dtype for t in hello.tensors}
         compute = getattr(self, "compute_dtype", "")
@@ -192,6 +215,9 @@ class WeightPublisher:
                 self.serves.pop(serve.identity, None)
             return False
         self.group = result["group"]
+        if any(self.serves.get(s.identity) is not s for s in live):  # a member restarted or vanished while it formed
+            self._break_group("a serve restarted while the group formed")
+            return False
         for serve in live:
             serve.member = True
         log.info("weights group %s formed: %d serves, world %d", address.group_name, len(live), address.world_size)
