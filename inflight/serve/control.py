@@ -52,6 +52,7 @@ class ControlClient:
         self._sock.connect(address)
         self.rejected = 0
         self._update_task: asyncio.Task | None = None
+        self._pending: UpdateWeights | None = None  # arrived while an update was running; starts when that one ends
         self.on_update = None  # called with each UpdateDone (progress metrics)
 
     async def send(self, message) -> None:
@@ -103,8 +104,16 @@ class ControlClient:
         elif isinstance(message, UpdateWeights):
             self.driver.set_consumed(message.groups_consumed)
             if self._update_task is not None and not self._update_task.done():
-                log.error("update refused: the previous update is still being applied")
-                await self.send(UpdateDone(server_id=self.driver.server_id, ok=False, error="update already running"))
+                # The learner sends the next update only after this one is answered, except when it has given up on
+                # a broadcast (a cut link, a re-formed group): then the running update is bound to fail on its old
+                # group and the new one must start the moment it does, not be refused (the learner's broadcast would
+                # wait out its timeout for a receiver that never comes).
+                if self._pending is not None:
+                    await self.send(UpdateDone(server_id=self.driver.server_id, version=self.engine.version, ok=False,
+                                               error="superseded by a newer update before it started"))  # fmt: skip
+                log.warning("an update arrived while the previous one is still being applied: it starts when that "
+                            "one ends")  # fmt: skip
+                self._pending = message
                 return
             self._update_task = asyncio.create_task(self._update(message))
 
@@ -136,6 +145,9 @@ class ControlClient:
             self.on_update(done)
         self.driver.notify()
         await self.send(done)
+        if self._pending is not None:
+            message, self._pending = self._pending, None
+            self._update_task = asyncio.create_task(self._update(message))
 
     def close(self) -> None:
         self._sock.close(linger=500)

@@ -79,7 +79,7 @@ def test_cutting_the_link_mid_transfer_drops_the_serve_and_restoring_it_lets_it_
             "--model", model, "--rollouts", f"tcp://{LEARN_IP}:15555", "--control", f"tcp://{LEARN_IP}:15556",
             "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "8", "--server-id", "far-serve",
             "--metrics", str(tmp_path / "serve.jsonl")], module="inflight.serve",
-            env={"INFLIGHT_FAULT_RECEIVE_STALL": "0:25:3"})  # fmt: skip
+            env={"INFLIGHT_FAULT_RECEIVE_STALL": "0:12:3"})  # fmt: skip
         serve.wait_for("weights v2 committed", 300)  # rollouts, control and weights all crossed the link
         serve.wait_for("inflight fault injection: stalling the receive of v3", 120)
         ns, dev = two_hosts["link"]
