@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from learner.fused_loss import FusedLossInputs, fused_policy_loss
 from learner.logprobs import token_logprobs
 
 _WRAPPER_PREFIX = "hf."  # PolicyModel keeps the HF model under `self.hf`; HF names are the names below it
@@ -47,7 +48,8 @@ class PolicyModel(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         autocast: torch.dtype | None = None,
-    ) -> torch.Tensor:
+        fused: FusedLossInputs | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """[B, L] float32: log softmax(logits[b, t] / temperature)[targets[b, t]], logits from input_ids[b, :t+1].
 
         With right padding no attention mask is needed: causal attention keeps real positions from seeing the pads
@@ -55,6 +57,8 @@ class PolicyModel(torch.nn.Module):
         `positions` ([B, L] bool): only these go through the LM head (the completion tokens that train, say); the
         others are 0. `autocast` (e.g. torch.bfloat16): the decoder runs under autocast in that dtype, while the LM
         head and the log-softmax stay in the parameters' dtype — the logprobs feed importance ratios.
+        `fused` ([B, L] loss inputs): the policy loss is computed with the LM head in one pass (learner/fused_loss.py,
+        the Triton kernel on CUDA) and the forward returns (logp [B, L] detached, loss, metrics) instead.
         """
         if input_ids.dim() != 2 or targets.shape != input_ids.shape:
             raise ValueError(
@@ -76,12 +80,23 @@ class PolicyModel(torch.nn.Module):
         if index is not None:
             hidden, flat_targets = hidden.index_select(0, index), flat_targets.index_select(0, index)
         with torch.autocast(device, enabled=False):
-            logp = token_logprobs(hidden, lm_head.weight, flat_targets, temperature, chunk_tokens,
-                                  getattr(lm_head, "bias", None))  # fmt: skip
+            if fused is None:
+                logp = token_logprobs(hidden, lm_head.weight, flat_targets, temperature, chunk_tokens,
+                                      getattr(lm_head, "bias", None))  # fmt: skip
+            else:
+                if getattr(lm_head, "bias", None) is not None:
+                    raise ValueError("the fused loss takes an LM head without bias: set TrainConfig.fused_loss='off'")
+                pick = (lambda t: t.reshape(-1).index_select(0, index)) if index is not None else (
+                    lambda t: t.reshape(-1))  # fmt: skip
+                loss, logp, metrics = fused_policy_loss(
+                    hidden, lm_head.weight, flat_targets, pick(fused.behaviour_logp), pick(fused.advantages),
+                    pick(fused.mask), pick(fused.seq_ids), fused.cfg, temperature, fused.normalizer, chunk_tokens,
+                    fused.backend)  # fmt: skip
         if index is not None:
             logp = logp.new_zeros(input_ids.numel()).index_copy(0, index, logp)
         # A copy, not a view: FSDP2 warns that in-place ops on a view of the root's output would skip its hooks.
-        return logp.view(input_ids.shape).clone()
+        logp = logp.view(input_ids.shape).clone()
+        return logp if fused is None else (logp, loss, metrics)
 
 
 def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PolicyModel:

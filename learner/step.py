@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from learner.fused_loss import FUSED_MODES, FusedLossInputs, fused_enabled
 from learner.losses import LossConfig, policy_loss
 
 AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}
@@ -41,6 +42,7 @@ class TrainConfig:
     chunk_tokens: int = 1024
     autocast: str = "none"  # "bfloat16": the decoder forward/backward under autocast (LM head stays fp32)
     loss: LossConfig = field(default_factory=LossConfig)
+    fused_loss: str = "auto"  # the LM head and the loss in one pass: "auto" = on CUDA with Triton; "on"; "off"
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +54,10 @@ class TrainConfig:
             (self.temperature > 0, f"TrainConfig.temperature is {self.temperature}, expected the sampling one, > 0"),
             (self.chunk_tokens >= 1, f"TrainConfig.chunk_tokens is {self.chunk_tokens}, expected >= 1"),
             (self.autocast in AUTOCAST, f"TrainConfig.autocast is {self.autocast!r}, expected one of {list(AUTOCAST)}"),
+            (
+                self.fused_loss in FUSED_MODES,
+                f"TrainConfig.fused_loss is {self.fused_loss!r}, expected one of {list(FUSED_MODES)}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -167,10 +173,16 @@ def train_step(
     normalizer = max(normalizer, 1.0)  # nothing trains anywhere: a zero loss, not 0 / 0
 
     positions = batch.mask if probe_mask is None else batch.mask | probe_mask  # the LM head runs only where needed
-    logp = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens, positions=positions,
-                 autocast=AUTOCAST[cfg.autocast])  # fmt: skip
-    flat = [t.reshape(-1) for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
-    loss, metrics = policy_loss(*flat, cfg.loss, normalizer=normalizer)
+    if fused_enabled(cfg.fused_loss, batch.input_ids.device):
+        fused = FusedLossInputs(batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg.loss,
+                                normalizer)  # fmt: skip
+        logp, loss, metrics = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens,
+                                    positions=positions, autocast=AUTOCAST[cfg.autocast], fused=fused)  # fmt: skip
+    else:
+        logp = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens, positions=positions,
+                     autocast=AUTOCAST[cfg.autocast])  # fmt: skip
+        flat = [t.reshape(-1) for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
+        loss, metrics = policy_loss(*flat, cfg.loss, normalizer=normalizer)
     if probe_mask is not None:
         with torch.no_grad():
             gap = (logp.detach() - batch.behaviour_logp).abs()[probe_mask]

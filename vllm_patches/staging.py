@@ -3,10 +3,16 @@
 Owned by the worker extension. `start()` returns at once; a daemon thread receives every bucket over the weights group,
 then views and verifies every tensor (size, CRC32). Forward passes keep running the whole time because nothing here
 touches the live parameters; only `worker_extension.commit_staged` does, between two engine steps.
+
+On a CUDA device the buckets are allocated and received on a side stream of their own, so the transfer (NCCL's
+broadcast, or gloo's host-to-device copies) queues behind nothing the engine runs and the engine's kernels queue
+behind nothing of it; `ready_on_current_stream()` makes the committing stream wait for the staged data (an event, not
+a host synchronisation) before the device-to-device copies into the parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -41,6 +47,8 @@ class StagedUpdate:
         self.staged_at = 0.0
         self.receive_s = self.verify_s = 0.0
         self._done = threading.Event()
+        self._ready: torch.cuda.Event | None = None  # CUDA: recorded on the side stream once everything is staged
+        self._buckets: list[torch.Tensor] = []
         self._thread = threading.Thread(target=self._run, name=f"inflight-stage-v{manifest.version}", daemon=True)
 
     def start(self) -> StagedUpdate:
@@ -53,9 +61,16 @@ class StagedUpdate:
 
     def _run(self) -> None:
         try:
-            buckets = receive_update(self.group, self.manifest, self.device, on_bucket=self._count)
-            self.receive_s = time.perf_counter() - self.started
-            self.tensors = unpack_buckets(self.manifest, buckets, verify=True)
+            cuda = torch.device(self.device).type == "cuda"
+            side = torch.cuda.Stream(device=self.device) if cuda else None
+            with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                buckets = receive_update(self.group, self.manifest, self.device, on_bucket=self._count)
+                if cuda:
+                    self._ready, self._buckets = torch.cuda.Event(), buckets
+                    self._ready.record(side)
+                    self._ready.synchronize()  # receive_s is the transfer's, not the time to queue it
+                self.receive_s = time.perf_counter() - self.started
+                self.tensors = unpack_buckets(self.manifest, buckets, verify=True)  # CUDA: host copies, side stream
             self.verify_s = time.perf_counter() - self.started - self.receive_s
             self.staged_at = time.time()
             self.state = StageState.STAGED
@@ -65,6 +80,15 @@ class StagedUpdate:
             self.state = StageState.FAILED
         finally:
             self._done.set()
+
+    def ready_on_current_stream(self) -> None:
+        """Make the caller's current CUDA stream wait for the staged buckets (a no-op on CPU), and tell the caching
+        allocator that stream uses them: their memory is not handed out again before its copies have run."""
+        if self._ready is not None:
+            current = torch.cuda.current_stream()
+            current.wait_event(self._ready)
+            for bucket in self._buckets:
+                bucket.record_stream(current)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)

@@ -123,6 +123,7 @@ class InflightWorkerExtension:
             detail = f" ({stage.error})" if stage is not None and stage.error else ""
             raise ManifestError(f"cannot commit v{version}: {got} is staged{detail}")
         start = time.perf_counter()
+        stage.ready_on_current_stream()  # CUDA: the copies below queue behind the side stream's transfer
         try:
             self._inflight_apply(iter(stage.tensors.items()))
         except Exception:

@@ -104,7 +104,8 @@ def _aligned(n: int) -> int:
 
 
 def tensor_crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(_as_bytes(t).numpy()) & 0xFFFFFFFF
+    """CRC32 of the tensor's bytes; a device tensor (a learner's CUDA state) is checksummed from a host copy."""
+    return zlib.crc32(_as_bytes(t).cpu().numpy()) & 0xFFFFFFFF
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -156,9 +157,13 @@ def unpack_buckets(
         if buf.numel() != size:
             raise ManifestError(f"bucket {i} holds {buf.numel()} bytes, the manifest announced {size}")
     out = {}
+    host: dict[int, torch.Tensor] = {}  # a device bucket is checksummed from a host copy (the current one only)
     for t in manifest.tensors:
         raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
-        if verify and (crc := zlib.crc32(raw.numpy()) & 0xFFFFFFFF) != t.crc32:
+        if verify and raw.device.type != "cpu" and t.bucket not in host:
+            host = {t.bucket: buckets[t.bucket].cpu()}
+        check = host[t.bucket][t.offset : t.offset + t.nbytes] if t.bucket in host else raw
+        if verify and (crc := zlib.crc32(check.numpy()) & 0xFFFFFFFF) != t.crc32:
             raise ManifestError(
                 f"tensor {t.name}: checksum {crc:#010x} but the manifest says {t.crc32:#010x} (corrupted in transit)"
             )

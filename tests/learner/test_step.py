@@ -89,8 +89,9 @@ def test_train_step_loss_is_policy_loss_of_the_model_logprobs_and_moves_weights(
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
-def test_masked_and_padded_tokens_do_not_change_the_step(tiny_llama: PolicyModel) -> None:
-    cfg = TrainConfig()
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_masked_and_padded_tokens_do_not_change_the_step(tiny_llama: PolicyModel, fused: str) -> None:
+    cfg = TrainConfig(fused_loss=fused)
     clean = make_batch(SAMPLES, PAD)
     dirty = make_batch(SAMPLES, PAD)
     dirty.behaviour_logp[~dirty.mask] = float("nan")
@@ -129,6 +130,7 @@ def test_world_size_different_from_the_sharding_raises(tiny_llama: PolicyModel) 
         ("grad_clip", 0.0),
         ("temperature", 0.0),
         ("chunk_tokens", 0),
+        ("fused_loss", "yes"),
     ],
 )
 def test_bad_train_config_raises_naming_the_field(field: str, value: object) -> None:
@@ -169,3 +171,25 @@ def test_bf16_autocast_decoder_is_close_to_fp32_and_keeps_fp32_master_weights(ti
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
     with pytest.raises(ValueError, match="TrainConfig.autocast is 'fp8'"):
         TrainConfig(autocast="fp8")
+
+
+@pytest.mark.parametrize("loss", [LossConfig("tis"), LossConfig("ppo"), LossConfig("mask", aggregation="sequence")],
+                         ids=lambda c: f"{c.kind}-{c.aggregation}")  # fmt: skip
+def test_fused_loss_step_equals_the_unfused_step(tiny_llama: PolicyModel, loss: LossConfig) -> None:
+    """fused_loss='on' (the LM head and the loss in one pass; here the torch row pass, on CUDA the Triton kernel) takes
+    the same step as logprobs then `policy_loss`: same loss, metrics, and weights after AdamW, to fp32 rounding."""
+    batch = make_batch(SAMPLES, PAD)
+    probe = batch.mask.clone()
+    results = []
+    for fused in ("off", "on"):
+        model = copy.deepcopy(tiny_llama)
+        cfg = TrainConfig(lr=1e-3, temperature=0.8, loss=loss, fused_loss=fused, chunk_tokens=3)
+        metrics = train_step(model, make_optimizer(model, cfg), batch, cfg, probe_mask=probe)
+        results.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    (off, off_params), (on, on_params) = results
+    assert on.keys() == off.keys()
+    assert {k: on[k] for k in off} == pytest.approx(off, rel=1e-5, abs=1e-7)
+    for a, b in zip(off_params, on_params, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # Adam magnifies fp32 noise in near-zero gradients
+    if off["clip_fraction"] < 1:  # (the mask band drops every token of these far-off-policy samples)
+        assert any(not torch.equal(a, p) for a, p in zip(off_params, tiny_llama.parameters(), strict=True))

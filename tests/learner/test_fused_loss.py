@@ -1,0 +1,228 @@
+"""The fused LM-head + policy loss (learner/fused_loss.py) against a float64 reference, forward and backward.
+
+The reference is the unfused path in float64: `naive_token_logprobs` (full logits) then `policy_loss`, differentiated
+by autograd. The same tests run the torch row pass on CPU and the Triton kernel on CUDA (skipped without CUDA; run by
+scripts/gpu_check.sh on a GPU machine). Inputs are fresh random bf16 tensors (the seed is in each failure message);
+tolerances are bf16's: the logits come out of a bf16 matmul, as the model's own LM head does.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from learner.fused_loss import aggregation_weights, fused_policy_loss, triton_available
+from learner.logprobs import naive_token_logprobs, token_logprobs
+from learner.losses import LossConfig, policy_loss
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+# (tokens, hidden, vocab, chunk): vocabularies off the kernel's 4096 tile, chunks that split the tokens unevenly
+SIZES = [(37, 64, 1000, 2048), (300, 128, 5003, 128), (1031, 96, 4099, 256)]
+CUDA_SIZES = [(4096, 896, 49152, 1024), (2048, 1024, 151936, 512)]
+CONFIGS = [LossConfig("tis"), LossConfig("ppo"), LossConfig("mask"), LossConfig("tis", aggregation="sequence"),
+           LossConfig("ppo", aggregation="sequence")]  # fmt: skip
+
+
+# the default trust-region edges as log-ratios: tis cap 2, ppo clip 0.8 / 1.28, mask band 0.5 / 2
+EDGES = torch.tensor([2.0, 0.8, 1.28, 0.5], dtype=torch.float64).log()
+
+
+def make_batch(tokens: int, hidden: int, vocab: int, seed: int, device: str, dtype=torch.bfloat16,
+               temperature: float = 1.0) -> dict:  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5 * 2  # logits of a few units, as a real LM head's
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    with torch.no_grad():
+        exact = naive_token_logprobs(h.to(dtype).double(), w.to(dtype).double(), targets, temperature)
+    # Log-ratios spread across every trust region, but at least 0.1 from each edge: bf16 logits move a logprob by a
+    # few hundredths, and a ratio that crossed an edge would change its token's loss and gradient discontinuously.
+    log_ratio = 0.5 * torch.randn(tokens, generator=gen, dtype=torch.float64)
+    for edge in EDGES:
+        near = (log_ratio - edge).abs() < 0.1
+        log_ratio[near] = edge + 0.1 * torch.sign(log_ratio[near] - edge + 1e-12)
+    behaviour = (exact - log_ratio).float()
+    mask = torch.rand(tokens, generator=gen) > 0.15
+    behaviour[~mask] = float("-inf")  # a masked token may hold anything: it must never reach an exp
+    return {
+        "hidden": h.to(dtype).to(device), "weight": w.to(dtype).to(device), "targets": targets.to(device),
+        "behaviour": behaviour.to(device), "advantages": torch.randn(tokens, generator=gen).to(device),
+        "mask": mask.to(device), "seq_ids": (torch.arange(tokens) // 13).to(device),
+    }  # fmt: skip
+
+
+def reference(b: dict, cfg: LossConfig, temperature: float) -> dict:
+    h = b["hidden"].double().cpu().requires_grad_()
+    w = b["weight"].double().cpu().requires_grad_()
+    logp = naive_token_logprobs(h, w, b["targets"].cpu(), temperature)
+    loss, metrics = policy_loss(logp, b["behaviour"].double().cpu(), b["advantages"].double().cpu(), b["mask"].cpu(),
+                                b["seq_ids"].cpu(), cfg)  # fmt: skip
+    loss.backward()
+    # the loss sums terms of both signs: its error is judged against the sum of their magnitudes (|A| makes every
+    # term one sign), not against a total that may cancel to nearly 0
+    scale, _ = policy_loss(logp.detach(), b["behaviour"].double().cpu(), b["advantages"].double().cpu().abs(),
+                           b["mask"].cpu(), b["seq_ids"].cpu(), cfg)  # fmt: skip
+    return {"loss": loss.detach(), "scale": abs(float(scale)), "logp": logp.detach(), "grad_hidden": h.grad,
+            "grad_weight": w.grad, **metrics}  # fmt: skip
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double().cpu(), want.double()
+    return float((got - want).norm() / want.norm().clamp(min=1e-30))
+
+
+def check(b: dict, cfg: LossConfig, temperature: float, chunk: int, backend: str, seed: int) -> None:
+    want = reference(b, cfg, temperature)
+    h, w = b["hidden"].clone().requires_grad_(), b["weight"].clone().requires_grad_()
+    loss, logp, metrics = fused_policy_loss(h, w, b["targets"], b["behaviour"], b["advantages"], b["mask"],
+                                            b["seq_ids"], cfg, temperature, chunk_tokens=chunk,
+                                            backend=backend)  # fmt: skip
+    loss.backward()
+    where = f"seed {seed}, {cfg}, T={temperature}, backend {backend}"
+    mask = b["mask"].cpu()
+    # bf16 logits carry 2^-9 of their size in rounding: a logprob of -15 at T=0.7 may be off by a few hundredths
+    err = (logp.cpu()[mask].double() - want["logp"][mask]).abs()
+    assert (err <= 0.005 * want["logp"][mask].abs() + 0.02).all(), (where, float(err.max()))
+    assert abs(float(loss.detach()) - float(want["loss"])) <= 0.01 * want["scale"] + 1e-6, where
+    assert rel_err(h.grad, want["grad_hidden"]) < 0.03, where
+    assert rel_err(w.grad, want["grad_weight"]) < 0.03, where
+    assert h.grad.dtype == h.dtype and w.grad.dtype == w.dtype
+    assert metrics["tokens"] == want["tokens"], where
+    assert abs(metrics["clip_fraction"] - want["clip_fraction"]) <= 0.02, where  # a ratio at a boundary may flip
+    assert abs(metrics["ess"] - want["ess"]) <= 0.02, where
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.kind}-{c.aggregation}")
+def test_fused_loss_matches_the_float64_reference_forward_and_backward(device, size, cfg):
+    seed = random.randrange(2**31)
+    tokens, hidden, vocab, chunk = size
+    temperature = random.choice([1.0, 0.7])
+    backend = "torch" if device == "cpu" else "triton"
+    check(make_batch(tokens, hidden, vocab, seed, device, temperature=temperature), cfg, temperature, chunk, backend,
+          seed)  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("size", CUDA_SIZES, ids=lambda s: "x".join(map(str, s)))
+def test_triton_kernel_matches_the_float64_reference_at_real_vocabularies(size):
+    seed = random.randrange(2**31)
+    tokens, hidden, vocab, chunk = size
+    check(make_batch(tokens, hidden, vocab, seed, "cuda"), LossConfig("tis"), 1.0, chunk, "triton", seed)
+
+
+def test_float64_inputs_give_the_unfused_path_to_rounding():
+    """In float64 the fused path and `token_logprobs` + `policy_loss` are the same arithmetic: agreement to 1e-10
+    checks the per-kind gradient formulas themselves, which bf16 tolerances could hide."""
+    seed = random.randrange(2**31)
+    for cfg in CONFIGS:
+        b = make_batch(200, 32, 777, seed, "cpu", dtype=torch.float64)
+        h1, w1 = b["hidden"].clone().requires_grad_(), b["weight"].clone().requires_grad_()
+        logp = token_logprobs(h1, w1, b["targets"], 0.9, chunk_tokens=64)
+        loss1, _ = policy_loss(logp, b["behaviour"].double(), b["advantages"].double(), b["mask"], b["seq_ids"], cfg,
+                               normalizer=50.0)  # fmt: skip
+        loss1.backward()
+        h2, w2 = b["hidden"].clone().requires_grad_(), b["weight"].clone().requires_grad_()
+        loss2, _, _ = fused_policy_loss(h2, w2, b["targets"], b["behaviour"].double(), b["advantages"].double(),
+                                        b["mask"], b["seq_ids"], cfg, 0.9, normalizer=50.0, chunk_tokens=48,
+                                        backend="torch")  # fmt: skip
+        (3.0 * loss2).backward()  # backward scales the gradient finished in forward by the incoming gradient
+        where = f"seed {seed}, {cfg}"
+        assert torch.allclose(loss2, loss1, rtol=1e-10, atol=1e-12), where
+        assert torch.allclose(h2.grad, 3.0 * h1.grad, rtol=1e-9, atol=1e-12), where
+        assert torch.allclose(w2.grad, 3.0 * w1.grad, rtol=1e-9, atol=1e-12), where
+
+
+def test_aggregation_weights_reproduce_policy_loss_aggregation():
+    gen = torch.Generator().manual_seed(0)
+    per_token = torch.randn(50, generator=gen, dtype=torch.float64)
+    mask = torch.rand(50, generator=gen) > 0.3
+    mask[10:20] = False  # a fully masked sequence: it counts in neither numerator nor denominator
+    seq_ids = torch.arange(50) // 10
+    for aggregation, normalizer in (("token", None), ("token", 7.0), ("sequence", None), ("sequence", 3.0)):
+        w = aggregation_weights(mask, seq_ids, aggregation, normalizer).double()
+        if aggregation == "token":
+            want = per_token[mask].sum() / (mask.sum() if normalizer is None else normalizer)
+        else:
+            means = [per_token[(seq_ids == s) & mask].mean() for s in range(5) if ((seq_ids == s) & mask).any()]
+            want = sum(means) / (len(means) if normalizer is None else normalizer)
+        assert torch.allclose((w * per_token).sum(), torch.as_tensor(want, dtype=torch.float64)), aggregation
+
+
+def test_bad_inputs_name_the_field_and_the_fix():
+    b = make_batch(10, 8, 20, 0, "cpu")
+    args = [b["hidden"], b["weight"], b["targets"], b["behaviour"], b["advantages"], b["mask"], b["seq_ids"],
+            LossConfig()]  # fmt: skip
+    with pytest.raises(ValueError, match="advantages has shape"):
+        fused_policy_loss(*args[:4], b["advantages"][:5], *args[5:])
+    with pytest.raises(ValueError, match="backend is 'cuda'"):
+        fused_policy_loss(*args, backend="cuda")
+    if not triton_available():
+        with pytest.raises(ValueError, match="backend='torch'"):
+            fused_policy_loss(*args, backend="triton")
+
+
+def tiny_cuda_policy(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from learner.model import PolicyModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4099, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
+    return PolicyModel(LlamaForCausalLM(config)).cuda().eval()
+
+
+def cuda_samples(seed: int):
+    from learner.step import Sample
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(6):
+        prompt = torch.randint(1, 4099, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen).tolist()
+        n = int(torch.randint(5, 40, (1,), generator=gen))
+        out.append(Sample(prompt, torch.randint(1, 4099, (n,), generator=gen).tolist(),
+                          (-8.3 + 0.3 * torch.randn(n, generator=gen)).tolist(), float(i % 3) - 1.0,
+                          (torch.rand(n, generator=gen) > 0.1).tolist()))  # fmt: skip
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "fsdp2"])
+def test_cuda_train_step_with_the_triton_kernel_takes_the_unfused_step(sharded, tmp_path):
+    """On CUDA `fused_loss='auto'` runs the Triton kernel inside PolicyModel's root forward (under FSDP2 too: the
+    LM head is unsharded there) and takes the same AdamW step as logprobs + `policy_loss`."""
+    import copy
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from learner.model import shard_policy
+    from learner.step import TrainConfig, make_batch, make_optimizer, train_step
+
+    if sharded and not dist.is_initialized():
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        base = tiny_cuda_policy(tied=True)
+        batch = make_batch(cuda_samples(1), 0)
+        batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).cuda() for f in dataclasses.fields(batch)})
+        results = []
+        for fused in ("off", "auto"):
+            model = copy.deepcopy(base)
+            if sharded:
+                model = shard_policy(model, dist.device_mesh.init_device_mesh("cuda", (1,)))
+            cfg = TrainConfig(lr=1e-3, temperature=0.9, fused_loss=fused, chunk_tokens=64)
+            metrics = train_step(model, make_optimizer(model, cfg), batch, cfg)
+            params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                      for p in model.parameters()]  # fmt: skip
+            results.append((metrics, params))
+        (off, off_params), (on, on_params) = results
+        assert {k: on[k] for k in off} == pytest.approx(off, rel=1e-4, abs=1e-6)
+        for a, b in zip(off_params, on_params, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
+    finally:
+        if sharded and dist.is_initialized():
+            dist.destroy_process_group()
