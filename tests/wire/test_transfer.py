@@ -178,7 +178,10 @@ def test_receiver_raises_weights_group_error_soon_after_its_sender_is_sigkilled(
     assert not result["ok"] and result["error_type"] == WeightsGroupError.__name__, result
     n, size = len(manifest.bucket_sizes), manifest.bucket_sizes[2]
     assert result["error"].startswith(f"broadcast of bucket 2/{n} of version 1 ({size} bytes) failed as rank 1"), result
-    assert "\n" not in result["error"] and "Connection closed by peer" in result["error"], result
+    # one line naming the dead peer; gloo words it by timing: "Connection closed by peer", "... reset by peer", or
+    # (seen once, on a loaded machine) "... This is typically caused by a remote worker hanging or bugs ..."
+    assert "\n" not in result["error"], result
+    assert any(w in result["error"] for w in ("closed by peer", "reset by peer", "remote worker")), result
     # gloo sees the dead peer's socket close at once: the error comes long before the 10 s timeout
     assert result["raised_at"] - killed_at < timeout_s / 2, result
     assert not (tmp_path / "v1.safetensors").exists()
