@@ -9,8 +9,9 @@ Measured side by side in one run, on a model-shaped update (Qwen2.5-1.5B's tenso
 - receive: the real `StagedUpdate` (side stream, CRC checked) receiving the update over a real gloo weights group from
   a sender process on this host — gloo's CUDA broadcast goes through host memory over loopback TCP, so it is compared
   with the host-to-device ceiling; NCCL needs a second GPU (two ranks may not share one), which this machine lacks;
-- overlap: a decode-shaped loop (bf16 [32, hidden] @ [hidden, intermediate] matmuls) on the default stream, timed
-  alone and while `StagedUpdate` receives on its side stream: the slowdown is what receiving costs generation.
+- overlap: a decode-shaped loop (bf16 [32, hidden] @ [hidden, intermediate] matmuls, 20 steps then a wait on its own
+  stream) on the default stream, timed alone and while `StagedUpdate` receives and checks on its side stream: median
+  and mean step, split by phase, and the longest 20-step chunk of each round (the stalls an update causes).
 """
 
 from __future__ import annotations
