@@ -46,6 +46,7 @@ class Learner:
             grad_clip=cfg.grad_clip,
             temperature=cfg.temperature,
             autocast=cfg.autocast,
+            fused_loss=cfg.fused_loss,
             loss=_loss_config(cfg),
         )
         self.optimizer = make_optimizer(self.model, self.train_cfg)

@@ -39,6 +39,9 @@ class LearnConfig:
     autocast: str = field(default="none", metadata=_h("run the decoder under autocast in this dtype (the LM head, "
                                                       "logprobs and optimizer stay in --dtype); bfloat16 is ~3x faster "
                                                       "on CPUs with AMX", choices=("none", "bfloat16")))  # fmt: skip
+    fused_loss: str = field(default="auto", metadata=_h("LM head + policy loss in one pass (learner/fused_loss.py): "
+                                                        "auto = on CUDA with Triton; on = also elsewhere (torch); "
+                                                        "off", choices=("auto", "on", "off")))  # fmt: skip
     publish_every: int = field(default=1, metadata=_h("send weights every K steps"))
     bucket_mb: int = field(default=64, metadata=_h("weight bucket size in MiB"))
     timeout_s: float = field(default=60.0, metadata=_h("timeout of every weights-group collective"))

@@ -41,7 +41,10 @@ def children(launcher: ServeProcess) -> dict[str, psutil.Process]:
 
 def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", str(STEPS), *FAST], module="inflight.run")
+    # --fused-loss on: the learner trains through learner/fused_loss.py (its torch row pass here; Triton on CUDA), and
+    # the lag-0 mismatch below checks those logprobs against the serve's behaviour logprobs
+    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", str(STEPS), *FAST,
+                             "--learn-args", "--fused-loss on"], module="inflight.run")  # fmt: skip
     try:
         launcher.wait_for("inflight.serve ready", 240)
         sides = children(launcher)
@@ -62,6 +65,7 @@ def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["updates"] >= 1
     assert json.loads((run_dir / "serve-config.json").read_text())["model"] == "tiny-llama"
+    assert json.loads((run_dir / "learn-config.json").read_text())["fused_loss"] == "on"
     assert f"step {STEPS} v{STEPS}" in (run_dir / "learn.log").read_text()  # the learner's whole log is kept
     assert "| mode |" in launcher.tail(60)  # the final table is printed
 
