@@ -39,7 +39,6 @@ class FusedLossInputs:
     seq_ids: torch.Tensor
     cfg: LossConfig
     normalizer: float | None = None
-    backend: str = "auto"
 
 
 def fused_enabled(mode: str, device: torch.device) -> bool:

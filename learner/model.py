@@ -86,12 +86,23 @@ class PolicyModel(torch.nn.Module):
             else:
                 if getattr(lm_head, "bias", None) is not None:
                     raise ValueError("the fused loss takes an LM head without bias: set TrainConfig.fused_loss='off'")
-                pick = (lambda t: t.reshape(-1).index_select(0, index)) if index is not None else (
-                    lambda t: t.reshape(-1))  # fmt: skip
+
+                def pick(t: torch.Tensor) -> torch.Tensor:  # the rows that went through the LM head
+                    return t.reshape(-1) if index is None else t.reshape(-1).index_select(0, index)
+
                 loss, logp, metrics = fused_policy_loss(
-                    hidden, lm_head.weight, flat_targets, pick(fused.behaviour_logp), pick(fused.advantages),
-                    pick(fused.mask), pick(fused.seq_ids), fused.cfg, temperature, fused.normalizer, chunk_tokens,
-                    fused.backend)  # fmt: skip
+                    hidden,
+                    lm_head.weight,
+                    flat_targets,
+                    pick(fused.behaviour_logp),
+                    pick(fused.advantages),
+                    pick(fused.mask),
+                    pick(fused.seq_ids),
+                    fused.cfg,
+                    temperature,
+                    fused.normalizer,
+                    chunk_tokens,
+                )
         if index is not None:
             logp = logp.new_zeros(input_ids.numel()).index_copy(0, index, logp)
         # A copy, not a view: FSDP2 warns that in-place ops on a view of the root's output would skip its hooks.
