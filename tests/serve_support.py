@@ -16,7 +16,11 @@ TESTS = Path(__file__).parent
 TEST_KV_GIB = 0.25
 
 
-SERVE_DEFAULTS = ["--progress-s", "1", "--kv-cache-gib", str(TEST_KV_GIB)]  # a test's own flags come after, and win
+# Tests pin fp32 on both sides: `auto` would pick bf16 on a CPU with AMX and fp32 on one without, and a test's
+# numerical assertions must mean the same on every machine. A test's own flags come after these, and win.
+SERVE_DEFAULTS = ["--progress-s", "1", "--kv-cache-gib", str(TEST_KV_GIB), "--dtype", "float32"]
+MODULE_DEFAULTS = {"inflight.serve": SERVE_DEFAULTS, "inflight.learn": ["--autocast", "none"],
+                   "inflight.run": ["--dtype", "float32"]}  # fmt: skip
 
 
 class ServeProcess:
@@ -26,7 +30,7 @@ class ServeProcess:
                  prefix: tuple[str, ...] = ()):  # fmt: skip
         full_env = {**os.environ, "PYTHONPATH": f"{TESTS / 'inflight'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", module, *(SERVE_DEFAULTS if module == "inflight.serve" else []), *args],
+            [*prefix, sys.executable, "-m", module, *MODULE_DEFAULTS.get(module, []), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**full_env, **(env or {})},
         )  # fmt: skip
         self.lines: list[str] = []

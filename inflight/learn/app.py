@@ -286,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     about = "Consume rollouts, train with FSDP2 (token-level IS, staleness gate), push weights to every serve."
     cfg = parse_dataclass(LearnConfig, argv, "python -m inflight.learn", about)
     setup_logging()
+    from inflight.machine import resolve_precision
+
+    precision = resolve_precision(cfg.autocast, "cpu")  # the learner runs on CPU (issue 16 moves it to CUDA)
+    cfg.autocast = "bfloat16" if precision.is_bf16 and cfg.autocast != "none" else "none"
+    log.info("learner precision: decoder %s, LM head/logprobs/optimizer %s (%s)",
+             "bfloat16 autocast" if cfg.autocast == "bfloat16" else cfg.dtype, cfg.dtype, precision.reason)  # fmt: skip
     from inflight.learn.dist import init_world
 
     rank, world = init_world("nccl" if cfg.backend == "nccl" else "gloo")

@@ -36,9 +36,11 @@ class LearnConfig:
     lr: float = field(default=1e-5, metadata=_h("AdamW learning rate"))
     grad_clip: float = field(default=1.0, metadata=_h("max gradient norm"))
     dtype: str = field(default="float32", metadata=_h("parameter dtype", choices=("float32", "bfloat16")))
-    autocast: str = field(default="none", metadata=_h("run the decoder under autocast in this dtype (the LM head, "
-                                                      "logprobs and optimizer stay in --dtype); bfloat16 is ~3x faster "
-                                                      "on CPUs with AMX", choices=("none", "bfloat16")))  # fmt: skip
+    autocast: str = field(default="auto", metadata=_h("run the decoder under autocast in this dtype (the LM head, "
+                                                      "logprobs and optimizer stay in --dtype); auto = bfloat16 where "
+                                                      "the device computes it natively (CUDA; a CPU with AMX or "
+                                                      "avx512_bf16), none elsewhere (bf16 is ~50x slower than fp32 on "
+                                                      "an AVX2-only CPU)", choices=("auto", "none", "bfloat16")))  # fmt: skip
     fused_loss: str = field(default="auto", metadata=_h("LM head + policy loss in one pass (learner/fused_loss.py): "
                                                         "auto = on CUDA with Triton; on = also elsewhere (torch); "
                                                         "off", choices=("auto", "on", "off")))  # fmt: skip

@@ -43,6 +43,14 @@ class RunConfig:
     run_dir: str = field(default="", metadata=_h("run directory; empty = runs/<date>-<time>-<mode>"))
     model: str = field(default="smollm2", metadata=_h("prepared model name or HF dir, served and trained"))
     task: str = field(default="arithmetic", metadata=_h("'arithmetic' or 'jsonl:<path>'"))
+    reward: str = field(default="", metadata=_h("the serve's reward as module:function (sync or async, "
+                                                "f(text, problem) -> float); empty = the task's own"))  # fmt: skip
+    dtype: str = field(default="auto", metadata=_h("compute precision of both sides: the serve's engine dtype and the "
+                                                   "learner's decoder autocast (master weights, LM head and optimizer "
+                                                   "stay fp32); auto = bfloat16 where the machine computes it natively "
+                                                   "(CUDA; a CPU with AMX or avx512_bf16), float32 elsewhere",
+                                                   choices=("auto", "float32", "bfloat16")))  # fmt: skip
+    http_port: int = field(default=0, metadata=_h("the serve also answers vLLM's OpenAI API on this port; 0 = off"))
     mode: str = field(default="never-stop", metadata=_h("how weight updates interrupt generation", choices=MODES))
     group_size: int = field(default=8, metadata=_h("completions per prompt"))
     groups_per_step: int = field(default=4, metadata=_h("groups per optimizer step"))
@@ -77,6 +85,7 @@ class RunConfig:
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
         require(self.steps >= 0, "steps", self.steps, ">= 0")
         require(self.duration_s >= 0, "duration_s", self.duration_s, ">= 0 seconds")
+        require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
         require(self.learn_procs >= 1, "learn_procs", self.learn_procs, ">= 1")
         require(0 <= self.port_base < 65534, "port_base", self.port_base, "0 (free ports) or a TCP port below 65534")
         for name in ("serve_cores", "learn_cores"):

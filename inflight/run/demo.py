@@ -16,20 +16,13 @@ from pathlib import Path
 
 from inflight.serve.config import MODES
 
-# What the demo trains with on two CPU cores: bf16 autocast in the learner (AMX) and a short completion budget keep
-# a step near ten seconds, so a few minutes give a few dozen updates. The serve samples in bf16 too: a learner that
-# computes in bf16 must be matched by a bf16 serve, or fp32 weight updates below bf16 resolution move the serve's
-# policy but not the learner's view of it (lag-0 mismatch grew 0.015 -> 0.5 in 16 steps with an fp32 serve).
-DEMO_FLAGS = [
-    "--lr",
-    "1e-5",
-    "--max-tokens",
-    "40",
-    "--learn-args",
-    "--autocast bfloat16",
-    "--serve-args",
-    "--dtype bfloat16",
-]
+# What the demo trains with on two CPU cores: a short completion budget keeps a step short enough that a few minutes
+# give a few dozen updates. Precision is the run's `--dtype auto` on both sides: bf16 where the CPU computes it natively
+# (AMX/avx512_bf16: the learner's decoder under bf16 autocast is ~3x faster than fp32), fp32 elsewhere (on an AVX2-only
+# CPU bf16 is ~50x slower: a bf16 learner made 0 steps in the budget). The serve always samples in the learner's
+# compute precision: a bf16 learner next to an fp32 serve drifts apart from it (updates below bf16 resolution move one
+# side only; lag-0 mismatch grew 0.015 -> 0.5 in 16 steps).
+DEMO_FLAGS = ["--lr", "1e-5", "--max-tokens", "40"]
 
 
 def split_run_flags(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -24,6 +24,10 @@ from inflight.run.config import RunConfig, parse_cores, parse_gpus
 _PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITICAL")
 
 
+# --dtype of the run -> the learner's --autocast: fp32 master weights always, the decoder in the run's precision.
+LEARN_AUTOCAST = {"auto": "auto", "float32": "none", "bfloat16": "bfloat16"}
+
+
 def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) -> dict[str, list[str]]:
     """The argv of each side (without the interpreter), built from the shared knobs plus the verbatim extras."""
     rollouts, control, weights = ports
@@ -32,13 +36,17 @@ def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) ->
         "--groups-per-step", str(cfg.groups_per_step), "--max-tokens", str(cfg.max_tokens),
         "--temperature", repr(cfg.temperature), "--max-lag", str(cfg.admit_lag), "--task-seed", str(cfg.seed),
         "--seed", str(cfg.seed), "--rollouts", f"tcp://{cfg.host}:{rollouts}", "--control", f"tcp://{cfg.host}:{control}",
-        "--metrics", str(run_dir / "serve-metrics.jsonl"),
+        "--metrics", str(run_dir / "serve-metrics.jsonl"), "--dtype", cfg.dtype,
     ]  # fmt: skip
+    if cfg.reward:
+        shared_serve += ["--reward", cfg.reward]
+    if cfg.http_port:
+        shared_serve += ["--http-port", str(cfg.http_port)]
     shared_learn = [
         "--model", cfg.model, "--host", cfg.host, "--rollouts-port", str(rollouts), "--control-port", str(control),
         "--weights-port", str(weights), "--groups-per-step", str(cfg.groups_per_step), "--steps", str(cfg.steps),
         "--max-lag", str(cfg.max_lag), "--temperature", repr(cfg.temperature), "--lr", repr(cfg.lr),
-        "--seed", str(cfg.seed), "--run-dir", str(run_dir),
+        "--seed", str(cfg.seed), "--run-dir", str(run_dir), "--autocast", LEARN_AUTOCAST[cfg.dtype],
     ]  # fmt: skip
     if parse_gpus(cfg.learn_gpus):
         shared_learn += ["--backend", "nccl"]

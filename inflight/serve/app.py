@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     about = "Patched vLLM engine + rollout driver streaming per-token-versioned rollouts over ZeroMQ."
     cfg = parse_dataclass(ServeConfig, argv, "python -m inflight.serve", about)
     setup_logging()
+    from inflight.machine import resolve_precision, serve_device
+
+    precision = resolve_precision(cfg.dtype, serve_device())
+    log.info("serve precision: %s (%s)", precision.dtype, precision.reason)
+    cfg.dtype = precision.dtype
     code = asyncio.run(serve(cfg))
     # The engine was shut down inside serve(); collect it now, while modules are intact: left to interpreter
     # teardown, AsyncLLM.__del__ calls shutdown again on half-torn-down globals and prints a TypeError traceback.

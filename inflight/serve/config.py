@@ -50,9 +50,11 @@ class ServeConfig:
     max_num_seqs: int = field(default=256, metadata=_h("engine batch limit"))
     kv_cache_gib: float = field(default=1.0, metadata=_h("KV cache size in GiB (fractions allowed); allocated and "
                                                          "zeroed at start: a smaller one starts faster"))  # fmt: skip
-    dtype: str = field(default="float32", metadata=_h("engine dtype; float32 keeps behaviour logprobs within 1e-5 of "
-                                                      "an fp32 learner's (bf16: 3e-2)",
-                                                      choices=("bfloat16", "float16", "float32")))  # fmt: skip
+    dtype: str = field(default="auto", metadata=_h("engine dtype; auto = bfloat16 where the device computes it "
+                                                   "natively (CUDA; a CPU with AMX or avx512_bf16), float32 elsewhere "
+                                                   "(the learner's --autocast auto picks the same on the same kind of "
+                                                   "machine); float32 keeps behaviour logprobs within 1e-5 of an fp32 "
+                                                   "learner's", choices=("auto", "bfloat16", "float16", "float32")))  # fmt: skip
     seed: int = field(default=0, metadata=_h("engine sampling seed"))
     version: int = field(default=0, metadata=_h("weight version of the served checkpoint"))
     wait_for_learner: bool = field(default=True, metadata=_h("admit nothing until the learner reports its latest "

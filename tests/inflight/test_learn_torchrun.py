@@ -43,7 +43,7 @@ def run_learner(launcher: list[str], model_dir, run_dir) -> None:
     ports = [free_port() for _ in range(3)]
     args = ["-m", "inflight.learn", "--model", str(model_dir), "--steps", "1", "--groups-per-step", "2", "--lr",
             str(LR), "--run-dir", str(run_dir), "--rollouts-port", str(ports[0]), "--control-port", str(ports[1]),
-            "--weights-port", str(ports[2]), "--wait-for-serves", "0"]  # fmt: skip
+            "--weights-port", str(ports[2]), "--wait-for-serves", "0", "--autocast", "none"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([*launcher, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     push = zmq.Context.instance().socket(zmq.PUSH)

