@@ -1,4 +1,5 @@
-"""Layering (DESIGN.md): imports only point down, a learner node needs no vLLM and a serve node no learner code.
+"""Layering (docs/ARCHITECTURE.md "Layering"): imports only point down, a learner node needs no vLLM and a serve node no
+learner code.
 
 Two checks: the static import graph of every module against the rules below, and a fresh interpreter that imports
 every module of one side with the other side's packages made unimportable (so a lazy import inside a function, which

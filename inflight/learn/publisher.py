@@ -1,9 +1,9 @@
 """WeightPublisher: learner rank 0's side of the weights path — serves, the weights group, and one update per step.
 
-Flow (DESIGN.md "Weight path"): a serve says `Hello` with every tensor it serves (name, dtype, shape); the publisher
-checks them against what the learner will send and refuses a mismatching serve before any bucket moves, naming the
-first mismatch. Accepted serves form one weights group (rank 0 = this process, then each serve's workers); when
-membership changes the group is re-formed under a new name. `publish()` casts the full state to the serve's dtypes,
+Flow (docs/ARCHITECTURE.md "The weight path"): a serve says `Hello` with every tensor it serves (name, dtype, shape);
+the publisher checks them against what the learner will send and refuses a mismatching serve before any bucket moves,
+naming the first mismatch. Accepted serves form one weights group (rank 0 = this process, then each serve's workers);
+when membership changes the group is re-formed under a new name. `publish()` casts the full state to the serve's dtypes,
 plans the buckets, announces the manifest to every member, broadcasts the buckets (double-buffered) and returns
 without waiting for the commits: `UpdateDone` replies are collected by `pump()` while training goes on.
 

@@ -3,9 +3,9 @@ checkpoint restores params and optimizer exactly, on 2 ranks and resharded onto 
 checkpoint.py).
 
 One module fixture runs everything once: a 1-process reference in the test process, then one spawn of 2 ranks
-(file:// rendezvous, results through files, see STYLE.md) that runs both models in turn, after which rank 0 alone
-joins a world of 1 to resume the checkpoints. The batch is split unevenly (the long sequences and the fully masked
-one on rank 0), so only a global loss normaliser makes the runs agree.
+(file:// rendezvous, results through files, see docs/ARCHITECTURE.md "Testing distributed code on CPU") that runs both
+models in turn, after which rank 0 alone joins a world of 1 to resume the checkpoints. The batch is split unevenly (the
+long sequences and the fully masked one on rank 0), so only a global loss normaliser makes the runs agree.
 """
 
 from __future__ import annotations

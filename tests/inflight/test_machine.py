@@ -1,0 +1,80 @@
+"""Precision chosen from the machine (inflight/machine.py): bf16 only where the CPU computes it natively, fp32 elsewhere,
+the same rule on both sides of a run, `ONEDNN_MAX_CPU_ISA` honoured, explicit flags always win."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflight import machine
+from inflight.run.config import RunConfig
+from inflight.run.launch import side_commands
+
+AMD = ("AMD EPYC 7B13", frozenset({"avx", "avx2", "fma"}))
+SAPPHIRE = ("Intel(R) Xeon(R) Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
+COOPER = ("Intel(R) Xeon(R) Platinum 8353H", frozenset({"avx2", "avx512f", "avx512_bf16"}))
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    def use(info, isa: str = ""):
+        monkeypatch.setattr(machine, "cpu_info", lambda: info)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        if isa:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        else:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+
+    return use
+
+
+def test_auto_picks_float32_on_a_cpu_without_amx_or_avx512_bf16_and_says_why(cpu) -> None:
+    cpu(AMD)
+    precision = machine.resolve_precision("auto")
+    assert precision.dtype == "float32"
+    assert "AMD EPYC 7B13 has no amx_bf16 or avx512_bf16" in precision.reason
+
+
+@pytest.mark.parametrize("info", [SAPPHIRE, COOPER], ids=["amx", "avx512_bf16"])
+def test_auto_picks_bfloat16_where_the_cpu_computes_it_natively(cpu, info) -> None:
+    cpu(info)
+    precision = machine.resolve_precision("auto")
+    assert precision.dtype == "bfloat16" and info[0] in precision.reason
+
+
+@pytest.mark.parametrize(("isa", "dtype"), [("AVX2", "float32"), ("avx512_core", "float32"),
+                                            ("AVX512_CORE_BF16", "bfloat16"), ("AVX512_CORE_AMX", "bfloat16")])  # fmt: skip
+def test_a_onednn_isa_limit_without_bf16_kernels_turns_auto_to_float32(cpu, isa, dtype) -> None:
+    cpu(SAPPHIRE, isa)
+    precision = machine.resolve_precision("auto")
+    assert precision.dtype == dtype
+    if dtype == "float32":
+        assert f"ONEDNN_MAX_CPU_ISA={isa.upper()}" in precision.reason
+
+
+@pytest.mark.parametrize(("requested", "dtype"), [("float32", "float32"), ("bfloat16", "bfloat16"), ("none", "float32")])
+def test_an_explicit_precision_wins_over_the_machine(cpu, requested, dtype) -> None:
+    cpu(AMD)
+    precision = machine.resolve_precision(requested)
+    assert precision.dtype == dtype and precision.reason == "given on the command line"
+
+
+def test_cpu_label_names_the_cpu_its_cores_and_its_bf16_capability(cpu) -> None:
+    cpu(AMD)
+    assert machine.cpu_label().startswith("AMD EPYC 7B13, ") and "no AMX/avx512_bf16" in machine.cpu_label()
+    cpu(SAPPHIRE, "AVX2")
+    assert "avx512_bf16+amx_bf16" in machine.cpu_label() or "amx_bf16+avx512_bf16" in machine.cpu_label()
+    assert machine.cpu_label().endswith("ONEDNN_MAX_CPU_ISA=AVX2")
+
+
+def test_this_machine_is_read_from_proc_cpuinfo() -> None:
+    name, flags = machine.cpu_info()
+    assert name != "unknown CPU" and "sse2" in flags  # every x86-64 CPU has SSE2
+
+
+@pytest.mark.parametrize(("dtype", "autocast"), [("auto", "auto"), ("float32", "none"), ("bfloat16", "bfloat16")])
+def test_the_runs_dtype_reaches_both_sides_as_one_precision(tmp_path, dtype, autocast) -> None:
+    """`inflight.run --dtype` is given once: the serve's engine dtype and the learner's decoder autocast follow it."""
+    commands = side_commands(RunConfig(dtype=dtype), tmp_path, (1, 2, 3))
+    serve, learn = commands["serve"], commands["learn"]
+    assert serve[serve.index("--dtype") + 1] == dtype
+    assert learn[learn.index("--autocast") + 1] == autocast
