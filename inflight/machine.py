@@ -1,4 +1,4 @@
-"""What this machine computes fast, read from the hardware, never assumed: the CPU's name and the precision `auto` picks.
+"""What this machine computes fast, read from the hardware, never assumed: its CPU's name and the precision of `auto`.
 
 Why it matters: on a CPU with AMX or avx512_bf16 a bf16 matmul is ~3x faster than fp32; on one without (an AMD EPYC
 with AVX2 only) it is ~50x *slower* (779 ms vs 14.7 ms for 512x576x1536, one thread), so a learner under bf16
@@ -55,7 +55,7 @@ def cpu_bf16() -> tuple[bool, str]:
         return False, f"{name} has no {' or '.join(NATIVE_BF16_FLAGS)} (bf16 matmuls are emulated, far slower)"
     limit = onednn_isa_limit()
     if limit and not any(mark in limit for mark in _BF16_ISA_MARKS):
-        return False, f"{name} has {'+'.join(native)}, but ONEDNN_MAX_CPU_ISA={limit} limits oneDNN to kernels without it"
+        return False, f"{name} has {'+'.join(native)}, but ONEDNN_MAX_CPU_ISA={limit} keeps oneDNN off those kernels"
     return True, f"{name} has {'+'.join(native)}"
 
 

@@ -40,7 +40,8 @@ class LearnConfig:
                                                       "logprobs and optimizer stay in --dtype); auto = bfloat16 where "
                                                       "the device computes it natively (CUDA; a CPU with AMX or "
                                                       "avx512_bf16), none elsewhere (bf16 is ~50x slower than fp32 on "
-                                                      "an AVX2-only CPU)", choices=("auto", "none", "bfloat16")))  # fmt: skip
+                                                      "an AVX2-only CPU)",
+                                                      choices=("auto", "none", "bfloat16")))  # fmt: skip
     fused_loss: str = field(default="auto", metadata=_h("LM head + policy loss in one pass (learner/fused_loss.py): "
                                                         "auto = on CUDA with Triton; on = also elsewhere (torch); "
                                                         "off", choices=("auto", "on", "off")))  # fmt: skip

@@ -54,7 +54,8 @@ class ServeConfig:
                                                    "natively (CUDA; a CPU with AMX or avx512_bf16), float32 elsewhere "
                                                    "(the learner's --autocast auto picks the same on the same kind of "
                                                    "machine); float32 keeps behaviour logprobs within 1e-5 of an fp32 "
-                                                   "learner's", choices=("auto", "bfloat16", "float16", "float32")))  # fmt: skip
+                                                   "learner's",
+                                                   choices=("auto", "bfloat16", "float16", "float32")))  # fmt: skip
     seed: int = field(default=0, metadata=_h("engine sampling seed"))
     version: int = field(default=0, metadata=_h("weight version of the served checkpoint"))
     wait_for_learner: bool = field(default=True, metadata=_h("admit nothing until the learner reports its latest "

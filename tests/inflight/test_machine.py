@@ -1,5 +1,5 @@
-"""Precision chosen from the machine (inflight/machine.py): bf16 only where the CPU computes it natively, fp32 elsewhere,
-the same rule on both sides of a run, `ONEDNN_MAX_CPU_ISA` honoured, explicit flags always win."""
+"""Precision chosen from the machine (inflight/machine.py): bf16 only where the CPU computes it natively, fp32
+elsewhere, the same rule on both sides of a run, `ONEDNN_MAX_CPU_ISA` honoured, explicit flags always win."""
 
 from __future__ import annotations
 
@@ -41,8 +41,11 @@ def test_auto_picks_bfloat16_where_the_cpu_computes_it_natively(cpu, info) -> No
     assert precision.dtype == "bfloat16" and info[0] in precision.reason
 
 
-@pytest.mark.parametrize(("isa", "dtype"), [("AVX2", "float32"), ("avx512_core", "float32"),
-                                            ("AVX512_CORE_BF16", "bfloat16"), ("AVX512_CORE_AMX", "bfloat16")])  # fmt: skip
+ISA_LIMITS = [("AVX2", "float32"), ("avx512_core", "float32"), ("AVX512_CORE_BF16", "bfloat16"),
+              ("AVX512_CORE_AMX", "bfloat16")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("isa", "dtype"), ISA_LIMITS)
 def test_a_onednn_isa_limit_without_bf16_kernels_turns_auto_to_float32(cpu, isa, dtype) -> None:
     cpu(SAPPHIRE, isa)
     precision = machine.resolve_precision("auto")
@@ -51,7 +54,8 @@ def test_a_onednn_isa_limit_without_bf16_kernels_turns_auto_to_float32(cpu, isa,
         assert f"ONEDNN_MAX_CPU_ISA={isa.upper()}" in precision.reason
 
 
-@pytest.mark.parametrize(("requested", "dtype"), [("float32", "float32"), ("bfloat16", "bfloat16"), ("none", "float32")])
+@pytest.mark.parametrize(("requested", "dtype"),
+                         [("float32", "float32"), ("bfloat16", "bfloat16"), ("none", "float32")])  # fmt: skip
 def test_an_explicit_precision_wins_over_the_machine(cpu, requested, dtype) -> None:
     cpu(AMD)
     precision = machine.resolve_precision(requested)
@@ -71,7 +75,8 @@ def test_this_machine_is_read_from_proc_cpuinfo() -> None:
     assert name != "unknown CPU" and "sse2" in flags  # every x86-64 CPU has SSE2
 
 
-@pytest.mark.parametrize(("dtype", "autocast"), [("auto", "auto"), ("float32", "none"), ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize(("dtype", "autocast"),
+                         [("auto", "auto"), ("float32", "none"), ("bfloat16", "bfloat16")])  # fmt: skip
 def test_the_runs_dtype_reaches_both_sides_as_one_precision(tmp_path, dtype, autocast) -> None:
     """`inflight.run --dtype` is given once: the serve's engine dtype and the learner's decoder autocast follow it."""
     commands = side_commands(RunConfig(dtype=dtype), tmp_path, (1, 2, 3))

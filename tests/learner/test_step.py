@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerances import float64_bound
 
 from learner.losses import LossConfig, policy_loss
 from learner.model import PolicyModel, load_policy
 from learner.step import Sample, TrainConfig, make_batch, make_optimizer, train_step
-from tolerances import float64_bound
 
 PAD = 0
 SAMPLES = [
