@@ -28,17 +28,18 @@ import json
 import sys
 from pathlib import Path
 
-from inflight.run.report import ready_time
+from inflight.run.report import lag_tokens, progress_lines, ready_time
 from inflight.serve.config import MODES
+from inflight.wire.records import read_steps
 
 
 def time_to_target(run_dir: Path, target: float, window: int = 5) -> float:
     """Seconds since ready until the moving mean of the batch reward over `window` steps first reaches `target`."""
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    t0 = ready_time(run_dir) or steps[0]["time"]
+    steps = read_steps(run_dir / "metrics.jsonl")
+    t0 = ready_time(run_dir) or steps[0].time
     for i in range(window - 1, len(steps)):
-        if sum(s["reward"] for s in steps[i - window + 1 : i + 1]) / window >= target:
-            return steps[i]["time"] - t0
+        if sum(s.reward for s in steps[i - window + 1 : i + 1]) / window >= target:
+            return steps[i].time - t0
     return float("nan")
 
 
@@ -72,13 +73,13 @@ def plots(out: Path, modes: list[str]) -> None:
     from inflight.run.report import load_run
 
     runs = {m: load_run(out / m) for m in modes if (out / m / "metrics.jsonl").exists()}
-    t0s = {m: ready_time(out / m) or run["steps"][0]["time"] for m, run in runs.items()}
+    t0s = {m: ready_time(out / m) or run["steps"][0].time for m, run in runs.items()}
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for m, run in runs.items():
-        r = [s["reward"] for s in run["steps"]]
+        r = [s.reward for s in run["steps"]]
         smooth = [sum(r[max(0, i - 4) : i + 1]) / len(r[max(0, i - 4) : i + 1]) for i in range(len(r))]
-        ax.plot([s["time"] - t0s[m] for s in run["steps"]], smooth, "-", label=m)
+        ax.plot([s.time - t0s[m] for s in run["steps"]], smooth, "-", label=m)
     ax.set_xlabel("seconds since both sides were ready")
     ax.set_ylabel("batch reward (moving mean, 5 steps)")
     ax.set_title("reward vs wall clock, one run per update mode")
@@ -91,14 +92,11 @@ def plots(out: Path, modes: list[str]) -> None:
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / max(len(runs), 1)
     for i, (m, run) in enumerate(runs.items()):
-        hist: dict[int, float] = {}
-        for s in run["steps"]:
-            for k, v in s.get("lag_histogram", {}).items():
-                hist[int(k)] = hist.get(int(k), 0) + v
+        hist = lag_tokens(run["steps"])
         total = sum(hist.values()) or 1
         xs = sorted(hist)
         ax.bar([x + i * width for x in xs], [hist[x] / total for x in xs], width=width, label=m)
-    lags = sorted({int(k) for run in runs.values() for s in run["steps"] for k in s.get("lag_histogram", {})})
+    lags = sorted({lag for run in runs.values() for lag in lag_tokens(run["steps"])})
     ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in lags], [str(x) for x in lags])  # one label per lag
     ax.set_xlabel("token lag (versions)")
     ax.set_ylabel("fraction of trained tokens")
@@ -110,8 +108,8 @@ def plots(out: Path, modes: list[str]) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for m, run in runs.items():
-        progress = [e for e in run["serve"] if e.get("event") == "progress"]
-        ax.plot([e["time"] - t0s[m] for e in progress], [e["tokens"] for e in progress], "-", label=m)
+        progress = progress_lines(run["serve"])
+        ax.plot([e.time - t0s[m] for e in progress], [e.tokens for e in progress], "-", label=m)
     ax.set_xlabel("seconds since both sides were ready")
     ax.set_ylabel("tokens generated (cumulative)")
     ax.set_title("serve generation by update mode")

@@ -38,6 +38,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from inflight.wire.records import UpdateEvent, read_serve_events, read_steps
+
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
 
 
@@ -249,10 +251,6 @@ def _update(cal, mode, w, t, running, produced, paused_until, draining, push):
 # -- calibration ------------------------------------------------------------------------------------------------------
 
 
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def calibrate(runs: Path, probe: Path | None) -> Calibration:
     cal = Calibration()
     if probe is not None and probe.exists():
@@ -261,29 +259,29 @@ def calibrate(runs: Path, probe: Path | None) -> Calibration:
     steps, lengths = [], []
     for mode in MODES:
         run = runs / mode
-        m = _read(run / "metrics.jsonl")
+        m = read_steps(run / "metrics.jsonl")
         if not m:
             continue
         steps += m[1:]  # the first step includes start-up
         for s in m:
-            lengths += s.get("lengths", [])
-        updates = [e for e in _read(run / "serve-metrics.jsonl") if e.get("event") == "update" and e.get("ok")]
+            lengths += s.lengths
+        updates = [e for e in read_serve_events(run / "serve-metrics.jsonl") if isinstance(e, UpdateEvent) and e.ok]
         if updates:
-            cal.commit_s[mode] = sum(e["commit_s"] for e in updates) / len(updates)
-            cal.receive_s = sum(e["receive_s"] for e in updates) / len(updates)
+            cal.commit_s[mode] = sum(e.commit_s for e in updates) / len(updates)
+            cal.receive_s = sum(e.receive_s for e in updates) / len(updates)
         config = json.loads((run / "run-config.json").read_text())
         cal.group_size, cal.groups_per_step = config["group_size"], config["groups_per_step"]
         cal.admit_lag = config["admit_lag"]
     if not steps:
         raise SystemExit(f"no learner metrics under {runs}/<mode>/metrics.jsonl: run benchmarks.ablate first")
     # least squares train_s = t0 + t1 * tokens
-    xs, ys = [s["tokens"] for s in steps], [s["train_s"] for s in steps]
+    xs, ys = [s.tokens for s in steps], [s.train_s for s in steps]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     cal.train_t1 = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else my / max(mx, 1)
     cal.train_t1 = max(cal.train_t1, 0.0)
     cal.train_t0 = max(my - cal.train_t1 * mx, 0.0)
-    cal.publish_s = sum(s.get("publish_s", 0.0) for s in steps) / len(steps)
+    cal.publish_s = sum(s.publish_s or 0.0 for s in steps) / len(steps)  # None: a step that did not publish
     if lengths:
         cal.lengths = lengths
     return cal
@@ -293,9 +291,9 @@ def measured_speedup(runs: Path) -> dict[str, float]:
     """Learner steps per second of each measured mode (after its first step)."""
     out = {}
     for mode in MODES:
-        m = _read(runs / mode / "metrics.jsonl")
+        m = read_steps(runs / mode / "metrics.jsonl")
         if len(m) >= 3:
-            out[mode] = (len(m) - 1) / (m[-1]["time"] - m[0]["time"])
+            out[mode] = (len(m) - 1) / (m[-1].time - m[0].time)
     return out
 
 

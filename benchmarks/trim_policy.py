@@ -18,17 +18,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from inflight.run.report import load_run
+from inflight.run.report import committed_updates, load_run
 
 SOAK = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
 
 def stalls_ms(run_dir: Path, warmup_s: float) -> list[float]:
-    updates = [u for u in load_run(run_dir)["serve"] if u.get("event") == "update" and u.get("ok")]
+    updates = committed_updates(load_run(run_dir)["serve"])
     if not updates:
         return []
-    t0 = updates[0]["time"]
-    return sorted(1e3 * u["commit_s"] for u in updates if u["time"] - t0 >= warmup_s)
+    t0 = updates[0].time
+    return sorted(1e3 * u.commit_s for u in updates if u.time - t0 >= warmup_s)
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -3,8 +3,9 @@
 Why it matters: on a CPU with AMX or avx512_bf16 a bf16 matmul is ~3x faster than fp32; on one without (an AMD EPYC
 with AVX2 only) it is ~50x *slower* (779 ms vs 14.7 ms for 512x576x1536, one thread), so a learner under bf16
 autocast there makes no step at all in the demo's budget. Both sides of a run resolve `auto` here, with the same
-rule, so a learner and a serve on the same kind of machine pick the same precision (the learner warns at Hello when
-they differ). `ONEDNN_MAX_CPU_ISA` is honoured: a process limited to AVX2 kernels computes bf16 the slow way too.
+rule, so a learner and a serve on the same kind of machine pick the same precision (the learner refuses a serve of
+another at Hello: inflight/wire/contract.py). `ONEDNN_MAX_CPU_ISA` is honoured: a process limited to AVX2 kernels
+computes bf16 the slow way too.
 
 Nothing here imports torch unless a CUDA device is asked about (`inflight.run` must stay torch-free).
 """

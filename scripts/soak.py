@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from inflight.wire.records import read_steps
+
 REWARDS = Path(__file__).resolve().parents[1] / "tests" / "inflight"  # serve_rewards.text_length
 
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         limit_ok = change <= 0.10 if key.endswith("rss") else last <= first
         ok &= limit_ok
         print(f"| {key} | {first:.0f} | {last:.0f} | {100 * change:+.1f}%{'' if limit_ok else ' FAIL'} |")
-    steps = sum(1 for _ in (run_dir / "metrics.jsonl").open()) if (run_dir / "metrics.jsonl").exists() else 0
+    steps = len(read_steps(run_dir / "metrics.jsonl"))
     print(f"learner steps (= weight updates): {steps}; launcher exit {launcher.returncode}")
     print("PASS" if ok and launcher.returncode == 0 else "FAIL")
     return 0 if ok and launcher.returncode == 0 else 1

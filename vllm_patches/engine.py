@@ -19,6 +19,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from vllm_patches.rpc import CommitApplied, CommitResult, GroupJoined, StageStatus, rpc_result
+
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
 WORKER_EXTENSION = "vllm_patches.worker_extension.InflightWorkerExtension"
 
@@ -64,7 +66,7 @@ class UpdateReport:
     receive_s: float = 0.0
     bytes: int = 0
     staging_window: tuple[float, float] = (0.0, 0.0)  # wall clock: receive started, all buckets verified
-    workers: list = field(default_factory=list)
+    workers: list[CommitApplied] = field(default_factory=list)
 
 
 class UpdateError(RuntimeError):
@@ -200,11 +202,12 @@ class InflightEngine:
         current = time.monotonic() - self._empty_since if self._empty_since is not None else 0.0
         return self._empty_s + current
 
-    async def join_weights_group(self, host: str, port: int, rank: int, world_size: int, **kw) -> list:
+    async def join_weights_group(self, host: str, port: int, rank: int, world_size: int, **kw) -> list[GroupJoined]:
         """Join the weights group as `rank` (TP workers take consecutive ranks). Blocks until rank 0 joins."""
         args = (host, port, rank, world_size, kw.get("group_name", "inflight-weights-0"),
                 kw.get("backend", "gloo"), kw.get("timeout_s", 60.0))  # fmt: skip
-        return await self.llm.collective_rpc("inflight_init_weights_group", args=args)
+        joined = await self.llm.collective_rpc("inflight_init_weights_group", args=args)
+        return rpc_result(joined, list[GroupJoined], "inflight_init_weights_group")
 
     async def update(self, manifest_bytes: bytes, mode: str = "never-stop", kv: str = "keep",
                      timeout_s: float = 120.0) -> UpdateReport:  # fmt: skip
@@ -218,13 +221,13 @@ class InflightEngine:
             paused = await self._pause_for(mode)
             try:
                 status = await self._begin(manifest_bytes)
-                report.version = status["version"]
+                report.version = status.version
                 # Generation is stopped in every mode but never-stop: block in the worker until staged. Polling an idle
                 # worker every 10 ms keeps vLLM's shm reader busy-spinning (it spins for 1 s after each read), which
                 # starves the staging thread of the GIL: 4.2 s instead of 0.7 s to receive SmolLM2 fp32 here.
                 staged = await self._wait_staged(timeout_s, block=paused or mode == "blocking")
-                report.receive_s, report.bytes = staged["receive_s"], staged["bytes_received"]
-                report.staging_window = (staged["started_at"], staged["staged_at"])
+                report.receive_s, report.bytes = staged.receive_s, staged.bytes_received
+                report.staging_window = (staged.started_at, staged.staged_at)
                 await self._commit(report, kv)
             finally:
                 if paused:
@@ -251,25 +254,26 @@ class InflightEngine:
             await self.llm.pause_generation(mode="keep" if mode == "keep-pause" else "wait", clear_cache=False)
         return True
 
-    async def _begin(self, manifest_bytes: bytes) -> dict:
+    async def _begin(self, manifest_bytes: bytes) -> StageStatus:
         try:
             statuses = await self.llm.collective_rpc("inflight_begin_update", args=(manifest_bytes,))
         except Exception as exc:
             raise UpdateError(f"update refused before any bucket was received: {exc}") from exc
-        return statuses[0]
+        return rpc_result(statuses, list[StageStatus], "inflight_begin_update")[0]
 
-    async def _wait_staged(self, timeout_s: float, block: bool = False) -> dict:
+    async def _wait_staged(self, timeout_s: float, block: bool = False) -> StageStatus:
         deadline = time.monotonic() + timeout_s
         while True:
             if block:
                 remaining = max(0.0, deadline - time.monotonic())
-                statuses = await self.llm.collective_rpc("inflight_wait_staged", args=(remaining,))
+                method, args = "inflight_wait_staged", (remaining,)
             else:
-                statuses = await self.llm.collective_rpc("inflight_update_status")
-            failed = [s for s in statuses if s["state"] == "failed"]
+                method, args = "inflight_update_status", ()
+            statuses = rpc_result(await self.llm.collective_rpc(method, args=args), list[StageStatus], method)
+            failed = [s for s in statuses if s.state == "failed"]
             if failed:
-                raise UpdateError(f"update v{failed[0]['version']} failed while staging: {failed[0]['error']}")
-            if all(s["state"] == "staged" for s in statuses):
+                raise UpdateError(f"update v{failed[0].version} failed while staging: {failed[0].error}")
+            if all(s.state == "staged" for s in statuses):
                 return statuses[0]
             if time.monotonic() > deadline:
                 raise UpdateError(f"update not staged within {timeout_s:.0f}s: {statuses[0]}")
@@ -280,5 +284,6 @@ class InflightEngine:
             result = await self.llm.engine_core.call_utility_async("inflight_commit", report.version, kv)
         except Exception as exc:
             raise UpdateError(f"commit of v{report.version} failed, previous weights restored: {exc}") from exc
-        report.commit_s, report.workers = result["stall_s"], result["workers"]
+        committed = rpc_result(result, CommitResult, "inflight_commit")
+        report.commit_s, report.workers = committed.stall_s, committed.workers
         self.version = report.version

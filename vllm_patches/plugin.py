@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import time
 
+from vllm_patches.rpc import CommitResult
+
 KV_MODES = ("keep", "recompute")
 
 
-def inflight_commit(self, version: int, kv: str = "keep") -> dict:
+def inflight_commit(self, version: int, kv: str = "keep") -> CommitResult:
     """EngineCore utility: commit the staged update on every worker and set the weight version, in one engine step gap.
 
     kv="keep" leaves running requests' KV (computed by the old weights) in place; kv="recompute" preempts every running
@@ -27,7 +29,7 @@ def inflight_commit(self, version: int, kv: str = "keep") -> dict:
     self._weight_version = str(int(version))
     if kv == "recompute":
         self.reset_prefix_cache(reset_running_requests=True)
-    return {"version": int(version), "stall_s": time.perf_counter() - start, "workers": workers}
+    return CommitResult(int(version), time.perf_counter() - start, workers)  # workers: CommitApplied each
 
 
 def register() -> None:

@@ -24,6 +24,7 @@ import torch
 from inflight.wire.group import WeightsGroup
 from inflight.wire.transfer import receive_update
 from inflight.wire.weights import UpdateManifest, unpack_buckets
+from vllm_patches.rpc import StageStatus
 
 
 class StageState(str, Enum):
@@ -97,18 +98,18 @@ class StagedUpdate:
     def finished(self) -> bool:
         return self._done.is_set()
 
-    def status(self) -> dict:
-        return {
-            "version": self.manifest.version,
-            "state": self.state.value,
-            "error": self.error,
-            "bytes_received": self.bytes_received,
-            "bytes_total": self.manifest.total_bytes,
-            "receive_s": self.receive_s,
-            "verify_s": self.verify_s,
-            "started_at": self.started_at,
-            "staged_at": self.staged_at,
-        }
+    def status(self) -> StageStatus:
+        return StageStatus(
+            version=self.manifest.version,
+            state=self.state.value,
+            error=self.error,
+            bytes_received=self.bytes_received,
+            bytes_total=self.manifest.total_bytes,
+            receive_s=self.receive_s,
+            verify_s=self.verify_s,
+            started_at=self.started_at,
+            staged_at=self.staged_at,
+        )
 
 
 def _maybe_stall(index: int, version: int) -> None:

@@ -26,6 +26,7 @@ import torch
 from inflight.wire.group import GroupAddress, WeightsGroup
 from inflight.wire.memory import trim_after_update
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
+from vllm_patches.rpc import CommitApplied, GroupJoined, StageStatus
 from vllm_patches.staging import StagedUpdate, StageState
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
@@ -52,14 +53,14 @@ class InflightWorkerExtension:
 
     def inflight_init_weights_group(
         self, host: str, port: int, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float
-    ) -> dict:
+    ) -> GroupJoined:
         """Join (or re-join, replacing a broken group) the weights group as `rank`."""
         old = getattr(self, "_inflight_group", None)
         if old is not None:
             old.close()
         address = GroupAddress(host, port, world_size, group_name, backend, timeout_s)
         self._inflight_group = WeightsGroup(address, rank)
-        return {"rank": rank, "group_name": group_name}
+        return GroupJoined(rank, group_name)
 
     def inflight_expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
         """HF name → (dtype, shape) of every tensor in the served checkpoint: what an update must contain.
@@ -88,7 +89,7 @@ class InflightWorkerExtension:
             raise ManifestError(f"no *.safetensors in {self.model_config.model}: serve a local HF directory")
         return files
 
-    def inflight_begin_update(self, manifest_bytes: bytes) -> dict:
+    def inflight_begin_update(self, manifest_bytes: bytes) -> StageStatus:
         """Validate the manifest and start staging its buckets in the background; never blocks on the transfer."""
         manifest = UpdateManifest.decode(manifest_bytes)
         check_against(manifest, self.inflight_expected_tensors())
@@ -104,18 +105,18 @@ class InflightWorkerExtension:
     def _inflight_device(self) -> torch.device:
         return next(self.model_runner.get_model().parameters()).device
 
-    def inflight_update_status(self) -> dict | None:
+    def inflight_update_status(self) -> StageStatus | None:
         stage = getattr(self, "_inflight_stage", None)
         return None if stage is None else stage.status()
 
-    def inflight_wait_staged(self, timeout_s: float) -> dict | None:
+    def inflight_wait_staged(self, timeout_s: float) -> StageStatus | None:
         """Block this worker's RPC thread until the staged update finishes (for modes that pause anyway)."""
         stage = getattr(self, "_inflight_stage", None)
         if stage is not None:
             stage.wait(timeout_s)
         return self.inflight_update_status()
 
-    def inflight_commit_staged(self, version: int) -> dict:
+    def inflight_commit_staged(self, version: int) -> CommitApplied:
         """Copy the verified staged tensors into the live model. All-or-nothing; raises if nothing valid is staged."""
         stage = getattr(self, "_inflight_stage", None)
         if stage is None or stage.state != StageState.STAGED or stage.manifest.version != version:
@@ -136,7 +137,7 @@ class InflightWorkerExtension:
         # Freed weights and buckets go back to the OS every 30 s (INFLIGHT_TRIM_EVERY_S), off the engine's critical
         # path: a trim after every commit added ~20 ms to each stall (inflight.wire.memory).
         trim_after_update()
-        return {"version": version, "apply_s": applied}
+        return CommitApplied(version, applied)
 
     def _inflight_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         model = self.model_runner.get_model()

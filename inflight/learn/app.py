@@ -9,7 +9,6 @@ visible in `Learner.run`; each step appends one line to `<run_dir>/metrics.jsonl
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import signal
 import sys
@@ -21,6 +20,7 @@ import torch
 from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
 from inflight.wire.memory import trim_after_update
+from inflight.wire.records import StepMetrics, encode_line, to_record
 
 log = logging.getLogger("inflight.learn")
 
@@ -84,7 +84,7 @@ class Learner:
         self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
         self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
                                          cfg.bucket_mb << 20)  # fmt: skip
-        self.publisher.set_model(state, cfg.dtype if cfg.autocast == "none" else cfg.autocast)
+        self.publisher.set_model(state, cfg.contract())  # serves that differ are refused at Hello
         if self.version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
             self.publisher.latest = (self.version, state)
         self.buffer = RolloutBuffer(cfg.model, consumed, cfg.temperature)
@@ -220,21 +220,22 @@ class Learner:
                 "publish_failed": report.failed}  # fmt: skip
 
     def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]) -> None:
+        """One StepMetrics line (inflight/wire/records.py): train_step's metrics and the publish report are fields of
+        it, so a metric added or renamed there without the record fails here, in the first step of any learner test."""
         rewards = gate.rewards
-        record = {
+        # `tokens` is train_step's (rank 0's trained tokens); the batch's, gated included, is the lag histogram's sum.
+        record = to_record({
             "step": self.step, "version": self.version, "time": time.time(), "reward": sum(rewards) / len(rewards),
-            "lag_histogram": {str(k): v for k, v in sorted(gate.lag_histogram.items())},
-            "groups": gate.group_ids, "lengths": lengths, "tokens": gate.tokens,
+            "lag_histogram": dict(sorted(gate.lag_histogram.items())), "groups": gate.group_ids, "lengths": lengths,
             "gated_fraction": gate.gated / max(gate.tokens, 1), "wait_s": waited,
             "step_s": step_s, "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
             "rejected": dict(self.buffer.rejected) | {"wire:" + k: v for k, v in self.receiver.rejected.items()},
-            **{k: v for k, v in metrics.items() if isinstance(v, int | float)}, **publish,
-        }  # fmt: skip
-        self.metrics_file.write(json.dumps(record) + "\n")
+            **metrics, **publish,
+        }, StepMetrics)  # fmt: skip
+        self.metrics_file.write(encode_line(record))
         self.metrics_file.flush()
         log.info("step %d v%d reward %.3f loss %.4f wait %.2fs train %.2fs publish %.2fs", self.step, self.version,
-                 record["reward"], metrics.get("loss", 0.0), waited, metrics.get("train_s", 0.0),
-                 publish.get("publish_s", 0.0))  # fmt: skip
+                 record.reward, metrics.get("loss", 0.0), waited, record.train_s, record.publish_s or 0.0)  # fmt: skip
 
     def checkpoint(self) -> None:
         from learner.checkpoint import checkpoint_dir, prune_checkpoints, save_checkpoint

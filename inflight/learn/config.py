@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inflight.config import require
+from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, RunContract
 
 
 def _h(text: str, **kw) -> dict:
@@ -20,6 +21,8 @@ class LearnConfig:
     weights_port: int = field(default=5557, metadata=_h("TCPStore port of the weights group"))
     backend: str = field(default="gloo", metadata=_h("weights-group backend", choices=("gloo", "nccl")))
     groups_per_step: int = field(default=4, metadata=_h("whole groups per optimizer step"))
+    group_size: int = field(default=GROUP_SIZE, metadata=_h("completions per prompt the serves sample: a serve of "
+                                                            "another --group-size is refused at Hello"))  # fmt: skip
     steps: int = field(default=0, metadata=_h("stop after this many steps; 0 = until interrupted"))
     max_lag: int = field(default=4, metadata=_h("staleness gate: tokens older than this many versions are masked"))
     loss: str = field(default="tis", metadata=_h("policy loss", choices=("tis", "ppo", "mask")))
@@ -27,10 +30,10 @@ class LearnConfig:
     advantage: str = field(default="mean", metadata=_h("group advantage", choices=("mean", "std", "loo")))
     tis_cap: float = field(default=2.0, metadata=_h("tis: cap on the importance ratio"))
     temperature: float = field(
-        default=1.0,
+        default=TEMPERATURE,
         metadata=_h(
             "sampling temperature of the serves: learner logprobs are "
-            "computed at it; rollouts sampled at another are refused"
+            "computed at it; a serve of another is refused at Hello"
         ),
     )
     lr: float = field(default=1e-5, metadata=_h("AdamW learning rate"))
@@ -62,6 +65,7 @@ class LearnConfig:
 
     def validate(self) -> None:
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
+        require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
         require(self.max_lag >= 0, "max_lag", self.max_lag, ">= 0")
         require(self.publish_every >= 1, "publish_every", self.publish_every, ">= 1")
         require(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, ">= 1")
@@ -76,3 +80,9 @@ class LearnConfig:
             from inflight.wire.secure import read_secret
 
             read_secret(self.secret_file)
+
+    def contract(self) -> RunContract:
+        """What a serve must agree on (inflight/wire/contract.py); after `main` resolved `--autocast auto`. The compute
+        dtype is the decoder's autocast dtype, or the parameter dtype without autocast."""
+        dtype = self.dtype if self.autocast == "none" else self.autocast
+        return RunContract(group_size=self.group_size, temperature=self.temperature, dtype=dtype)

@@ -1,11 +1,12 @@
 """WeightPublisher: learner rank 0's side of the weights path — serves, the weights group, and one update per step.
 
-Flow (docs/ARCHITECTURE.md "The weight path"): a serve says `Hello` with every tensor it serves (name, dtype, shape);
-the publisher checks them against what the learner will send and refuses a mismatching serve before any bucket moves,
-naming the first mismatch. Accepted serves form one weights group (rank 0 = this process, then each serve's workers);
-when membership changes the group is re-formed under a new name. `publish()` casts the full state to the serve's dtypes,
-plans the buckets, announces the manifest to every member, broadcasts the buckets (double-buffered) and returns
-without waiting for the commits: `UpdateDone` replies are collected by `pump()` while training goes on.
+Flow (docs/ARCHITECTURE.md "The weight path"): a serve says `Hello` with every tensor it serves (name, dtype, shape)
+and its `RunContract` (group size, temperature, top-p/top-k, compute dtype); the publisher checks both against what
+the learner sends and trains for, and refuses a mismatching serve before any bucket moves, naming the first mismatch.
+Accepted serves form one weights group (rank 0 = this process, then each serve's workers); when membership changes the
+group is re-formed under a new name. `publish()` casts the full state to the serve's dtypes, plans the buckets,
+announces the manifest to every member, broadcasts the buckets (double-buffered) and returns without waiting for the
+commits: `UpdateDone` replies are collected by `pump()` while training goes on.
 
 A serve that dies mid-transfer breaks the broadcast within `timeout_s`: the publisher logs which serves went quiet,
 drops them, re-forms the group with the rest and sends the same version again. A serve that (re)joins late gets the
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inflight.wire.contract import RunContract
 from inflight.wire.control import (
     Hello,
     Introduce,
@@ -75,6 +77,7 @@ class WeightPublisher:
         self.group: WeightsGroup | None = None
         self.generation = 0
         self.expected: dict[str, tuple[str, list[int]]] | None = None  # what the learner sends: name -> (dtype, shape)
+        self.contract: RunContract | None = None  # what the learner trains for; None = no check (unit tests)
         self.latest: tuple[int, dict[str, torch.Tensor]] | None = None
         self._introduced: dict[bytes, float] = {}  # identity -> when we last asked it to introduce itself
 
@@ -141,16 +144,20 @@ class WeightPublisher:
         if (old is not None and old.member) or any(s.member for s in stale):
             self._break_group("a member said Hello again (restarted or reconnected)")
         log.info("serve %s (%d workers, mode %s) accepted", hello.server_id, hello.workers, hello.mode)
-        served = {t.dtype for t in hello.tensors}
-        compute = getattr(self, "compute_dtype", "")
-        if compute and served and served != {compute}:
-            log.warning("serve %s samples in %s but this learner computes in %s: updates smaller than %s resolution "
-                        "are seen by one side only, and the two policies drift apart (measured on SmolLM2: lag-0 "
-                        "mismatch 0.015 -> 0.5 in 16 steps of bf16 learner vs fp32 serve); give both the same dtype",
-                        hello.server_id, "/".join(sorted(served)), compute, compute)  # fmt: skip
 
     def _mismatch(self, hello: Hello) -> str:
-        """'' if the serve's tensors can take the learner's update, else the first mismatch in words."""
+        """'' if the serve's tensors can take the learner's update and its contract is the learner's, else the first
+        mismatch in words (the model first: a serve of another model is that, whatever its contract says)."""
+        return self._tensor_mismatch(hello) or self._contract_mismatch(hello)
+
+    def _contract_mismatch(self, hello: Hello) -> str:
+        if self.contract is None:
+            return ""
+        if hello.contract is None:
+            return f"serve {hello.server_id} announced no run contract (group size, temperature, dtype) to check"
+        return hello.contract.mismatch(self.contract, hello.server_id)
+
+    def _tensor_mismatch(self, hello: Hello) -> str:
         if self.expected is None:
             return ""
         served = {t.name: (t.dtype, list(t.shape)) for t in hello.tensors}
@@ -244,11 +251,11 @@ class WeightPublisher:
         return [s for s in self.serves.values() if s.last_seen < start or not self.control.send(s.identity, probe)]
 
     # -- publishing ---------------------------------------------------------------------------------------------
-    def set_model(self, state: dict[str, torch.Tensor], compute_dtype: str = "") -> None:
-        """What this learner sends; serves announcing anything else are refused at Hello. `compute_dtype`: the dtype
-        the learner's forward runs in (its autocast dtype), checked against each serve's."""
+    def set_model(self, state: dict[str, torch.Tensor], contract: RunContract | None = None) -> None:
+        """What this learner sends and (with `contract`) trains for; serves announcing anything else are refused at
+        Hello."""
         self.expected = {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in state.items()}
-        self.compute_dtype = compute_dtype
+        self.contract = contract
 
     def publish(self, state: dict[str, torch.Tensor], version: int, consumed: dict[str, int] | None = None,
                 retries: int = 1) -> PublishReport:  # fmt: skip

@@ -1,6 +1,7 @@
 """`RunConfig`: what `python -m inflight.run` launches — one serve and one learner on split pools, and where the run
-directory goes. The knobs both sides must agree on (model, group shape, temperature, mode) are set once here and
-passed to both; anything else reaches a side verbatim through `--serve-args` / `--learn-args`."""
+directory goes. The knobs both sides must agree on (model, group shape, temperature, dtype, mode) are set once here and
+passed to both (the learner refuses a serve whose contract differs: inflight/wire/contract.py); anything else reaches a
+side verbatim through `--serve-args` / `--learn-args`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 from inflight.config import require
 from inflight.serve.config import MODES
+from inflight.wire.contract import GROUP_SIZE, TEMPERATURE
 
 
 def _h(text: str, **kw) -> dict:
@@ -52,10 +54,11 @@ class RunConfig:
                                                    choices=("auto", "float32", "bfloat16")))  # fmt: skip
     http_port: int = field(default=0, metadata=_h("the serve also answers vLLM's OpenAI API on this port; 0 = off"))
     mode: str = field(default="never-stop", metadata=_h("how weight updates interrupt generation", choices=MODES))
-    group_size: int = field(default=8, metadata=_h("completions per prompt"))
+    group_size: int = field(default=GROUP_SIZE, metadata=_h("completions per prompt"))
     groups_per_step: int = field(default=4, metadata=_h("groups per optimizer step"))
     max_tokens: int = field(default=48, metadata=_h("completion budget per sample"))
-    temperature: float = field(default=1.0, metadata=_h("sampling temperature (the learner computes logprobs at it)"))
+    temperature: float = field(default=TEMPERATURE, metadata=_h("sampling temperature (the learner computes "
+                                                                "logprobs at it)"))  # fmt: skip
     lr: float = field(default=1e-5, metadata=_h("AdamW learning rate"))
     max_lag: int = field(default=4, metadata=_h("learner staleness gate: tokens older than this are masked"))
     admit_lag: int = field(default=1, metadata=_h("serve admits a group only while admitted - consumed < "

@@ -3,7 +3,7 @@ several runs side by side.
 
     python -m inflight.run.report runs/demo-never-stop runs/demo-blocking     # (re)write reports, print one table
 
-Figures, all from the metrics files (nothing is re-measured):
+Figures, all from the metrics files (nothing is re-measured), read as the records of inflight/wire/records.py:
 - reward: mean reward of the learner's batch per step; "first/last 20%" are the means over the first and last fifth
   of the steps, ± their standard error across steps; `rise_se` is (last − first) / sqrt(se_first² + se_last²).
 - updates, stall: the serve's committed updates and the generation stall of each (time between the last forward pass
@@ -27,8 +27,11 @@ import math
 import sys
 from pathlib import Path
 
+from inflight.wire.records import ServeProgress, StepMetrics, UpdateEvent, read_serve_events, read_steps
+
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """The launcher's events.jsonl (plain dicts: it has no record of its own)."""
     if not path.exists():
         return []
     out = []
@@ -59,40 +62,59 @@ def ready_time(run_dir: Path) -> float | None:
 
 
 def load_run(run_dir: Path) -> dict:
-    steps = _read_jsonl(run_dir / "metrics.jsonl")
-    serve = _read_jsonl(run_dir / "serve-metrics.jsonl")
+    """steps: [StepMetrics], serve: [ServeProgress | UpdateEvent], config: run-config.json as a dict.
+    A metrics line that does not match its record raises RecordError naming the file, line and field."""
+    steps = read_steps(run_dir / "metrics.jsonl")
+    serve = read_serve_events(run_dir / "serve-metrics.jsonl")
     config = json.loads((run_dir / "run-config.json").read_text()) if (run_dir / "run-config.json").exists() else {}
     return {"steps": steps, "serve": serve, "config": config}
+
+
+def progress_lines(serve: list) -> list[ServeProgress]:
+    return [e for e in serve if isinstance(e, ServeProgress)]
+
+
+def committed_updates(serve: list) -> list[UpdateEvent]:
+    return [e for e in serve if isinstance(e, UpdateEvent) and e.ok]
+
+
+def lag_tokens(steps: list[StepMetrics]) -> dict[int, int]:
+    """Tokens per lag over all steps, gated ones included, by lag."""
+    total: dict[int, int] = {}
+    for s in steps:
+        for lag, n in s.lag_histogram.items():
+            total[lag] = total.get(lag, 0) + n
+    return dict(sorted(total.items()))
+
+
+def _nan_if_none(value: float | None) -> float:
+    return math.nan if value is None else value  # None: the step's value was not finite (NaN or ±inf)
 
 
 def compute_summary(run_dir: Path) -> dict:
     run = load_run(run_dir)
     steps, serve = run["steps"], run["serve"]
-    rewards = [s["reward"] for s in steps]
+    rewards = [s.reward for s in steps]
     fifth = max(1, len(rewards) // 5)
     first, first_se = _mean_se(rewards[:fifth])
     last, last_se = _mean_se(rewards[-fifth:])
     se = math.sqrt(first_se**2 + last_se**2) if len(rewards) >= 2 * fifth and fifth >= 2 else float("nan")
-    updates = [e for e in serve if e.get("event") == "update" and e.get("ok")]
-    stalls = sorted(e["stall_s"] for e in updates if e.get("stall_s") is not None)
-    lag_tokens: dict[int, float] = {}
-    for s in steps:
-        for lag, n in s.get("lag_histogram", {}).items():
-            lag_tokens[int(lag)] = lag_tokens.get(int(lag), 0) + n
-    total_tokens = sum(lag_tokens.values())
-    progress = [e for e in serve if e.get("event") == "progress"]
-    gen_rate = float("nan")
-    if len(progress) >= 2 and progress[-1]["time"] > progress[0]["time"]:
-        gen_rate = (progress[-1]["tokens"] - progress[0]["tokens"]) / (progress[-1]["time"] - progress[0]["time"])
-    serve_idle = resubmitted = recomputed = float("nan")
-    if len(progress) >= 2 and "idle_s" in progress[-1] and progress[-1]["time"] > progress[0]["time"]:
+    updates = committed_updates(serve)
+    stalls = sorted(e.stall_s for e in updates)
+    lags = lag_tokens(steps)
+    total_tokens = sum(lags.values())
+    progress = progress_lines(serve)
+    gen_rate = serve_idle = resubmitted = recomputed = float("nan")
+    if len(progress) >= 2 and progress[-1].time > progress[0].time:
         a, b = progress[0], progress[-1]
-        serve_idle = (b["idle_s"] - a["idle_s"] + b["stalled_s"] - a["stalled_s"]) / (b["time"] - a["time"])
-        resubmitted, recomputed = b["resubmitted"], b["recomputed_tokens"]
-    mismatch = [s["mismatch_lag0"] for s in steps if "mismatch_lag0" in s]
-    ess = [s["ess"] for s in steps if "ess" in s]
-    gated = sum(s.get("gated_fraction", 0.0) * s.get("tokens", 0) for s in steps)
-    wall = steps[-1]["time"] - steps[0]["time"] + steps[0].get("step_s", 0.0) if steps else 0.0
+        gen_rate = (b.tokens - a.tokens) / (b.time - a.time)
+        serve_idle = (b.idle_s - a.idle_s + b.stalled_s - a.stalled_s) / (b.time - a.time)
+        resubmitted, recomputed = b.resubmitted, b.recomputed_tokens
+    mismatch = [s.mismatch_lag0 for s in steps if s.mismatch_lag0 is not None]
+    ess = [_nan_if_none(s.ess) for s in steps]
+    # The step's own token count, gated ones included, is its lag histogram's sum (`tokens` is trained tokens only).
+    gated = sum(s.gated_fraction * sum(s.lag_histogram.values()) for s in steps)
+    wall = steps[-1].time - steps[0].time + steps[0].step_s if steps else 0.0
     return {
         "run_dir": str(run_dir), "mode": run["config"].get("mode", "?"), "model": run["config"].get("model", "?"),
         "steps": len(steps), "wall_s": wall,
@@ -100,14 +122,14 @@ def compute_summary(run_dir: Path) -> dict:
         "rise_se": (last - first) / se if se and se == se and se > 0 else float("nan"),
         "updates": len(updates), "stall_mean_s": sum(stalls) / len(stalls) if stalls else float("nan"),
         "stall_p99_s": stalls[min(len(stalls) - 1, math.ceil(0.99 * len(stalls)) - 1)] if stalls else float("nan"),
-        "lag_mean": sum(k * v for k, v in lag_tokens.items()) / total_tokens if total_tokens else float("nan"),
-        "lag_histogram": {str(k): v for k, v in sorted(lag_tokens.items())},
+        "lag_mean": sum(k * v for k, v in lags.items()) / total_tokens if total_tokens else float("nan"),
+        "lag_histogram": {str(k): v for k, v in lags.items()},
         "gated_fraction": gated / total_tokens if total_tokens else float("nan"),
         "mismatch_lag0": sum(mismatch) / len(mismatch) if mismatch else float("nan"),
         "ess": sum(ess) / len(ess) if ess else float("nan"),
         "gen_tokens_per_s": gen_rate, "serve_idle_fraction": serve_idle, "resubmitted": resubmitted,
         "recomputed_tokens": recomputed,
-        "learner_wait_fraction": sum(s.get("wait_s", 0.0) for s in steps[1:]) / max(wall, 1e-9) if steps else 0.0,
+        "learner_wait_fraction": sum(s.wait_s for s in steps[1:]) / max(wall, 1e-9) if steps else 0.0,
     }  # fmt: skip
 
 
@@ -136,15 +158,15 @@ def plot(run_dir: Path) -> list[Path]:
     run = load_run(run_dir)
     steps, serve = run["steps"], run["serve"]
     mode = run["config"].get("mode", "")
-    t0 = ready_time(run_dir) or (steps[0]["time"] if steps else 0.0)
+    t0 = ready_time(run_dir) or (steps[0].time if steps else 0.0)
     out = []
 
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4))
-    t = [s["time"] - t0 for s in steps]
-    r = [s["reward"] for s in steps]
+    t = [s.time - t0 for s in steps]
+    r = [s.reward for s in steps]
     window = max(1, len(r) // 10)
     smooth = [sum(r[max(0, i - window + 1) : i + 1]) / len(r[max(0, i - window + 1) : i + 1]) for i in range(len(r))]
-    for ax, x, label in ((ax_t, t, "seconds since both sides were ready"), (ax_s, [s["step"] for s in steps], "step")):
+    for ax, x, label in ((ax_t, t, "seconds since both sides were ready"), (ax_s, [s.step for s in steps], "step")):
         ax.plot(x, r, ".", alpha=0.4, label="batch mean reward")
         ax.plot(x, smooth, "-", label=f"moving mean ({window} steps)")
         ax.set_xlabel(label)
@@ -158,10 +180,7 @@ def plot(run_dir: Path) -> list[Path]:
     fig.savefig(out[-1], dpi=100)
     plt.close(fig)
 
-    hist: dict[int, float] = {}
-    for s in steps:
-        for lag, n in s.get("lag_histogram", {}).items():
-            hist[int(lag)] = hist.get(int(lag), 0) + n
+    hist = lag_tokens(steps)
     fig, ax = plt.subplots(figsize=(6, 4))
     total = sum(hist.values()) or 1
     ax.bar(list(hist), [v / total for v in hist.values()], width=0.8)
@@ -174,14 +193,11 @@ def plot(run_dir: Path) -> list[Path]:
     fig.savefig(out[-1], dpi=100)
     plt.close(fig)
 
-    progress = [e for e in serve if e.get("event") == "progress"]
-    updates = [e for e in serve if e.get("event") == "update" and e.get("ok")]
+    progress, updates = progress_lines(serve), committed_updates(serve)
     fig, ax = plt.subplots(figsize=(11, 4))
-    ax.plot([e["time"] - t0 for e in progress], [e["tokens_per_s"] for e in progress], "-", label="generated tok/s")
+    ax.plot([e.time - t0 for e in progress], [e.tokens_per_s for e in progress], "-", label="generated tok/s")
     for i, e in enumerate(updates):
-        ax.axvline(
-            e["time"] - t0, color="tab:red", alpha=0.3, lw=0.8, label="weight update committed" if i == 0 else None
-        )
+        ax.axvline(e.time - t0, color="tab:red", alpha=0.3, lw=0.8, label="weight update committed" if i == 0 else None)
     ax.set_xlabel("seconds since both sides were ready")
     ax.set_ylabel("generated tokens/s")
     ax.set_title(f"serve generation throughput with weight updates ({mode}, {len(updates)} updates)")

@@ -33,6 +33,7 @@ async def serve(cfg: ServeConfig) -> int:
     from vllm_patches.engine import EngineConfig, InflightEngine
 
     model_path = resolve_model(cfg.model)
+    contract = cfg.contract()  # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
     problems, default_reward = load_task(cfg.task, cfg.task_seed, cfg.max_operand)
     reward = load_reward(cfg.reward or default_reward)
     latency = parse_latency(cfg.tool_latency, cfg.seed) if cfg.tool_latency else None
@@ -53,7 +54,7 @@ async def serve(cfg: ServeConfig) -> int:
         keys = derive_keys(read_secret(cfg.secret_file))
     stream = RolloutStream(cfg.rollouts, keys=keys)
     driver = RolloutDriver(engine, cfg, problems, reward, stream, AutoTokenizer.from_pretrained(model_path), latency)
-    control = ControlClient(cfg.control, driver, tensors, keys=keys)
+    control = ControlClient(cfg.control, driver, tensors, keys=keys, contract=contract)
     reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s)
     control.on_update = reporter.update_event
     try:

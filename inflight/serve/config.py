@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass, field
 
 from inflight.config import require
+from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, TOP_P, RunContract
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
 
@@ -27,12 +28,15 @@ class ServeConfig:
     task_seed: int = field(default=0, metadata=_h("seed of the prompt stream"))
     max_operand: int = field(default=20, metadata=_h("arithmetic difficulty: operands in [0, max_operand]"))
     reward: str = field(default="", metadata=_h("reward as module:function (sync or async); empty = the task's own"))
-    group_size: int = field(default=8, metadata=_h("completions sampled per prompt"))
+    group_size: int = field(default=GROUP_SIZE, metadata=_h("completions sampled per prompt (the learner's "
+                                                            "--group-size: another is refused)"))  # fmt: skip
     max_inflight: int = field(default=64, metadata=_h("most requests generating at once"))
     max_tokens: int = field(default=48, metadata=_h("completion budget per sample"))
-    temperature: float = field(default=1.0, metadata=_h("sampling temperature (behaviour logprobs are after it)"))
-    top_p: float = field(default=1.0, metadata=_h("nucleus sampling"))
-    top_k: int = field(default=-1, metadata=_h("top-k sampling, -1 = off"))
+    temperature: float = field(default=TEMPERATURE, metadata=_h("sampling temperature (behaviour logprobs are after "
+                                                                "it; the learner's --temperature)"))  # fmt: skip
+    top_p: float = field(default=TOP_P, metadata=_h("nucleus sampling (the learner refuses < 1: its logprobs are a "
+                                                    "full softmax)"))  # fmt: skip
+    top_k: int = field(default=-1, metadata=_h("top-k sampling, -1 = off (the learner refuses any other)"))
     mode: str = field(default="never-stop", metadata=_h("how weight updates interrupt generation", choices=MODES))
     kv: str = field(default="keep", metadata=_h("KV cache after a commit", choices=("keep", "recompute")))
     max_outstanding: int = field(default=256, metadata=_h("most rollouts generating or waiting to be sent"))
@@ -92,6 +96,12 @@ class ServeConfig:
             from inflight.serve.latency import parse_latency
 
             parse_latency(self.tool_latency)
+
+    def contract(self) -> RunContract:
+        """What this serve samples with, for `Hello` (inflight/wire/contract.py); once `main` resolved `--dtype`."""
+        # vLLM reads top_k -1 and 0 both as off; the contract holds 0
+        return RunContract(group_size=self.group_size, temperature=self.temperature, top_p=self.top_p,
+                           top_k=max(self.top_k, 0), dtype=self.dtype)  # fmt: skip
 
     def resolved_server_id(self) -> str:
         return self.server_id or f"{socket.gethostname()}-{os.getpid()}"

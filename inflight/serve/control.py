@@ -1,8 +1,9 @@
 """Serve's end of the control channel: a ZeroMQ DEALER connected to the learner's ROUTER.
 
-Sends `Hello` on start (and again whenever the learner asks with `Introduce`), a `Status` heartbeat every second, and
-answers `JoinGroup` / `UpdateWeights` with `Joined` / `UpdateDone`. A malformed or unknown-schema message is logged and
-counted and serve keeps running; a failed update is reported and the engine keeps its weights and version.
+Sends `Hello` on start (its tensors and its `RunContract`; again whenever the learner asks with `Introduce`), a
+`Status` heartbeat every second, and answers `JoinGroup` / `UpdateWeights` with `Joined` / `UpdateDone`. A malformed or
+unknown-schema message is logged and counted and serve keeps running; a failed update is reported and the engine keeps
+its weights and version; a `Refused` stops the serve with the learner's reason.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import logging
 
 from inflight.serve.driver import RolloutDriver
+from inflight.wire.contract import RunContract
 from inflight.wire.control import (
     ControlError,
     Hello,
@@ -31,17 +33,17 @@ log = logging.getLogger("inflight.serve")
 
 
 class RefusedError(RuntimeError):
-    """The learner refused this serve (its model differs): the serve stops with a non-zero exit code."""
+    """The learner refused this serve (its model or its contract differs): the serve stops with a non-zero exit code."""
 
 
 class ControlClient:
     def __init__(self, address: str, driver: RolloutDriver, tensors: list[TensorSpec], heartbeat_s: float = 1.0,
-                 keys=None):  # fmt: skip
+                 keys=None, contract: RunContract | None = None):  # fmt: skip
         import zmq
         import zmq.asyncio
 
         self.driver, self.engine, self.cfg = driver, driver.engine, driver.cfg
-        self.tensors, self.heartbeat_s = tensors, heartbeat_s
+        self.tensors, self.heartbeat_s, self.contract = tensors, heartbeat_s, contract
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 1000)
@@ -61,7 +63,7 @@ class ControlClient:
     def hello(self) -> Hello:
         cfg = self.cfg
         return Hello(server_id=self.driver.server_id, model=cfg.model, workers=1, version=self.engine.version,
-                     mode=cfg.mode, tensors=self.tensors)  # fmt: skip
+                     mode=cfg.mode, tensors=self.tensors, contract=self.contract)  # fmt: skip
 
     async def heartbeat(self) -> None:
         while True:

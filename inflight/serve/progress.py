@@ -1,13 +1,17 @@
 """Serve's progress: one line to stderr and one JSON line to `--metrics` every `--progress-s` seconds, plus an event
-line per weight update. The JSONL is what `inflight.run` plots (generation tokens/s over time with update markers)."""
+line per weight update. The JSONL is what `inflight.run` plots (generation tokens/s over time with update markers); its
+lines are the records `ServeProgress` and `UpdateEvent` of inflight/wire/records.py, which the readers decode."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
+
+import msgspec
+
+from inflight.wire.records import ServeProgress, UpdateEvent, encode_line
 
 
 class ProgressReporter:
@@ -18,31 +22,31 @@ class ProgressReporter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._last = (time.monotonic(), 0)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: msgspec.Struct) -> None:
         if self.path is not None:
             with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(encode_line(record))
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> ServeProgress:
         d, now = self.driver, time.monotonic()
         last_t, last_tokens = self._last
         self._last = (now, d.engine.tokens_generated)
         made = max(d.stats.rollouts_made, 1)
-        return {
-            "event": "progress", "time": time.time(), "server_id": d.server_id, "version": d.engine.version,
-            "tokens_per_s": (d.engine.tokens_generated - last_tokens) / max(now - last_t, 1e-9),
-            "tokens": d.engine.tokens_generated, "inflight": d.stats.requests_inflight, "outbox": len(d.stream.outbox),
-            "retained": d.stream.retained_records, "resent": d.stream.resent,
-            "rollouts_sent": d.stream.sent, "groups_admitted": d.stats.groups_admitted,
-            "groups_consumed": d.groups_consumed, "mean_reward": d.stats.rewards_sum / made,
-            "reward_errors": d.stats.reward_errors, "idle_s": d.engine.idle_s, "stalled_s": d.engine.stalled_s,
-            "resubmitted": d.engine.resubmitted, "recomputed_tokens": d.engine.recomputed_tokens,
-        }  # fmt: skip
+        return ServeProgress(
+            time=time.time(), server_id=d.server_id, version=d.engine.version,
+            tokens_per_s=(d.engine.tokens_generated - last_tokens) / max(now - last_t, 1e-9),
+            tokens=d.engine.tokens_generated, inflight=d.stats.requests_inflight, outbox=len(d.stream.outbox),
+            retained=d.stream.retained_records, resent=d.stream.resent,
+            rollouts_sent=d.stream.sent, groups_admitted=d.stats.groups_admitted,
+            groups_consumed=d.groups_consumed, mean_reward=d.stats.rewards_sum / made,
+            reward_errors=d.stats.reward_errors, idle_s=d.engine.idle_s, stalled_s=d.engine.stalled_s,
+            resubmitted=d.engine.resubmitted, recomputed_tokens=d.engine.recomputed_tokens,
+        )  # fmt: skip
 
     def update_event(self, done) -> None:
-        self.write({"event": "update", "time": time.time(), "server_id": self.driver.server_id, "version": done.version,
-                    "ok": done.ok, "error": done.error, "stall_s": done.stall_s, "total_s": done.total_s,
-                    "receive_s": done.receive_s, "commit_s": done.commit_s})  # fmt: skip
+        self.write(UpdateEvent(time=time.time(), server_id=self.driver.server_id, version=done.version, ok=done.ok,
+                               error=done.error, stall_s=done.stall_s, total_s=done.total_s, receive_s=done.receive_s,
+                               commit_s=done.commit_s))  # fmt: skip
 
     async def run(self) -> None:
         while True:
@@ -50,8 +54,8 @@ class ProgressReporter:
             s = self.snapshot()
             self.write(s)
             line = (
-                f"[serve {s['server_id']}] v{s['version']} | {s['tokens_per_s']:.1f} tok/s | inflight {s['inflight']}"
-                f" | outbox {s['outbox']} | sent {s['rollouts_sent']} | groups {s['groups_admitted']}"
-                f" (consumed {s['groups_consumed']}) | reward {s['mean_reward']:.3f}"
+                f"[serve {s.server_id}] v{s.version} | {s.tokens_per_s:.1f} tok/s | inflight {s.inflight}"
+                f" | outbox {s.outbox} | sent {s.rollouts_sent} | groups {s.groups_admitted}"
+                f" (consumed {s.groups_consumed}) | reward {s.mean_reward:.3f}"
             )
             print(line, file=sys.stderr, flush=True)

@@ -1,11 +1,12 @@
 """Control messages between the learner and its serves: one schema, one file, msgpack tagged unions, never pickle.
 
 Topology: the learner binds a ZeroMQ ROUTER (the control address); every serve connects a DEALER and introduces itself
-with `Hello`, then sends a `Status` heartbeat every second. The learner answers with `JoinGroup` (form the weights
-group), `UpdateWeights` (a manifest; the buckets follow over the weights group), and `Progress` (how many groups it has
-consumed, which bounds how far generation may run ahead, and which groups it has journaled: acknowledged groups the
-serve may forget; it sends the others again when a restarted learner asks it to introduce itself). A serve reports
-`Joined` and `UpdateDone`.
+with `Hello` (every tensor it serves and its `RunContract`, inflight/wire/contract.py; a serve that differs from the
+learner in either is `Refused`), then sends a `Status` heartbeat every second. The learner answers with `JoinGroup`
+(form the weights group), `UpdateWeights` (a manifest; the buckets follow over the weights group), and `Progress` (how
+many groups it has consumed, which bounds how far generation may run ahead, and which groups it has journaled:
+acknowledged groups the serve may forget; it sends the others again when a restarted learner asks it to introduce
+itself). A serve reports `Joined` and `UpdateDone`.
 
 Every message carries `schema`; `decode_control` raises `ControlError` naming the problem for anything malformed or of
 another schema, and the receiver logs it and keeps running.
@@ -15,7 +16,11 @@ from __future__ import annotations
 
 import msgspec
 
-CONTROL_SCHEMA = 1
+from inflight.wire.contract import RunContract
+
+# 2: Hello carries the serve's RunContract. An older serve's Hello is refused naming both schemas, never read as one
+# that agrees with every default.
+CONTROL_SCHEMA = 2
 MAX_CONTROL_BYTES = 256 << 20  # manifests of large models are a few MiB; anything near this is an attack or a bug
 
 
@@ -41,6 +46,7 @@ class Hello(_Message, tag="hello"):
     version: int = 0
     mode: str = "never-stop"
     tensors: list[TensorSpec] = []
+    contract: RunContract | None = None  # what this serve samples with; a learner refuses a Hello without one
 
 
 class Status(_Message, tag="status"):
@@ -94,7 +100,8 @@ class Progress(_Message, tag="progress"):
 
 
 class Refused(_Message, tag="refused"):
-    """The learner will not send weights to this serve (another model): the serve stops, with `reason`."""
+    """The learner will not send weights to this serve (another model, or another contract): the serve stops, with
+    `reason`."""
 
     reason: str = ""
 

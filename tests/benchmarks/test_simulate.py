@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from record_factories import a_step, an_update, write_lines
 
 from benchmarks.simulate import MODES, Calibration, Scenario, calibrate, simulate
 
@@ -52,11 +53,10 @@ def test_calibration_recovers_a_linear_train_cost_and_the_measured_stalls(tmp_pa
         run = tmp_path / mode
         run.mkdir()
         (run / "run-config.json").write_text(json.dumps({"group_size": 8, "groups_per_step": 4, "admit_lag": 1}))
-        steps = [{"tokens": n, "train_s": 1.5 + 0.01 * n, "publish_s": 0.7, "lengths": [n // 32] * 32, "time": i}
+        steps = [a_step(i + 1, tokens=n, train_s=1.5 + 0.01 * n, publish_s=0.7, lengths=[n // 32] * 32, time=i)
                  for i, n in enumerate((320, 640, 960, 1280, 1600))]  # fmt: skip
-        (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
-        events = [{"event": "update", "ok": True, "commit_s": stall, "receive_s": 0.4}]
-        (run / "serve-metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        write_lines(run / "metrics.jsonl", steps)
+        write_lines(run / "serve-metrics.jsonl", [an_update(commit_s=stall, receive_s=0.4)])
     c = calibrate(tmp_path, None)
     assert c.train_t0 == pytest.approx(1.5) and c.train_t1 == pytest.approx(0.01)
     assert c.publish_s == pytest.approx(0.7) and c.receive_s == pytest.approx(0.4)

@@ -33,7 +33,7 @@ def read_jsonl(path):
 def learner_args(model_dir, run_dir, ports, *extra):
     return ["--model", str(model_dir), "--groups-per-step", str(PER_STEP), "--run-dir", str(run_dir),
             "--rollouts-port", str(ports[0]), "--control-port", str(ports[1]), "--weights-port", str(ports[2]),
-            "--bucket-mb", "1", "--timeout-s", "20", "--lr", "1e-3", *extra]  # fmt: skip
+            "--bucket-mb", "1", "--timeout-s", "20", "--lr", "1e-3", "--group-size", str(GROUP), *extra]  # fmt: skip
 
 
 def test_learner_killed_mid_run_resumes_and_every_group_is_trained_exactly_once(model_dirs, tmp_path):

@@ -20,7 +20,7 @@ def start_pair(model_dir, run_dir, steps: int, extra_learn=(), extra_serve=()):
     learn = ServeProcess(["--model", str(model_dir), "--steps", str(steps), "--groups-per-step", "2",
                           "--run-dir", str(run_dir), "--rollouts-port", str(p[0]), "--control-port", str(p[1]),
                           "--weights-port", str(p[2]), "--bucket-mb", "1", "--timeout-s", "30", "--lr", "1e-3",
-                          *extra_learn], module="inflight.learn")  # fmt: skip
+                          "--group-size", "4", *extra_learn], module="inflight.learn")  # fmt: skip
     learn.wait_for("inflight.learn ready", timeout_s=120)
     serve = ServeProcess(["--model", str(model_dir), "--rollouts", f"tcp://127.0.0.1:{p[0]}",
                           "--control", f"tcp://127.0.0.1:{p[1]}", "--group-size", "4", "--max-tokens", "12",

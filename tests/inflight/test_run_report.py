@@ -1,5 +1,6 @@
-"""The run report (inflight/run/report.py) on hand-written metrics files: every figure is checked against a value
-worked out by hand; the real-process path is in test_run.py. Also the launcher's own argument checks."""
+"""The run report (inflight/run/report.py) on hand-written metrics files (records of inflight/wire/records.py, as the
+learner and the serve write them): every figure is checked against a value worked out by hand; the real-process path
+is in test_run.py. Also the launcher's own argument checks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+from record_factories import a_progress, a_step, an_update, write_lines
 
 from inflight.run.config import RunConfig, parse_cores, parse_gpus
 from inflight.run.launch import side_commands, side_env
@@ -17,26 +19,24 @@ from inflight.run.report import compute_summary, main, summarize, write_report
 def write_run(path, rewards, lags, serve_events):
     path.mkdir()
     (path / "run-config.json").write_text(json.dumps({"mode": "never-stop", "model": "tiny-llama"}))
-    with (path / "metrics.jsonl").open("w") as f:
-        for i, (r, lag) in enumerate(zip(rewards, lags, strict=True)):
-            f.write(json.dumps({"step": i + 1, "time": 100.0 + 10 * i, "step_s": 10.0, "reward": r, "tokens": 10,
-                                "lag_histogram": lag, "gated_fraction": 0.1, "mismatch_lag0": 0.01 * (i + 1),
-                                "ess": 0.9, "wait_s": 1.0}) + "\n")  # fmt: skip
+    steps = [a_step(i + 1, time=100.0 + 10 * i, step_s=10.0, reward=r, lag_histogram=lag, gated_fraction=0.1,
+                    mismatch_lag0=0.01 * (i + 1), ess=0.9, wait_s=1.0)
+             for i, (r, lag) in enumerate(zip(rewards, lags, strict=True))]  # fmt: skip
+    write_lines(path / "metrics.jsonl", steps)
+    with (path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 99, "cut by a kil')  # a torn last line is skipped, not fatal
-    with (path / "serve-metrics.jsonl").open("w") as f:
-        for e in serve_events:
-            f.write(json.dumps(e) + "\n")
+    write_lines(path / "serve-metrics.jsonl", serve_events)
 
 
 def test_summary_figures_match_hand_computation(tmp_path):
     rewards = [0.0, 0.2, 0.1, 0.5, 0.5, 0.6, 0.7, 0.9, 0.8, 1.0]
-    lags = [{"0": 6, "1": 4}] * 10
+    lags = [{0: 6, 1: 4}] * 10
     events = [
-        {"event": "progress", "time": 100.0, "tokens": 0, "tokens_per_s": 0.0},
-        {"event": "update", "time": 105.0, "ok": True, "stall_s": 0.02},
-        {"event": "update", "time": 115.0, "ok": True, "stall_s": 0.04},
-        {"event": "update", "time": 116.0, "ok": False, "stall_s": None},
-        {"event": "progress", "time": 150.0, "tokens": 5000, "tokens_per_s": 100.0},
+        a_progress(time=100.0, tokens=0, tokens_per_s=0.0),
+        an_update(time=105.0, ok=True, stall_s=0.02),
+        an_update(time=115.0, ok=True, stall_s=0.04),
+        an_update(time=116.0, ok=False, error="refused", stall_s=0.0),  # a failed update is not counted
+        a_progress(time=150.0, tokens=5000, tokens_per_s=100.0),
     ]
     write_run(tmp_path / "r", rewards, lags, events)
     s = compute_summary(tmp_path / "r")
@@ -54,10 +54,17 @@ def test_summary_figures_match_hand_computation(tmp_path):
     assert table.count("| never-stop |") == 2 and "0.100 ± 0.100" in table
 
 
+def test_the_gated_fraction_counts_every_token_of_the_batch_not_only_the_trained_ones(tmp_path):
+    # 10 tokens, 4 of them gated at lag 5: `tokens` is the 6 that trained, the batch is the lag histogram's 10.
+    write_run(tmp_path / "r", [0.5], [{0: 6, 5: 4}], [])
+    steps = [a_step(1, lag_histogram={0: 6, 5: 4}, tokens=6.0, gated_fraction=0.4)]
+    write_lines(tmp_path / "r" / "metrics.jsonl", steps)
+    assert compute_summary(tmp_path / "r")["gated_fraction"] == pytest.approx(0.4)
+
+
 def test_report_writes_pngs_and_the_cli_refuses_a_non_run(tmp_path, capsys):
-    write_run(tmp_path / "r", [0.1, 0.2, 0.3], [{"0": 5}, {"0": 3, "2": 2}, {"1": 5}],
-              [{"event": "progress", "time": 101.0, "tokens": 10, "tokens_per_s": 5.0},
-               {"event": "update", "time": 102.0, "ok": True, "stall_s": 0.01}])  # fmt: skip
+    write_run(tmp_path / "r", [0.1, 0.2, 0.3], [{0: 5}, {0: 3, 2: 2}, {1: 5}],
+              [a_progress(time=101.0, tokens=10, tokens_per_s=5.0), an_update(time=102.0, stall_s=0.01)])  # fmt: skip
     write_report(tmp_path / "r")
     for name in ("reward.png", "lag.png", "throughput.png"):
         assert (tmp_path / "r" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -71,7 +71,7 @@ def test_cutting_the_link_mid_transfer_drops_the_serve_and_restoring_it_lets_it_
     learn = ServeProcess.in_netns(two_hosts["learn"], [
         "--model", model, "--host", LEARN_IP, "--rollouts-port", "15555", "--control-port", "15556",
         "--weights-port", "15557", "--groups-per-step", "2", "--run-dir", str(tmp_path), "--timeout-s", "10",
-        "--bucket-mb", "1", "--lr", "1e-3"], module="inflight.learn")  # fmt: skip
+        "--bucket-mb", "1", "--lr", "1e-3", "--group-size", "4"], module="inflight.learn")  # fmt: skip
     serve = None
     try:
         learn.wait_for("inflight.learn ready", 120)

@@ -1,0 +1,55 @@
+"""Real `python -m inflight.learn` and `python -m inflight.serve` processes on tiny-llama: a serve started with another
+group size or temperature than the learner is refused at Hello naming the field, and nothing is trained
+(inflight/wire/contract.py; the dtype case, which needs no engine, is tests/inflight/test_publisher_contract.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from serve_support import ServeProcess
+from test_serve import free_port
+
+pytestmark = pytest.mark.engine
+
+# server id -> (its flags that differ from the learner's, what the refusal must name)
+WRONG = {
+    "wrong-group": (["--group-size", "2"], "group_size 2, but this learner trains groups of 4"),
+    "wrong-temperature": (["--group-size", "4", "--temperature", "0.5"],
+                          "temperature 0.5, but this learner computes logprobs at temperature 1.0"),
+}  # fmt: skip
+
+
+def test_serves_of_another_group_size_or_temperature_are_refused_at_hello_naming_it_and_nothing_is_trained(
+    model_dirs, tmp_path
+):
+    """Both serves start at once against one learner (group size 4, temperature 1.0); each must exit 1 with the
+    learner's reason, the learner logs each refusal once, forms no weights group and makes no step."""
+    model, ports = model_dirs["tiny-llama"], [free_port() for _ in range(3)]
+    learn = ServeProcess(["--model", str(model), "--group-size", "4", "--groups-per-step", "1", "--run-dir",
+                          str(tmp_path), "--rollouts-port", str(ports[0]), "--control-port", str(ports[1]),
+                          "--weights-port", str(ports[2]), "--timeout-s", "20"], module="inflight.learn")  # fmt: skip
+    serves = {}
+    try:
+        learn.wait_for("inflight.learn ready", 120)
+        for server_id, (flags, _) in WRONG.items():
+            serves[server_id] = ServeProcess(["--model", str(model), "--rollouts", f"tcp://127.0.0.1:{ports[0]}",
+                                              "--control", f"tcp://127.0.0.1:{ports[1]}", "--groups-per-step", "1",
+                                              "--max-tokens", "8", "--server-id", server_id, "--metrics",
+                                              str(tmp_path / f"{server_id}.jsonl"), *flags])  # fmt: skip
+        for serve in serves.values():
+            assert serve.proc.wait(400) == 1, serve.tail()
+    finally:
+        for serve in serves.values():
+            serve.stop()
+        learn.stop()
+    for server_id, (_, named) in WRONG.items():
+        refusals = [line for line in learn.lines if "refused serve" in line and f"serve {server_id}@" in line]
+        assert len(refusals) == 1 and "before any weights were sent" in refusals[0], learn.tail()
+        assert named in refusals[0], refusals[0]
+        assert any("the learner refused this serve" in line and named in line for line in serves[server_id].lines)
+        metrics = tmp_path / f"{server_id}.jsonl"
+        events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        assert all(e["groups_admitted"] == 0 for e in events if e["event"] == "progress")
+    assert learn.count("weights group") == 0 and learn.count("step 1") == 0
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()

@@ -1,0 +1,60 @@
+"""The learner's publisher refuses, at Hello, a serve whose run contract differs from its own
+(inflight/learn/publisher.py, inflight/wire/contract.py): real ZeroMQ sockets, a plain DEALER as the serve. Real serves
+are refused end to end in tests/inflight/test_contract_refusal.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zmq
+
+from inflight.learn.publisher import WeightPublisher
+from inflight.wire.contract import RunContract
+from inflight.wire.control import Hello, Progress, Refused, TensorSpec, decode_control, encode_control
+from inflight.wire.endpoints import ControlServer
+
+STATE = {"w": torch.zeros(3, 4)}
+SPECS = [TensorSpec("w", "float32", [3, 4])]
+LEARNER = RunContract(group_size=8, temperature=1.0, dtype="float32")
+
+
+@pytest.fixture
+def publisher():
+    pub = WeightPublisher(ControlServer(), timeout_s=5.0)
+    pub.set_model(STATE, LEARNER)
+    yield pub
+    pub.close()
+    pub.control.close()
+
+
+def say_hello(publisher: WeightPublisher, contract: RunContract | None, server_id: str = "infer3@1"):
+    """What the learner answers a serve that says Hello with `contract`: the first reply, or None."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(publisher.control.address)
+    try:
+        sock.send(encode_control(Hello(server_id=server_id, model="m", tensors=SPECS, contract=contract)))
+        publisher.pump(2.0)
+        publisher.send_progress({}, 0)  # what an accepted serve would get next
+        return decode_control(sock.recv(), to="serve") if sock.poll(2000) else None
+    finally:
+        sock.close()
+
+
+def test_a_serve_computing_in_another_dtype_is_refused_at_hello_naming_dtype_and_is_not_a_member(publisher):
+    reply = say_hello(publisher, RunContract(group_size=8, temperature=1.0, dtype="bfloat16"))
+    assert isinstance(reply, Refused), reply
+    assert reply.reason.startswith("serve infer3@1: dtype bfloat16, but this learner computes in float32")
+    assert publisher.serves == {} and "dtype bfloat16" in publisher.refused["infer3@1"]
+
+
+def test_a_serve_without_a_contract_is_refused_when_the_learner_has_one(publisher):
+    reply = say_hello(publisher, None)
+    assert isinstance(reply, Refused) and "announced no run contract" in reply.reason
+    assert publisher.serves == {}
+
+
+def test_a_serve_with_the_learners_contract_is_accepted(publisher):
+    reply = say_hello(publisher, LEARNER)
+    assert isinstance(reply, Progress), reply
+    assert [s.server_id for s in publisher.serves.values()] == ["infer3@1"] and publisher.refused == {}

@@ -1,0 +1,188 @@
+"""The metrics records (inflight/wire/records.py) between their writers (the learner's `_log`, the serve's progress
+reporter) and their readers (the run report, the benchmarks): the real writers' lines decode as the records, the
+committed benchmark runs still load and give their committed summaries, and a field renamed on either side fails
+here, naming the file, the line and the field."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+from record_factories import a_step, an_update, write_lines
+
+from inflight.run.report import compute_summary
+from inflight.wire.records import (
+    RecordError,
+    ServeProgress,
+    StepMetrics,
+    UpdateEvent,
+    encode_line,
+    read_records,
+    read_serve_events,
+    read_steps,
+    to_record,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = sorted(p.parent for p in (ROOT / "benchmarks" / "results" / "ablate").glob("*/metrics.jsonl"))
+
+
+# -- the writers ------------------------------------------------------------------------------------------------------
+
+
+def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_writes(model_dirs, tmp_path):
+    """The learner's own `_train`, `_publish` and `_log` (collaborators stubbed, a real train_step on tiny-llama): a
+    metric train_step or the publish report gains, loses or renames without StepMetrics fails here."""
+    import time
+
+    from inflight.learn.app import Learner
+    from inflight.learn.publisher import PublishReport
+    from inflight.learn.samples import build_samples
+    from inflight.wire.rollouts import Sampling, Times, make_rollout
+    from learner.model import load_policy
+    from learner.step import TrainConfig, make_optimizer
+
+    model = load_policy(model_dirs["tiny-llama"])
+    rollouts = [make_rollout(prompt_ids=[1, 2], completion_ids=[3, 4, 5], logprobs=[-1.0] * 3, versions=[0, 0, 0],
+                             rollout_id=f"s-g0-{i}", group_id="s-g0", group_size=2, index=i, server_id="s@1",
+                             model="tiny-llama", reward=float(i), finish_reason="length", sampling=Sampling(1.0),
+                             times=Times(0.0, 0.0, 0.0)) for i in range(2)]  # fmt: skip
+    samples, gate = build_samples([rollouts], 0, max_lag=1)
+    with (tmp_path / "metrics.jsonl").open("a") as metrics_file:
+        learner = SimpleNamespace(
+            rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(), metrics_file=metrics_file,
+            buffer=SimpleNamespace(rejected=collections.Counter(duplicate=2), consumed_by_server={}),
+            receiver=SimpleNamespace(rejected={"size": 1}),
+            publisher=SimpleNamespace(publish=lambda state, v, c: PublishReport(v, serves=1, bytes=64, seconds=0.5)),
+        )  # fmt: skip
+        learner.optimizer = make_optimizer(model, learner.train_cfg)
+        metrics = Learner._train(learner, samples)
+        Learner._log(learner, gate, metrics, Learner._publish(learner), 0.5, 2.0, [3, 3])
+        learner.step = learner.version = 2  # a step that did not publish
+        Learner._log(learner, gate, Learner._train(learner, samples), {}, 0.5, 2.0, [3, 3])
+    published, quiet = read_steps(tmp_path / "metrics.jsonl")
+    written = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert set(written) == set(StepMetrics.__struct_fields__)  # a publishing step with lag-0 tokens: every field
+    assert published.lag_histogram == {0: 6} and published.tokens == published.probe_tokens == 6
+    assert published.rejected == {"duplicate": 2, "wire:size": 1} and published.publish_bytes_per_s == 128
+    assert published.time <= time.time() and published.mismatch_lag0 >= 0
+    assert quiet.publish_s is None and "publish_s" not in (tmp_path / "metrics.jsonl").read_text().splitlines()[1]
+
+
+def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
+    from inflight.serve.progress import ProgressReporter
+    from inflight.wire.control import UpdateDone
+
+    engine = SimpleNamespace(tokens_generated=40, version=3, idle_s=1.5, stalled_s=0.25, resubmitted=1,
+                             recomputed_tokens=7)  # fmt: skip
+    stream = SimpleNamespace(outbox=[b"r"], retained_records=4, resent=0, sent=12)
+    stats = SimpleNamespace(rollouts_made=8, requests_inflight=2, groups_admitted=3, rewards_sum=2.0, reward_errors=1)
+    driver = SimpleNamespace(engine=engine, server_id="s@1", groups_consumed=2, stream=stream, stats=stats)
+    reporter = ProgressReporter(driver, str(tmp_path / "serve.jsonl"), 5.0)
+    reporter.write(reporter.snapshot())
+    reporter.update_event(UpdateDone(server_id="s@1", version=4, total_s=0.5, stall_s=0.02, commit_s=0.02))
+    progress, update = read_serve_events(tmp_path / "serve.jsonl")
+    assert isinstance(progress, ServeProgress) and isinstance(update, UpdateEvent)
+    assert progress.tokens == 40 and progress.outbox == 1 and progress.mean_reward == 0.25 and progress.version == 3
+    assert update == an_update(time=update.time, server_id="s@1", version=4, receive_s=0.0)
+    events = [json.loads(line)["event"] for line in (tmp_path / "serve.jsonl").read_text().splitlines()]
+    assert events == ["progress", "update"]  # the tag is the `event` key the lines always had
+
+
+def test_a_step_written_and_read_back_is_the_same_record_and_non_finite_values_become_none(tmp_path):
+    steps = [a_step(1), a_step(2, loss=math.nan, grad_norm=math.inf, mismatch_lag0=None, publish_failed=["s"])]
+    back = read_steps(write_lines(tmp_path / "metrics.jsonl", steps))
+    assert back[0] == steps[0]
+    assert back[1].loss is None and back[1].grad_norm is None and back[1].publish_failed == ["s"]
+    assert "mismatch_lag0" not in (tmp_path / "metrics.jsonl").read_text().splitlines()[1]  # absent, as before
+
+
+def test_a_writer_value_the_record_does_not_know_is_refused_naming_it():
+    values = msgspec.structs.asdict(a_step()) | {"entropy": 2.0}
+    with pytest.raises(RecordError, match=r"unknown field `entropy`.*add or rename the field in StepMetrics"):
+        to_record(values, StepMetrics)
+
+
+# -- the readers ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("run_dir", COMMITTED, ids=lambda p: p.name)
+def test_committed_benchmark_runs_load_through_the_records_and_give_their_committed_summary(run_dir):
+    steps, serve = read_steps(run_dir / "metrics.jsonl"), read_serve_events(run_dir / "serve-metrics.jsonl")
+    assert len(steps) == len(read_text_lines(run_dir / "metrics.jsonl")) >= 10
+    assert len(serve) == len(read_text_lines(run_dir / "serve-metrics.jsonl"))
+    assert all(s.publish_s is not None for s in steps) and any(isinstance(e, UpdateEvent) for e in serve)
+    for path, records in ((run_dir / "metrics.jsonl", steps), (run_dir / "serve-metrics.jsonl", serve)):
+        old = [json.loads(line) for line in read_text_lines(path)]
+        assert [json.loads(encode_line(r)) for r in records] == old  # the writers' lines are unchanged
+    committed = json.loads((run_dir / "summary.json").read_text())
+    summary = compute_summary(run_dir)
+    committed.pop("run_dir"), summary.pop("run_dir")  # relative or absolute, as it was called
+    assert json.dumps(summary, sort_keys=True) == json.dumps(committed, sort_keys=True)
+
+
+def read_text_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_the_benchmarks_read_the_committed_runs(tmp_path):
+    from benchmarks.ablate import plots, time_to_target
+    from benchmarks.simulate import calibrate, measured_speedup
+    from benchmarks.trim_policy import stalls_ms
+
+    for run_dir in COMMITTED:
+        shutil.copytree(run_dir, tmp_path / run_dir.name, ignore=shutil.ignore_patterns("*.png", "*.log"))
+    modes = [p.name for p in COMMITTED]
+    assert all(time_to_target(tmp_path / m, 0.0) >= 0 for m in modes)
+    assert all(stalls_ms(tmp_path / m, 0.0) for m in modes)
+    cal = calibrate(tmp_path, None)
+    commits = [e.commit_s for e in read_serve_events(tmp_path / modes[0] / "serve-metrics.jsonl")
+               if isinstance(e, UpdateEvent) and e.ok]  # fmt: skip
+    assert cal.commit_s[modes[0]] == pytest.approx(sum(commits) / len(commits))
+    assert cal.train_t1 > 0 and cal.publish_s > 0 and cal.lengths
+    assert set(measured_speedup(tmp_path)) == set(modes)
+    plots(tmp_path, modes)
+    assert (tmp_path / "ablate-lag.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("name", "record", "old", "new"),
+    [
+        ("metrics.jsonl", a_step(), "mismatch_lag0", "mismatch_lag_0"),  # an optional field
+        ("metrics.jsonl", a_step(), "reward", "batch_reward"),  # a required one
+        ("serve-metrics.jsonl", an_update(), "stall_s", "stall"),
+    ],
+)
+def test_a_field_renamed_in_a_line_fails_naming_the_file_the_line_and_the_field(tmp_path, name, record, old, new):
+    path = write_lines(tmp_path / name, [record, record])
+    first, second = path.read_text().splitlines()
+    path.write_text(first + "\n" + second.replace(f'"{old}":', f'"{new}":') + "\n")
+    with pytest.raises(RecordError, match=rf"{name}:2: .*(`{new}`|`{old}`)"):
+        read_records(path, StepMetrics if name == "metrics.jsonl" else UpdateEvent | ServeProgress)
+
+
+def test_a_record_field_renamed_in_the_code_fails_on_the_committed_runs():
+    """A copy of StepMetrics whose `reward` became `batch_reward`: the run directories already written say so."""
+    fields = [(f.encode_name if f.name != "reward" else "batch_reward", f.type, f.default)
+              for f in msgspec.structs.fields(StepMetrics)]  # fmt: skip
+    fields = [(n, t) if d is msgspec.NODEFAULT else (n, t, d) for n, t, d in fields]
+    renamed = msgspec.defstruct("StepMetrics", fields, kw_only=True, forbid_unknown_fields=True, omit_defaults=True)
+    with pytest.raises(RecordError, match=r"metrics.jsonl:1: not a StepMetrics line: .*`(reward|batch_reward)`"):
+        read_records(COMMITTED[0] / "metrics.jsonl", renamed)
+
+
+def test_a_cut_line_is_skipped_old_nan_tokens_are_read_and_a_wrong_type_is_refused(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    old_nan = json.dumps(msgspec.to_builtins(a_step(2)) | {"loss": math.nan})  # json.dumps writes NaN, not null
+    path.write_text(encode_line(a_step(1)) + old_nan + "\n" + '{"step": 3, "cut by a ki')
+    first, second = read_steps(path)
+    assert first == a_step(1) and math.isnan(second.loss)
+    path.write_text(encode_line(a_step(1)).replace('"step":1', '"step":"one"'))
+    with pytest.raises(RecordError, match=r"metrics.jsonl:1: .*Expected `int`, got `str` - at `\$.step`"):
+        read_steps(path)

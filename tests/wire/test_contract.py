@@ -1,0 +1,92 @@
+"""The run contract (inflight/wire/contract.py): one definition of what serve and learner must agree on, its defaults
+shared by every config, sent in Hello, and every differing field named with its fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from inflight.learn.config import LearnConfig
+from inflight.run.config import RunConfig
+from inflight.run.launch import side_commands
+from inflight.serve.config import ServeConfig
+from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, RunContract
+from inflight.wire.control import ControlError, Hello, decode_control, encode_control
+
+LEARNER = RunContract(group_size=8, temperature=1.0, dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named", "fix"),
+    [
+        ("group_size", 4, "group_size 4, but this learner trains groups of 8", "--group-size"),
+        ("temperature", 0.7, "temperature 0.7, but this learner computes logprobs at temperature 1.0", "--temperature"),
+        ("top_p", 0.9, "top_p 0.9, but this learner computes full-softmax logprobs", "--top-p 1.0"),
+        ("top_k", 50, "top_k 50, but this learner computes full-softmax logprobs", "--top-k -1"),
+        ("dtype", "bfloat16", "dtype bfloat16, but this learner computes in float32", "--dtype float32"),
+    ],
+)
+def test_a_serve_differing_in_one_field_is_told_that_field_both_values_and_the_flag_that_fixes_it(
+    field, value, named, fix
+):
+    serve = msgspec.structs.replace(LEARNER, **{field: value})
+    reason = serve.mismatch(LEARNER, "infer3@1")
+    assert reason.startswith(f"serve infer3@1: {named}") and fix in reason, reason
+
+
+def test_the_first_differing_field_is_the_one_named():
+    serve = RunContract(group_size=4, temperature=0.5, dtype="bfloat16")
+    assert "group_size 4" in serve.mismatch(LEARNER, "s") and "temperature" not in serve.mismatch(LEARNER, "s")
+
+
+def test_equal_contracts_agree_and_a_temperature_given_as_the_same_decimal_is_the_same():
+    assert LEARNER.mismatch(LEARNER, "s") == ""
+    assert RunContract(temperature=float("0.7"), dtype="float32").mismatch(
+        RunContract(temperature=0.7, dtype="float32"), "s"
+    ) == ""  # fmt: skip
+
+
+def test_the_dtype_refusal_keeps_the_measured_reason():
+    reason = RunContract(dtype="float32").mismatch(RunContract(dtype="bfloat16"), "s")
+    assert "drift apart" in reason and "0.015 -> 0.56" in reason and "--autocast none" in reason
+
+
+@pytest.mark.parametrize("dtype", ["auto", "", "none"])
+def test_a_contract_never_carries_an_unresolved_dtype(dtype):
+    with pytest.raises(ValueError, match=f"RunContract.dtype is {dtype!r}: it carries the resolved compute dtype"):
+        RunContract(dtype=dtype)
+
+
+def test_serve_learn_and_run_take_their_shared_defaults_from_the_contract_and_agree_out_of_the_box():
+    for cfg in (ServeConfig(), LearnConfig(), RunConfig()):
+        assert (cfg.group_size, cfg.temperature) == (GROUP_SIZE, TEMPERATURE), type(cfg).__name__
+    serve = ServeConfig(dtype="float32").contract()
+    assert serve.top_k == 0  # the serve's --top-k -1 (off) is the learner's full softmax
+    assert serve.mismatch(LearnConfig(autocast="none").contract(), "s") == ""
+
+
+def test_the_learners_compute_dtype_is_its_autocast_dtype_or_its_parameter_dtype_without_autocast():
+    assert LearnConfig(autocast="bfloat16").contract().dtype == "bfloat16"
+    assert LearnConfig(autocast="none", dtype="bfloat16").contract().dtype == "bfloat16"
+    assert LearnConfig(autocast="none").contract().dtype == "float32"
+    with pytest.raises(ValueError, match="resolve"):
+        LearnConfig(autocast="auto").contract()  # main resolves it before the learner starts
+
+
+def test_inflight_run_gives_the_learner_the_serves_group_size():
+    commands = side_commands(RunConfig(group_size=3), Path("/nonexistent-run-dir"), (1, 2, 3))
+    learn, serve = commands["learn"], commands["serve"]
+    assert learn[learn.index("--group-size") + 1] == serve[serve.index("--group-size") + 1] == "3"
+
+
+def test_hello_carries_the_contract_and_an_old_schema_hello_is_refused_naming_the_schemas():
+    hello = Hello(server_id="s", contract=RunContract(group_size=4, dtype="bfloat16"))
+    assert decode_control(encode_control(hello), to="learner").contract == hello.contract
+    old = msgspec.msgpack.encode({"type": "hello", "schema": 1, "server_id": "s", "model": "m"})  # no contract
+    with pytest.raises(ControlError, match="Hello.schema is 1, expected 2: run the same inflight version"):
+        decode_control(old, to="learner")
+    unresolved = msgspec.msgpack.encode({"type": "hello", "schema": 2, "contract": {"dtype": "auto"}})
+    with pytest.raises(ControlError, match="resolved compute dtype"):
+        decode_control(unresolved, to="learner")

@@ -1,0 +1,68 @@
+"""What the worker extension's `inflight_*` methods and the EngineCore utility `inflight_commit` return, as typed
+records shared by the worker (writer) and `vllm_patches/engine.py:InflightEngine` (reader).
+
+The results cross processes inside vLLM: worker → EngineCore by pickle with the multiprocess executor (Structs pickle
+as themselves) and EngineCore → front-end by vLLM's msgpack, which encodes a Struct as a map and, unless
+VLLM_ALLOW_INSECURE_SERIALIZATION is set, decodes it as a plain dict. The reader therefore passes every result
+through `rpc_result`, which takes either form and raises naming the method and the field when they disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class GroupJoined(msgspec.Struct, forbid_unknown_fields=True):
+    """`inflight_init_weights_group`: this worker is a member of the weights group, once the group formed."""
+
+    rank: int
+    group_name: str
+
+
+class StageStatus(msgspec.Struct, forbid_unknown_fields=True):
+    """`inflight_begin_update`, `inflight_update_status`, `inflight_wait_staged`: one worker's staged update.
+
+    `receive_s` and `verify_s` are durations in seconds, 0 until done; `started_at` and `staged_at` are wall clock
+    (`time.time()`, comparable with token timestamps), `staged_at` 0 until staged. `error` is set only when failed.
+    """
+
+    version: int
+    state: Literal["receiving", "staged", "failed", "committed"]
+    error: str | None
+    bytes_received: int
+    bytes_total: int
+    receive_s: float
+    verify_s: float
+    started_at: float
+    staged_at: float
+
+
+class CommitApplied(msgspec.Struct, forbid_unknown_fields=True):
+    """`inflight_commit_staged`: one worker copied the staged tensors into its live model, in `apply_s` seconds."""
+
+    version: int
+    apply_s: float
+
+
+class CommitResult(msgspec.Struct, forbid_unknown_fields=True):
+    """The EngineCore utility `inflight_commit`: every worker committed `version` and EngineCore serves it now.
+    `stall_s` is the engine-step gap the commit took (seconds, measured in EngineCore)."""
+
+    version: int
+    stall_s: float
+    workers: list[CommitApplied]
+
+
+def rpc_result(value: object, kind: type[T], method: str) -> T:
+    """`value` (a Struct, or the dict msgpack made of it) as `kind`; raises TypeError naming `method` and the field."""
+    try:
+        return msgspec.convert(value, kind)
+    except msgspec.ValidationError as exc:
+        raise TypeError(
+            f"{method} returned {value!r}, not {kind}: {exc}; the worker and the engine disagree on this record: "
+            "rename the field in vllm_patches/rpc.py and on both sides together"
+        ) from exc
