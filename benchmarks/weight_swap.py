@@ -3,21 +3,100 @@
 1. Transfer bandwidth over the gloo weights group vs bucket size, next to an in-process memcpy of the same bytes.
 2. Commit stall (the only pause never-stop imposes) for tiny-llama and SmolLM2.
 3. Generation tokens/s under an update every few seconds — never-stop vs keep-pause — as a ratio to no updates.
+   Tokens are counted as they stream out of the engine (finished requests or not) inside the window.
 
-    python -m benchmarks.weight_swap [--duration 20] [--update-every 3] [--concurrency 16]
+    python -m benchmarks.weight_swap [--duration 20] [--update-every 3] [--concurrency 16] [--dtype auto]
+
+Every figure is printed and appended (markdown to `--out`, one JSON line per figure next to it) as soon as it is
+measured, so a crash later loses nothing. A figure that cannot be measured (no token in the window, no update
+committed) is written as "not measured: <why>"; a section that raises is written the same way, the run goes on, and
+the exit status is 1 only then.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import datetime
+import gc
+import json
 import multiprocessing as mp
+import shlex
 import statistics
+import sys
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MiB = 1 << 20
+TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"  # support.Sender and the checkpoint helpers live there
+MODES = ("none", "never-stop", "keep-pause")
+
+
+@dataclass(frozen=True)
+class Table:
+    key: str
+    title: str
+    columns: tuple[str, ...]
+    note: str = ""
+
+
+@dataclass
+class Recorder:
+    """Prints each table line and appends it to `out` (markdown) at once; one JSON line per figure to `jsonl`."""
+
+    out: Path
+    jsonl: Path
+    context: dict  # date, CPU, precision: repeated in every JSON line so that a line stands alone
+    failures: list[str] = field(default_factory=list)
+    not_measured_count: int = 0
+
+    def emit(self, text: str = "") -> None:
+        print(text, flush=True)
+        # Opened per line, closed at once: the line is on disk before the next measurement starts.
+        with self.out.open("a") as f:
+            f.write(text + "\n")
+
+    def record(self, table: Table, label: str, figures: dict) -> None:
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({**self.context, "table": table.key, "label": label, **figures}) + "\n")
+
+    def open(self, table: Table) -> None:
+        self.emit()
+        self.emit(f"### {table.title}")
+        self.emit()
+        if table.note:
+            self.emit(table.note)
+            self.emit()
+        self.emit("| " + " | ".join(table.columns) + " |")
+        self.emit("|" + "---|" * len(table.columns))
+
+    def row(self, table: Table, label: str, cells: list[str], figures: dict) -> None:
+        self.emit("| " + " | ".join([label, *cells]) + " |")
+        self.record(table, label, figures)
+
+    def not_measured(self, table: Table, label: str, why: str) -> None:
+        self.not_measured_count += 1
+        blanks = ["—"] * (len(table.columns) - 2)
+        self.emit("| " + " | ".join([label, f"not measured: {why}", *blanks]) + " |")
+        self.record(table, label, {"not_measured": why})
+
+    @contextlib.contextmanager
+    def guard(self, table: Table, label: str):
+        """Run one row's measurement; an exception becomes a 'not measured' row and a failure, not a crash."""
+        try:
+            yield
+        except Exception as exc:
+            traceback.print_exc()
+            why = f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            self.failures.append(f"{table.key} / {label}: {why}")
+            self.not_measured(table, label, why)
+
+
+# --- transfer -------------------------------------------------------------------------------------------------------
 
 
 def _receiver(port: int, manifest_files: list[str], repeats: int) -> None:
@@ -32,14 +111,16 @@ def _receiver(port: int, manifest_files: list[str], repeats: int) -> None:
             receive_update(group, manifest)
 
 
-def bench_transfer(state, bucket_mib: list[int], repeats: int = 3) -> list[tuple[str, float, float]]:
-    """(label, seconds, GB/s) for each bucket size and for the memcpy baseline."""
-    import torch
+def transfer_table(dtype: str) -> Table:
+    return Table("transfer", f"Transfer bandwidth (SmolLM2 {dtype}, loopback)", ("path", "median s", "GB/s"))
 
+
+def bench_transfer(rec: Recorder, state, bucket_mib: list[int], dtype: str, repeats: int = 3) -> None:
+    """One row per bucket size (gloo, sender here, receiver in a spawned process), then the memcpy baseline."""
     from inflight.wire.group import GroupAddress, WeightsGroup, open_store
-    from inflight.wire.transfer import send_update
     from inflight.wire.weights import plan_manifest
 
+    table = transfer_table(dtype)
     manifests = [plan_manifest(state, 1, size * MiB) for size in bucket_mib]
     total = manifests[0].total_bytes
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,14 +129,28 @@ def bench_transfer(state, bucket_mib: list[int], repeats: int = 3) -> list[tuple
             files.append(str(Path(tmp) / f"m{size}"))
             Path(files[-1]).write_bytes(m.encode())
         store = open_store(GroupAddress("127.0.0.1", 0, 2, timeout_s=120), is_host=True)
-        proc = mp.get_context("spawn").Process(target=_receiver, args=(store.port, files, repeats))
+        proc = mp.get_context("spawn").Process(target=_receiver, args=(store.port, files, repeats), daemon=True)
         proc.start()
-        group = WeightsGroup(GroupAddress("127.0.0.1", store.port, 2, timeout_s=120), 0, store)
-        rows = []
-        for m, size in zip(manifests, bucket_mib, strict=True):
-            times = [send_update(group, m, state).seconds for _ in range(repeats)]
-            rows.append((f"gloo, {size} MiB buckets ({len(m.bucket_sizes)})", statistics.median(times)))
-        proc.join()
+        try:
+            group = WeightsGroup(GroupAddress("127.0.0.1", store.port, 2, timeout_s=120), 0, store)
+            for m, size in zip(manifests, bucket_mib, strict=True):
+                label = f"gloo, {size} MiB buckets ({len(m.bucket_sizes)})"
+                seconds = _send_median(group, m, state, repeats)
+                _transfer_row(rec, table, label, seconds, total, {"bucket_mib": size, "buckets": len(m.bucket_sizes)})
+        finally:
+            proc.join(timeout=60)
+    _transfer_row(rec, table, "memcpy baseline (one process)", _memcpy_median(state, repeats), total, {})
+
+
+def _send_median(group, manifest, state, repeats: int) -> float:
+    from inflight.wire.transfer import send_update
+
+    return statistics.median(send_update(group, manifest, state).seconds for _ in range(repeats))
+
+
+def _memcpy_median(state, repeats: int) -> float:
+    import torch
+
     src = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
     dst = torch.empty_like(src)
     copies = []
@@ -63,50 +158,38 @@ def bench_transfer(state, bucket_mib: list[int], repeats: int = 3) -> list[tuple
         start = time.perf_counter()
         dst.copy_(src)
         copies.append(time.perf_counter() - start)
-    rows.append(("memcpy baseline (one process)", statistics.median(copies)))
-    return [(label, s, total / s / 1e9) for label, s in rows]
+    return statistics.median(copies)
 
 
-async def _workload(engine, prompts, params, duration: float, concurrency: int, on_tick=None) -> int:
-    """Keep `concurrency` requests in flight for `duration` s; return tokens of the requests that finished."""
-    tokens, counter, deadline = 0, 0, time.monotonic() + duration
-
-    async def worker(w: int):
-        nonlocal tokens, counter
-        while time.monotonic() < deadline:
-            counter += 1
-            done = await engine.generate(prompts[counter % len(prompts)], params, f"w{w}-{counter}")
-            if time.monotonic() <= deadline:
-                tokens += len(done.token_ids)
-
-    workers = [asyncio.ensure_future(worker(w)) for w in range(concurrency)]
-    if on_tick is not None:
-        await on_tick(deadline)
-    await asyncio.gather(*workers)
-    return tokens
+def _transfer_row(rec: Recorder, table: Table, label: str, seconds: float, total: int, extra: dict) -> None:
+    gbs = total / seconds / 1e9
+    rec.row(table, label, [f"{seconds:.3f}", f"{gbs:.2f}"], {"median_s": seconds, "gb_s": gbs, "bytes": total, **extra})
 
 
-async def bench_generation(engine, sender, states, prompts, args) -> dict[str, dict]:
-    from vllm import SamplingParams
+# --- engines: commit stall and generation -----------------------------------------------------------------------------
 
-    params = SamplingParams(max_tokens=64, temperature=1.0)
-    results = {}
-    for mode in ("none", "never-stop", "keep-pause"):
-        reports = []
 
-        async def updates(deadline, mode=mode, reports=reports):
-            while time.monotonic() + args.update_every < deadline:
-                await asyncio.sleep(args.update_every)
-                state = states[len(reports) % 2]
-                reports.append(await sender.push(engine, state, engine.version + 1, mode=mode))
+def commit_table(dtype: str) -> Table:
+    return Table("commit", f"Commit stall (never-stop, {dtype} engine)", ("model", "mean ms", "max ms", "n"))
 
-        start = time.monotonic()
-        tick = None if mode == "none" else updates
-        tokens = await _workload(engine, prompts, params, args.duration, args.concurrency, tick)
-        elapsed = time.monotonic() - start
-        results[mode] = {"tok_s": tokens / elapsed, "updates": len(reports),
-                         "stall_ms": 1e3 * statistics.mean(r.stall_s for r in reports) if reports else 0.0}  # fmt: skip
-    return results
+
+def generation_table(args) -> Table:
+    title = (f"Generation, an update every {args.update_every:g} s ({args.duration:g} s window, "
+             f"{args.concurrency} in flight, SmolLM2 {args.precision.dtype})")  # fmt: skip
+    note = (
+        "tokens/s = tokens streamed out of the engine inside the window, finished requests or not (requests "
+        "still running at the end are aborted). Stall = commit only for never-stop, whole pause for keep-pause."
+    )
+    return Table("generation", title, ("mode", "tokens/s", "ratio to no updates", "updates", "mean stall ms"), note)
+
+
+def commit_row(rec: Recorder, table: Table, name: str, stalls: list[float]) -> None:
+    if not stalls:
+        rec.not_measured(table, name, "no update was committed (--commits is 0)")
+        return
+    mean_ms, max_ms = 1e3 * statistics.mean(stalls), 1e3 * max(stalls)
+    rec.row(table, name, [f"{mean_ms:.1f}", f"{max_ms:.1f}", str(len(stalls))],
+            {"mean_ms": mean_ms, "max_ms": max_ms, "n": len(stalls), "commit_s": stalls})  # fmt: skip
 
 
 async def bench_commits(engine, sender, states, n: int) -> list[float]:
@@ -115,6 +198,161 @@ async def bench_commits(engine, sender, states, n: int) -> list[float]:
         report = await sender.push(engine, states[(i + 1) % 2], engine.version + 1)
         stalls.append(report.commit_s)
     return stalls
+
+
+def _cast(state: dict, dtype: str) -> dict:
+    """Floats in the engine's dtype: the worker refuses an update whose dtypes differ from the ones it computes in."""
+    import torch
+
+    want = getattr(torch, dtype)
+    return {k: v.to(want).contiguous() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _served_state(name: str, dtype: str) -> dict:
+    from inflight.models import prepare
+
+    sys.path.insert(0, str(TESTS_DIR))
+    from support import load_state
+
+    return _cast(load_state(prepare(name)), dtype)
+
+
+def _states(model_dir, tmp: Path, dtype: str):
+    """The served checkpoint (A) and a perturbed copy (B), the two weights the updates alternate between."""
+    sys.path.insert(0, str(TESTS_DIR))
+    from support import load_state, perturbed_checkpoint
+
+    return _cast(load_state(model_dir), dtype), _cast(perturbed_checkpoint(model_dir, tmp / "B", seed=3), dtype)
+
+
+@contextlib.asynccontextmanager
+async def running_engine(name: str, args, tmp: Path):
+    """(engine, sender, states, model dir) for `name`, the sender's group joined; the engine is shut down after."""
+    sys.path.insert(0, str(TESTS_DIR))
+    from support import Sender
+
+    from inflight.models import prepare
+    from vllm_patches.engine import EngineConfig, InflightEngine
+
+    model_dir = prepare(name)
+    states = _states(model_dir, tmp, args.precision.dtype)
+    cfg = EngineConfig(model=str(model_dir), max_model_len=512, dtype=args.precision.dtype,
+                       kv_cache_gib=args.kv_cache_gib)  # fmt: skip
+    engine = await InflightEngine.start(cfg)
+    try:
+        sender = Sender(timeout_s=120)
+        await sender.connect(engine)
+        yield engine, sender, states, model_dir
+    finally:
+        engine.shutdown()
+
+
+async def model_benches(rec: Recorder, name: str, args, with_generation: bool) -> None:
+    """The commit-stall row of `name` and, on SmolLM2, the generation table: one engine start for both."""
+    table, gen = commit_table(args.precision.dtype), generation_table(args)
+    started = False
+    with tempfile.TemporaryDirectory() as tmp, rec.guard(table, name):
+        async with running_engine(name, args, Path(tmp)) as (engine, sender, states, model_dir):
+            started = True
+            commit_row(rec, table, name, await bench_commits(engine, sender, states, args.commits))
+            if with_generation:
+                await bench_generation(rec, gen, engine, sender, states, model_dir, args)
+    if with_generation and not started:
+        rec.open(gen)
+        for mode in MODES:
+            rec.not_measured(gen, mode, f"the {name} engine did not start (see the commit-stall row)")
+
+
+async def _warm_up(engine, prompts, params, concurrency: int) -> None:
+    """One short batch first, so the baseline (measured first) does not pay the engine's first-batch costs."""
+    warm = params.clone()
+    warm.max_tokens = 4
+    await asyncio.gather(*(engine.generate(prompts[i % len(prompts)], warm, f"warm-{i}") for i in range(concurrency)))
+
+
+async def _workload(engine, prompts, params, duration: float, concurrency: int, on_tick=None) -> tuple[int, float]:
+    """Keep `concurrency` requests in flight for `duration` s: (tokens streamed in the window, window seconds).
+
+    Streamed, not finished: on a slow CPU a 64-token request can outlast the whole window, and counting finished
+    requests only then reads 0 tokens/s. Requests still running at the deadline are cancelled (vLLM aborts them).
+    """
+    counter = 0
+
+    async def worker(w: int):
+        nonlocal counter
+        while True:
+            counter += 1
+            await engine.generate(prompts[counter % len(prompts)], params, f"w{w}-{counter}")
+
+    start_tokens, start = engine.tokens_generated, time.monotonic()
+    deadline = start + duration
+    workers = [asyncio.ensure_future(worker(w)) for w in range(concurrency)]
+    ticker = asyncio.ensure_future(on_tick(deadline)) if on_tick is not None else None
+    try:
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        tokens, window = engine.tokens_generated - start_tokens, time.monotonic() - start
+        if ticker is not None:
+            await ticker  # an update begun inside the window finishes before its requests are aborted
+    finally:
+        for task in [*workers, *([ticker] if ticker is not None else [])]:
+            task.cancel()
+        results = await asyncio.gather(*workers, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, Exception) and not isinstance(r, asyncio.CancelledError)]
+    if errors:
+        raise errors[0]
+    return tokens, window
+
+
+async def bench_generation(rec: Recorder, table: Table, engine, sender, states, model_dir, args) -> None:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=64, temperature=1.0)
+    rec.open(table)
+    prompts = None
+    with rec.guard(table, "prompts + warm-up"):
+        prompts = _prompts(model_dir)
+        await _warm_up(engine, prompts, params, args.concurrency)
+    if prompts is None:
+        for mode in MODES:
+            rec.not_measured(table, mode, "no prompts (see the row above)")
+        return
+    base = None
+    for mode in MODES:
+        with rec.guard(table, mode):
+            tok_s, reports = await _measure_mode(engine, sender, states, prompts, params, args, mode)
+            base = _generation_row(rec, table, mode, tok_s, reports, base)
+
+
+async def _measure_mode(engine, sender, states, prompts, params, args, mode: str) -> tuple[float, list]:
+    reports = []
+
+    async def updates(deadline):
+        while time.monotonic() + args.update_every < deadline:
+            await asyncio.sleep(args.update_every)
+            reports.append(await sender.push(engine, states[len(reports) % 2], engine.version + 1, mode=mode))
+
+    tick = None if mode == "none" else updates
+    tokens, window = await _workload(engine, prompts, params, args.duration, args.concurrency, tick)
+    return tokens / window, reports
+
+
+def _generation_row(rec: Recorder, table: Table, mode: str, tok_s: float, reports: list, base: float | None):
+    """Write one mode's row; returns the no-update baseline tokens/s for the rows after it (None if unmeasured)."""
+    if tok_s <= 0:
+        rec.not_measured(table, mode, "0 tokens streamed in the window (engine too slow here? raise --duration)")
+        return base
+    if mode != "none" and not reports:
+        rec.not_measured(table, mode, "no update committed in the window (--update-every must be < --duration)")
+        return base
+    stall_ms = 1e3 * statistics.mean(r.stall_s for r in reports) if reports else 0.0
+    ratio = 1.0 if mode == "none" else tok_s / base if base else None
+    ratio_cell = f"{ratio:.3f}" if ratio is not None else "not measured: no baseline"
+    if ratio is None:
+        rec.not_measured_count += 1
+    rec.row(table, mode, [f"{tok_s:.1f}", ratio_cell, str(len(reports)), f"{stall_ms:.1f}"],
+            {"tok_s": tok_s, "ratio": ratio, "updates": len(reports), "mean_stall_ms": stall_ms,
+             "stall_s": [r.stall_s for r in reports], "commit_s": [r.commit_s for r in reports]})  # fmt: skip
+    return tok_s if mode == "none" else base
 
 
 def _prompts(model_dir, n: int = 32) -> list[list[int]]:
@@ -127,74 +365,75 @@ def _prompts(model_dir, n: int = 32) -> list[list[int]]:
             for m in msgs]  # fmt: skip
 
 
-def _states(model_dir, tmp: Path):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from support import load_state, perturbed_checkpoint
-
-    return load_state(model_dir), perturbed_checkpoint(model_dir, tmp / "B", seed=3)
+# --- driver ---------------------------------------------------------------------------------------------------------
 
 
-async def engine_benches(name: str, args, with_generation: bool) -> dict:
-    sys_path_tests = Path(__file__).resolve().parents[1] / "tests"
-    import sys
-
-    sys.path.insert(0, str(sys_path_tests))
-    from support import Sender
-
-    from inflight.models import prepare
-    from vllm_patches.engine import EngineConfig, InflightEngine
-
-    model_dir = prepare(name)
-    with tempfile.TemporaryDirectory() as tmp:
-        states = _states(model_dir, Path(tmp))
-        engine = await InflightEngine.start(EngineConfig(model=str(model_dir), max_model_len=512))
-        try:
-            sender = Sender(timeout_s=120)
-            await sender.connect(engine)
-            out = {"commit_s": await bench_commits(engine, sender, states, args.commits), "states": states}
-            if with_generation:
-                out["generation"] = await bench_generation(engine, sender, states, _prompts(model_dir), args)
-        finally:
-            engine.shutdown()
-    return out
-
-
-def report(transfer, commits: dict, generation: dict, args) -> str:
-    lines = ["## Transfer bandwidth (SmolLM2 bf16, loopback)", "", "| path | median s | GB/s |", "|---|---|---|"]
-    lines += [f"| {label} | {s:.3f} | {gbs:.2f} |" for label, s, gbs in transfer]
-    lines += ["", "## Commit stall (never-stop)", "", "| model | mean ms | max ms | n |", "|---|---|---|---|"]
-    for name, stalls in commits.items():
-        lines.append(f"| {name} | {1e3 * statistics.mean(stalls):.1f} | {1e3 * max(stalls):.1f} | {len(stalls)} |")
-    base = generation["none"]["tok_s"]
-    every, dur = f"{args.update_every:.0f} s", f"{args.duration:.0f} s"
-    title = f"## Generation, an update every {every} ({dur}, {args.concurrency} in flight, SmolLM2)"
-    lines += [
-        "",
-        title,
-        "",
-        "| mode | tokens/s | ratio to no updates | updates | mean stall ms |",
-        "|---|---|---|---|---|",
-    ]
-    for mode, r in generation.items():
-        lines.append(f"| {mode} | {r['tok_s']:.1f} | {r['tok_s'] / base:.3f} | {r['updates']} | {r['stall_ms']:.1f} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.weight_swap", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per generation mode")
     parser.add_argument("--update-every", type=float, default=3.0, help="seconds between updates")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--commits", type=int, default=5, help="updates per model for the commit-stall figure")
     parser.add_argument("--buckets-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    dtype_help = "engine precision; auto = bf16 only where this machine computes it natively"
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help=dtype_help)
+    kv_help = "KV cache per engine, GiB; 0.25 holds 16 x 512 tokens and is zeroed faster at start than vLLM's 1"
+    parser.add_argument("--kv-cache-gib", type=float, default=0.25, help=kv_help)
+    out_help = "markdown file the tables are appended to; one JSON line per figure goes to the same name .jsonl"
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_swap.md"), help=out_help)
     args = parser.parse_args(argv)
-    tiny = asyncio.run(engine_benches("tiny-llama", args, with_generation=False))
-    smol = asyncio.run(engine_benches("smollm2", args, with_generation=True))
-    transfer = bench_transfer(smol["states"][0], args.buckets_mib)
-    commits = {"tiny-llama": tiny["commit_s"], "smollm2": smol["commit_s"]}
-    print(report(transfer, commits, smol["generation"], args))
+    if args.duration <= 0 or args.update_every <= 0 or args.concurrency < 1:
+        given = f"--duration {args.duration}, --update-every {args.update_every}, --concurrency {args.concurrency}"
+        parser.error(f"{given}: all must be positive, e.g. --duration 20 --update-every 3 --concurrency 16")
+    return args
+
+
+def header(rec: Recorder, args, argv: list[str]) -> None:
+    import torch
+    import vllm
+
+    command = shlex.join(["python", "-m", "benchmarks.weight_swap", *argv])
+    rec.emit()
+    rec.emit(f"## Weight swap, {rec.context['date']}")
+    rec.emit()
+    rec.emit(f"- CPU: {rec.context['cpu']}")
+    rec.emit(f"- Command: `{command}`")
+    rec.emit(f"- Engine precision: {args.precision.dtype} ({args.precision.reason})")
+    rec.emit(f"- vllm {vllm.__version__}, torch {torch.__version__}; sender and engine share the machine's cores")
+
+
+def run(args, argv: list[str]) -> Recorder:
+    from inflight.machine import cpu_label, resolve_precision, serve_device
+
+    args.precision = resolve_precision(args.dtype, serve_device())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    context = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": cpu_label(),
+               "dtype": args.precision.dtype}  # fmt: skip
+    rec = Recorder(args.out, args.out.with_suffix(".jsonl"), context)
+    header(rec, args, argv)
+    rec.open(transfer_table(args.precision.dtype))
+    with rec.guard(transfer_table(args.precision.dtype), "transfer"):
+        bench_transfer(rec, _served_state("smollm2", args.precision.dtype), args.buckets_mib, args.precision.dtype)
+    rec.open(commit_table(args.precision.dtype))
+    for name in ("tiny-llama", "smollm2"):
+        asyncio.run(model_benches(rec, name, args, with_generation=name == "smollm2"))
+        # Collected now, while modules are intact: left to interpreter teardown, AsyncLLM.__del__ shuts the engine
+        # down again on half-torn-down globals and prints a TypeError traceback.
+        gc.collect()
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    started = time.monotonic()
+    rec = run(args, argv)
+    print(f"\nweight_swap: {time.monotonic() - started:.0f} s; tables appended to {rec.out}, figures to {rec.jsonl}")
+    if rec.not_measured_count:
+        print(f"weight_swap: {rec.not_measured_count} figure(s) not measured (see the 'not measured' rows)")
+    if rec.failures:
+        print(f"weight_swap: FAILED — {len(rec.failures)} section(s) raised:", *rec.failures, sep="\n  ")
+        return 1
     return 0
 
 
