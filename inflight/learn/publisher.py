@@ -11,6 +11,10 @@ commits: `UpdateDone` replies are collected by `pump()` while training goes on.
 A serve that dies mid-transfer breaks the broadcast within `timeout_s`: the publisher logs which serves went quiet,
 drops them, re-forms the group with the rest and sends the same version again. A serve that (re)joins late gets the
 latest weights straight away.
+
+Who is a serve, who is a member and who must be in the next group is decided by `Membership`
+(inflight/learn/membership.py, a pure state machine); this class is its shell: it feeds it the control socket's
+messages and the clock, performs its actions, runs the group's rendezvous on a thread and moves the buckets.
 """
 
 from __future__ import annotations
@@ -22,18 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inflight.learn.membership import Action, BreakGroup, Membership, Send, Serve
 from inflight.wire.contract import RunContract
-from inflight.wire.control import (
-    Hello,
-    Introduce,
-    Joined,
-    JoinGroup,
-    Progress,
-    Refused,
-    Status,
-    UpdateDone,
-    UpdateWeights,
-)
+from inflight.wire.control import Hello, JoinGroup, Progress, UpdateDone, UpdateWeights
 from inflight.wire.endpoints import ControlServer
 from inflight.wire.group import GroupAddress, WeightsGroup, WeightsGroupError, open_store
 from inflight.wire.transfer import send_update
@@ -43,22 +38,10 @@ log = logging.getLogger("inflight.learn")
 
 
 @dataclass
-class Serve:
-    identity: bytes
-    hello: Hello
-    last_seen: float
-    member: bool = False
-    version: int = -1
-    last_update: UpdateDone | None = None  # only the latest matters; a list would grow for the whole run
-    joined: Joined | None = None
-
-    @property
-    def server_id(self) -> str:
-        return self.hello.server_id
-
-
-@dataclass
 class PublishReport:
+    """One `publish`: the serves the update went to, the bytes broadcast and the broadcast's seconds; `failed` the
+    server ids dropped because a broadcast failed on them."""
+
     version: int
     serves: int = 0
     bytes: int = 0
@@ -67,83 +50,55 @@ class PublishReport:
 
 
 class WeightPublisher:
+    """Rank 0's weights path: polls the control socket into `Membership` (inflight/learn/membership.py) and performs
+    its actions, forms the weights group (a thread, while the control socket keeps being served) and broadcasts
+    updates. Single-threaded use only: every method is called from the learner's main thread."""
+
     def __init__(self, control: ControlServer, host: str = "127.0.0.1", store_port: int = 0, backend: str = "gloo",
                  timeout_s: float = 60.0, bucket_bytes: int = 64 << 20, quiet_after_s: float = 3.0):  # fmt: skip
         self.control, self.host, self.backend = control, host, backend
         self.timeout_s, self.bucket_bytes, self.quiet_after_s = timeout_s, bucket_bytes, quiet_after_s
         self.store = open_store(GroupAddress(host, store_port, 1, timeout_s=timeout_s), is_host=True)
-        self.serves: dict[bytes, Serve] = {}
-        self.refused: dict[str, str] = {}  # server_id -> why
+        self.membership = Membership(self._mismatch)
         self.group: WeightsGroup | None = None
-        self.generation = 0
         self.expected: dict[str, tuple[str, list[int]]] | None = None  # what the learner sends: name -> (dtype, shape)
         self.contract: RunContract | None = None  # what the learner trains for; None = no check (unit tests)
         self.latest: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._introduced: dict[bytes, float] = {}  # identity -> when we last asked it to introduce itself
 
     @property
     def store_port(self) -> int:
         return self.store.port
 
+    @property
+    def serves(self) -> dict[bytes, Serve]:
+        """Every accepted serve by ZeroMQ identity (the membership's)."""
+        return self.membership.serves
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Refused server ids and why."""
+        return self.membership.refused
+
     # -- control messages ---------------------------------------------------------------------------------------
-    def pump(self, timeout_s: float = 0.0) -> list:
-        """Handle every waiting control message; returns the `UpdateDone`s that arrived."""
+    def pump(self, timeout_s: float = 0.0) -> list[UpdateDone]:
+        """Handle every waiting control message (waiting up to `timeout_s` for the first); returns the `UpdateDone`s
+        of known serves that arrived."""
         done = []
         for identity, message in self.control.poll(timeout_s):
-            serve = self.serves.get(identity)
-            if isinstance(message, Hello):
-                self._hello(identity, message)
-            elif serve is None:
-                self._introduce(identity)
-            else:
-                serve.last_seen = time.monotonic()
-                if isinstance(message, UpdateDone):
-                    serve.last_update = message
-                    serve.version = message.version if message.ok else serve.version
-                    done.append(message)
-                    if not message.ok:
-                        log.error("serve %s failed update v%d: %s", serve.server_id, message.version, message.error)
-                elif isinstance(message, Joined):
-                    serve.joined = message
-                elif isinstance(message, Status):
-                    serve.version = message.version
+            known = identity in self.membership.serves
+            self._perform(self.membership.receive(identity, message, time.monotonic()))
+            if known and isinstance(message, UpdateDone):
+                done.append(message)
         return done
 
-    def _introduce(self, identity: bytes) -> None:
-        """Ask an unknown sender for its Hello — once a second at most: after a cut link heals, the heartbeats queued
-        on the serve's side arrive in one burst, and one Introduce per heartbeat would make it say Hello (and resend
-        its unacknowledged rollouts) as many times."""
-        now = time.monotonic()
-        if now - self._introduced.get(identity, -1e9) >= 1.0:
-            if len(self._introduced) > 256:  # senders that never answered (gone): forget them
-                self._introduced = {i: t for i, t in self._introduced.items() if now - t < 60.0}
-            self._introduced[identity] = now
-            self.control.send(identity, Introduce())
-
-    def _hello(self, identity: bytes, hello: Hello) -> None:
-        self._introduced.pop(identity, None)
-        problem = self._mismatch(hello)
-        if problem:
-            if self.refused.get(hello.server_id) != problem:  # once per serve, not once per retry
-                log.error("refused serve %s before any weights were sent: %s", hello.server_id, problem)
-            self.refused[hello.server_id] = problem
-            self.control.send(identity, Refused(reason=problem))
-            return
-        old = self.serves.get(identity)
-        if old is not None and old.hello.server_id == hello.server_id:
-            # the same process again (it answered an Introduce that crossed its first Hello): keep its record, and its
-            # membership — replacing it would orphan a group that is forming or formed with it
-            old.last_seen, old.version = time.monotonic(), max(old.version, hello.version)
-            return
-        # a serve's id carries a per-process nonce: the same id under another identity is the same process reconnected
-        # (a new ZeroMQ connection after a cut link), so its old record goes
-        stale = [s for s in self.serves.values() if s.identity != identity and s.hello.server_id == hello.server_id]
-        for s in stale:
-            self.serves.pop(s.identity)
-        self.serves[identity] = Serve(identity, hello, time.monotonic(), version=hello.version)
-        if (old is not None and old.member) or any(s.member for s in stale):
-            self._break_group("a member said Hello again (restarted or reconnected)")
-        log.info("serve %s (%d workers, mode %s) accepted", hello.server_id, hello.workers, hello.mode)
+    def _perform(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self.control.send(action.identity, action.message)
+            elif isinstance(action, BreakGroup):
+                self._break_group(action.why)
+            else:
+                log.log(action.level, "%s", action.text)
 
     def _mismatch(self, hello: Hello) -> str:
         """'' if the serve's tensors can take the learner's update and its contract is the learner's, else the first
@@ -182,73 +137,63 @@ class WeightPublisher:
             if not self.control.send(serve.identity, message) and acks is not None and acked:
                 acks[serve.server_id] = set(acked)  # not delivered: try again next time
 
-    # -- the weights group --------------------------------------------------------------------------------------
+    # -- the weights group ----------------------------------------------------------------------------------------
     def _break_group(self, why: str) -> None:
         if self.group is not None:
             log.warning("weights group %s closed: %s", self.group.address.group_name, why)
             self.group.close()
         self.group = None
-        for serve in self.serves.values():
-            serve.member = False
+        self.membership.dissolve(why)
 
     def _ensure_group(self) -> bool:
         """A formed group containing every accepted serve; False when there is no serve (or forming failed)."""
-        live = list(self.serves.values())
-        if self.group is not None and not self.group.broken and live and all(s.member for s in live):
+        if self.group is not None and not self.group.broken and self.membership.in_sync():
             return True
         self._break_group("membership changed")
-        if not live:
+        formation = self.membership.plan()
+        if formation is None:
             return False
-        self.generation += 1
-        address = GroupAddress(self.host, self.store_port, 1 + sum(s.hello.workers for s in live),
-                               f"inflight-weights-{self.generation}", self.backend, self.timeout_s)  # fmt: skip
-        rank = 1
-        for serve in live:
-            serve.joined = None
+        address = GroupAddress(self.host, self.store_port, formation.world_size, formation.group_name, self.backend,
+                               self.timeout_s)  # fmt: skip
+        for serve, rank in zip(formation.serves, formation.ranks, strict=True):
             self.control.send(serve.identity, JoinGroup(host=address.host, port=address.port, rank=rank,
                                                         group_name=address.group_name, world_size=address.world_size,
                                                         backend=address.backend, timeout_s=self.timeout_s))  # fmt: skip
-            rank += serve.hello.workers
         result: dict = {}
         thread = threading.Thread(target=_form, args=(address, self.store, result), daemon=True)
         thread.start()
-        while thread.is_alive():
+        while thread.is_alive():  # the serves' Joined (and any Hello) arrive while the rendezvous runs
             self.pump(0.05)
-        if "group" not in result:
-            absent = [s for s in live if s.joined is None or not s.joined.ok]
-            log.error("weights group %s did not form (%s); dropping serves that did not join: %s",
-                      address.group_name, result.get("error"), [s.server_id for s in absent])  # fmt: skip
-            for serve in absent:
-                self.serves.pop(serve.identity, None)
-            return False
-        self.group = result["group"]
-        if any(self.serves.get(s.identity) is not s for s in live):  # a member restarted or vanished while it formed
-            self._break_group("a serve restarted while the group formed")
-            return False
-        for serve in live:
-            serve.member = True
-        log.info("weights group %s formed: %d serves, world %d", address.group_name, len(live), address.world_size)
-        return True
+        if "group" in result:
+            self.group = result["group"]  # closed again by the settle's BreakGroup if a member was replaced meanwhile
+        formed, actions = self.membership.settle(formation, "group" in result, result.get("error"))
+        self._perform(actions)
+        return formed
 
     def _wait_for_commits(self, version: int) -> None:
         """Until every member has answered the update of `version` (a serve applies one update at a time)."""
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
-            waiting = [s for s in self.serves.values() if s.member and not _answered(s.last_update, version)]
+            waiting = self.membership.uncommitted(version)
             if not waiting:
                 return
             self.pump(0.02)
         log.error("serves %s did not report the commit of v%d within %.0fs", [s.server_id for s in waiting], version,
                   self.timeout_s)  # fmt: skip
 
-    def _quiet_serves(self) -> list[Serve]:
-        """Serves that send nothing for `quiet_after_s` (or whose connection is gone) after a failed broadcast."""
+    def _drop_quiet_serves(self, version: int, error: Exception) -> list[str]:
+        """After a failed broadcast: listen for `quiet_after_s`, then drop the serves that sent nothing meanwhile (or
+        whose connection is gone) and break the group; their server ids."""
         self.pump(0)  # drain what was queued before the failure
         start = time.monotonic()
         while time.monotonic() - start < self.quiet_after_s:
             self.pump(0.05)
         probe = Progress(version=-1, groups_consumed=0)  # harmless to a live serve; fails fast to a vanished one
-        return [s for s in self.serves.values() if s.last_seen < start or not self.control.send(s.identity, probe)]
+        gone = {s.identity for s in self.membership.heard_since(start) if not self.control.send(s.identity, probe)}
+        dead, actions = self.membership.drop_quiet(start, gone)
+        log.error("publishing v%d failed (%s); dropping serves that went quiet: %s", version, error, dead)
+        self._perform(actions)
+        return dead
 
     # -- publishing ---------------------------------------------------------------------------------------------
     def set_model(self, state: dict[str, torch.Tensor], contract: RunContract | None = None) -> None:
@@ -268,7 +213,7 @@ class WeightPublisher:
                 self._wait_for_commits(version - 1)
             if not self._ensure_group():
                 return report
-            members = [s for s in self.serves.values() if s.member]
+            members = self.membership.members()
             served = {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
             cast = {name: state[name].to(DTYPES[dtype]).contiguous() for name, (dtype, _) in served.items()}
             manifest = plan_manifest(cast, version, self.bucket_bytes)
@@ -279,13 +224,7 @@ class WeightPublisher:
             try:
                 stats = send_update(self.group, manifest, cast)
             except WeightsGroupError as exc:
-                dead = self._quiet_serves()
-                log.error("publishing v%d failed (%s); dropping serves that went quiet: %s", version, exc,
-                          [s.server_id for s in dead])  # fmt: skip
-                report.failed += [s.server_id for s in dead]
-                for serve in dead:
-                    self.serves.pop(serve.identity, None)
-                self._break_group("a broadcast failed")
+                report.failed += self._drop_quiet_serves(version, exc)
                 continue
             report.serves, report.bytes, report.seconds = len(members), stats.bytes, stats.seconds
             return report
@@ -293,10 +232,10 @@ class WeightPublisher:
 
     def catch_up(self, consumed: dict[str, int] | None = None) -> PublishReport | None:
         """If a serve joined after the latest publish, send it (and everyone) the latest weights now."""
-        if self.latest is None or all(s.member for s in self.serves.values()):
+        version = self.membership.catch_up(self.latest[0] if self.latest is not None else None)
+        if version is None:
             return None
-        version, state = self.latest
-        return self.publish(state, version, consumed)
+        return self.publish(self.latest[1], version, consumed)
 
     def close(self) -> None:
         """Wait (up to `timeout_s`) until every member serve has answered the last published update, then break the
@@ -304,10 +243,6 @@ class WeightPublisher:
         if self.group is not None and self.latest is not None:
             self._wait_for_commits(self.latest[0])
         self._break_group("learner shutting down")
-
-
-def _answered(update: UpdateDone | None, version: int) -> bool:
-    return update is not None and (update.version >= version or not update.ok)
 
 
 def _form(address: GroupAddress, store, result: dict) -> None:

@@ -11,7 +11,7 @@ The learner's gradient is only the one its rollouts call for if both sides mean 
 - `dtype`: the compute precision (the serve's engine dtype; the learner's autocast dtype, or its parameter dtype
   without autocast), always resolved (`auto` never travels: inflight/machine.py:resolve_precision runs first).
 
-The learner (inflight/learn/publisher.py:WeightPublisher._hello) refuses a serve whose contract differs, before any
+The learner (inflight/learn/membership.py:Membership.receive) refuses a serve whose contract differs, before any
 weights move, naming the first differing field, both values and the flag that fixes it (`RunContract.mismatch`).
 
 Not in it: the model (checked tensor by tensor against `Hello.tensors`), and knobs that only pace or bound generation

@@ -37,13 +37,15 @@ COMMITTED = sorted(p.parent for p in (ROOT / "benchmarks" / "results" / "ablate"
 
 
 def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_writes(model_dirs, tmp_path):
-    """The learner's own `_train`, `_publish` and `_log` (collaborators stubbed, a real train_step on tiny-llama): a
-    metric train_step or the publish report gains, loses or renames without StepMetrics fails here."""
+    """The learner's own `_train`, `_publish` and `_log` and its service's `publish` and `write_step` (sockets
+    stubbed, a real train_step on tiny-llama): a metric train_step or the publish report gains, loses or renames
+    without StepMetrics fails here."""
     import time
 
     from inflight.learn.app import Learner
     from inflight.learn.publisher import PublishReport
     from inflight.learn.samples import build_samples
+    from inflight.learn.service import LearnerService
     from inflight.wire.rollouts import Sampling, Times, make_rollout
     from learner.model import load_policy
     from learner.step import TrainConfig, make_optimizer
@@ -54,13 +56,17 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
                              model="tiny-llama", reward=float(i), finish_reason="length", sampling=Sampling(1.0),
                              times=Times(0.0, 0.0, 0.0)) for i in range(2)]  # fmt: skip
     samples, gate = build_samples([rollouts], 0, max_lag=1)
+
+    class Socketless(LearnerService):  # the real publish and write_step over stubbed buffer, receiver and publisher
+        def __init__(self, metrics_file):
+            self.metrics_file = metrics_file
+            self.buffer = SimpleNamespace(rejected=collections.Counter(duplicate=2), consumed_by_server={})
+            self.receiver = SimpleNamespace(rejected={"size": 1})
+            self.publisher = SimpleNamespace(publish=lambda s, v, c: PublishReport(v, serves=1, bytes=64, seconds=0.5))
+
     with (tmp_path / "metrics.jsonl").open("a") as metrics_file:
-        learner = SimpleNamespace(
-            rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(), metrics_file=metrics_file,
-            buffer=SimpleNamespace(rejected=collections.Counter(duplicate=2), consumed_by_server={}),
-            receiver=SimpleNamespace(rejected={"size": 1}),
-            publisher=SimpleNamespace(publish=lambda state, v, c: PublishReport(v, serves=1, bytes=64, seconds=0.5)),
-        )  # fmt: skip
+        learner = SimpleNamespace(rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(),
+                                  service=Socketless(metrics_file))  # fmt: skip
         learner.optimizer = make_optimizer(model, learner.train_cfg)
         metrics = Learner._train(learner, samples)
         Learner._log(learner, gate, metrics, Learner._publish(learner), 0.5, 2.0, [3, 3])

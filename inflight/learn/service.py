@@ -1,0 +1,172 @@
+"""LearnerService: learner rank 0's network side — sockets, rollout buffer, journal, weight publisher, metrics file.
+
+The training loop (inflight/learn/app.py:Learner.run) sees five calls: `next_groups` (block until a step's groups are
+here), `publish` (send a version to every serve), `write_step` (one metrics line), `consumed_state` and
+`rotate_journal` (for a checkpoint); `close` at the end. Everything else happens inside, on the learner's main thread
+while it waits: rollouts are received, validated by the buffer, journaled with fsync and only then acknowledged;
+control messages are served (inflight/learn/publisher.py:WeightPublisher and its membership state machine); late
+joiners are caught up; `Progress` goes out (docs/ARCHITECTURE.md "Learner control plane").
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from inflight.learn.buffer import RolloutBuffer
+from inflight.learn.config import LearnConfig
+from inflight.learn.journal import RolloutJournal
+from inflight.learn.publisher import PublishReport, WeightPublisher
+from inflight.learn.samples import GateStats, Sample, build_samples
+from inflight.wire.endpoints import ControlServer, RolloutReceiver
+from inflight.wire.memory import trim_after_update
+from inflight.wire.records import StepMetrics, encode_line, to_record
+from inflight.wire.rollouts import RolloutError, decode_rollout
+
+log = logging.getLogger("inflight.learn")
+PROGRESS_EVERY_S = 1.0  # Progress while waiting, even with nothing to acknowledge: a joining serve waits for it
+
+
+class LearnerService:
+    """Binds the rollout and control sockets and the weights store on `cfg.host` (ready when this returns, which it
+    prints as `inflight.learn ready: ...`), and opens the journal: replayed on `--resume`, else emptied. `state` is
+    the learner's full weights (what serves must serve, and what a serve joining a resumed learner at `version` > 0
+    gets); `consumed`/`by_server` come from the checkpoint. Rank 0 only; not thread-safe."""
+
+    def __init__(self, cfg: LearnConfig, state: dict[str, torch.Tensor], version: int,
+                 consumed: Iterable[str] | dict, by_server: dict[str, int]):  # fmt: skip
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        keys = None
+        if cfg.secret_file:
+            from inflight.wire.secure import derive_keys, read_secret
+
+            keys = derive_keys(read_secret(cfg.secret_file))
+        self.receiver = RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)
+        self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
+        self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
+                                         cfg.bucket_mb << 20)  # fmt: skip
+        self.publisher.set_model(state, cfg.contract())  # serves that differ are refused at Hello
+        if version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
+            self.publisher.latest = (version, state)
+        self.buffer = RolloutBuffer(cfg.model, consumed, cfg.temperature)
+        self.buffer.consumed_by_server.update(by_server)
+        self.stepped = False  # whether next_groups returned groups yet (--wait-for-serves holds only the first step)
+        self._open_journal()
+        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        log.info("learner listening: rollouts %s, control %s, weights store port %d", self.receiver.address,
+                 self.control.address, self.publisher.store_port)  # fmt: skip
+        print(f"inflight.learn ready: rollouts {self.receiver.address} control {self.control.address} weights "
+              f"{cfg.host}:{self.publisher.store_port}", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _open_journal(self) -> None:
+        """The write-ahead log of accepted rollouts (inflight/learn/journal.py): replayed on --resume, else emptied."""
+        directory = self.run_dir / "journal"
+        if not self.cfg.resume and directory.exists():
+            shutil.rmtree(directory)
+        self.journal = RolloutJournal(directory)
+        self.raw: dict[str, bytes] = {}  # rollout id -> record, for records of groups not trained yet
+        self.acks: dict[str, set[str]] = collections.defaultdict(set)  # server id -> group ids to acknowledge
+        replayed = 0
+        for record in self.journal.replay():
+            try:
+                rollout = decode_rollout(record)
+            except RolloutError as exc:  # our own fsynced file: only a bug or a disk fault gets here
+                log.error("journal: skipping an unreadable record: %s", exc)
+                continue
+            if self.buffer.add(rollout, replay=True):
+                self.raw[rollout.rollout_id] = record
+                replayed += 1
+        if replayed:
+            log.info("journal: replayed %d rollouts of untrained groups (%d groups complete)", replayed,
+                     len(self.buffer.ready))  # fmt: skip
+
+    # -- rollouts in ----------------------------------------------------------------------------------------------
+    def next_groups(self, version: int, stop: Callable[[], bool]) -> tuple[list[Sample], GateStats] | None:
+        """Block until `groups_per_step` complete groups are here; mark them consumed, acknowledge and return them as
+        samples gated at the learner's `version` (inflight/learn/samples.py:build_samples). None once `stop()` is
+        true. Until the first groups are returned, also wait for `--wait-for-serves` serves to have said Hello."""
+        last_progress = 0.0
+        while not stop():
+            self._receive()
+            self.publisher.pump(0)
+            self.publisher.catch_up(dict(self.buffer.consumed_by_server))
+            waiting = not self.stepped and len(self.publisher.serves) < self.cfg.wait_for_serves
+            groups = None if waiting else self.buffer.take(self.cfg.groups_per_step)
+            if groups is not None:
+                self.stepped = True
+                for group in groups:
+                    for rollout in group:
+                        self.raw.pop(rollout.rollout_id, None)
+                self._send_progress(version)
+                return build_samples(groups, version, self.cfg.max_lag, self.cfg.advantage)
+            if any(self.acks.values()) or time.monotonic() - last_progress > PROGRESS_EVERY_S:
+                self._send_progress(version)
+                last_progress = time.monotonic()
+        return None
+
+    def _receive(self) -> None:
+        """Take what arrived, journal the accepted records (fsync), then queue acknowledgements of held groups."""
+        received = self.receiver.receive_raw(timeout_s=0.05)
+        fresh = []
+        for rollout, record in received:
+            if self.buffer.add(rollout):
+                self.raw[rollout.rollout_id] = record
+                fresh.append(record)
+        self.journal.append(fresh)
+        for rollout, _ in received:  # a re-sent group the learner already holds is acknowledged again
+            if self.buffer.holds(rollout.group_id):
+                self.acks[rollout.server_id].add(rollout.group_id)
+
+    def _send_progress(self, version: int) -> None:
+        """Progress to every serve, with the acknowledgements queued since the last one (all journaled by now)."""
+        self.publisher.send_progress(dict(self.buffer.consumed_by_server), version, self.acks)
+
+    # -- weights out, records, checkpoints ------------------------------------------------------------------------
+    def publish(self, state: dict[str, torch.Tensor], version: int, started: float) -> dict:
+        """Send `state` as `version` to every serve (inflight/learn/publisher.py:WeightPublisher.publish); the
+        StepMetrics `publish_*` fields, `publish_s` counted from `started` (a `time.perf_counter()` reading taken
+        before the weights were gathered)."""
+        report = self.publisher.publish(state, version, dict(self.buffer.consumed_by_server))
+        seconds = time.perf_counter() - started
+        trim_after_update()  # freed snapshots and buckets back to the OS (INFLIGHT_TRIM_EVERY_S)
+        return publish_fields(report, seconds)
+
+    def write_step(self, values: dict) -> StepMetrics:
+        """Append one StepMetrics line (inflight/wire/records.py) to `<run_dir>/metrics.jsonl`: `values` plus the
+        rollouts refused so far (`rejected`). A value StepMetrics does not know raises RecordError naming it."""
+        rejected = dict(self.buffer.rejected) | {"wire:" + k: v for k, v in self.receiver.rejected.items()}
+        record = to_record({**values, "rejected": rejected}, StepMetrics)
+        self.metrics_file.write(encode_line(record))
+        self.metrics_file.flush()
+        return record
+
+    def consumed_state(self) -> dict:
+        """What a checkpoint must hold so a resumed learner trains no group twice: `consumed` (inflight/learn/
+        consumed.py, JSON) and `consumed_by_server` (server id -> groups trained, for the serves' admission gates)."""
+        return {"consumed": self.buffer.consumed.to_json(), "consumed_by_server": dict(self.buffer.consumed_by_server)}
+
+    def rotate_journal(self) -> None:
+        """After a checkpoint (which holds the trained groups): the journal keeps only the untrained groups' records."""
+        self.journal.rotate(self.raw.values())
+
+    def close(self) -> None:
+        """Let the serves commit the last update, close the weights group and the sockets, then the files."""
+        self.publisher.close()
+        self.receiver.close()
+        self.control.close()
+        self.metrics_file.close()
+        self.journal.close()
+
+
+def publish_fields(report: PublishReport, seconds: float) -> dict:
+    """A publish report as StepMetrics fields: `seconds` the whole publish, the rate over the broadcast alone."""
+    return {"publish_s": seconds, "publish_bytes": report.bytes, "publish_serves": report.serves,
+            "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
+            "publish_failed": report.failed}  # fmt: skip
