@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from inflight.models import MODEL_NAMES, PrepareError
-from inflight.tasks.arithmetic import ArithmeticTask, Problem, reward
+from inflight.tasks.arithmetic import ArithmeticTask, reward
+from inflight.tasks.base import Problem
 
 if TYPE_CHECKING:
     from vllm_patches.engine import Completion, InflightEngine

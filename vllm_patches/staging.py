@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
 
 import torch
@@ -58,7 +59,8 @@ class StagedUpdate:
 
     def _count(self, index: int, nbytes: int) -> None:
         self.bytes_received += nbytes
-        _maybe_stall(index, self.manifest.version)
+        if RECEIVE_STALL_HOOK is not None:
+            RECEIVE_STALL_HOOK(index, self.manifest.version)
 
     def _run(self) -> None:
         try:
@@ -112,15 +114,28 @@ class StagedUpdate:
         )
 
 
-def _maybe_stall(index: int, version: int) -> None:
-    """Fault injection for tests, off unless INFLIGHT_FAULT_RECEIVE_STALL="<bucket>:<seconds>[:<version>]" is set:
-    after receiving that bucket of any update (or only of that version), hold the transfer for that long, so a test
-    can kill this serve or cut its link mid-transfer on cue."""
+def _stall_hook_from_env() -> Callable[[int, int], None] | None:
+    """Fault injection for tests, read ONCE when the worker imports this module (never per bucket), and absent unless
+    INFLIGHT_FAULT_RECEIVE_STALL="<bucket>:<seconds>[:<version>]" is set: after receiving that bucket of any update (or
+    only of that version), hold the transfer for that long, so a test can kill this serve or cut its link on cue."""
     spec = os.environ.get("INFLIGHT_FAULT_RECEIVE_STALL", "")
     if not spec:
-        return
-    bucket, seconds, *only = spec.split(":")
-    if index == int(bucket) and (not only or int(only[0]) == version):
-        print(f"inflight fault injection: stalling the receive of v{version} after bucket {index} for {seconds}s",
-              file=sys.stderr, flush=True)  # fmt: skip
-        time.sleep(float(seconds))
+        return None
+    try:
+        bucket, seconds, *only = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(
+            f"INFLIGHT_FAULT_RECEIVE_STALL is {spec!r}, expected '<bucket>:<seconds>[:<version>]' (e.g. '0:60')"
+        ) from None
+
+    def stall(index: int, version: int) -> None:
+        if index == int(bucket) and (not only or int(only[0]) == version):
+            print(f"inflight fault injection: stalling the receive of v{version} after bucket {index} for {seconds}s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            time.sleep(seconds)
+
+    return stall
+
+
+# None in production: the receive loop pays one `is not None` per bucket, and parses nothing.
+RECEIVE_STALL_HOOK = _stall_hook_from_env()

@@ -13,9 +13,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from inflight.learn.samples import Sample
+from inflight.learn.samples import GatedSample
 
-_decoder = msgspec.msgpack.Decoder(list[Sample])
+_decoder = msgspec.msgpack.Decoder(list[GatedSample])
 
 
 def init_world(backend: str = "gloo") -> tuple[int, int]:
@@ -39,7 +39,7 @@ def close_world(clean: bool) -> None:
     dist.destroy_process_group()
 
 
-def broadcast_samples(samples: list[Sample] | None, rank: int, world: int) -> list[Sample]:
+def broadcast_samples(samples: list[GatedSample] | None, rank: int, world: int) -> list[GatedSample]:
     """Rank 0's `samples` on every rank ([] = stop). A no-op in a world of one."""
     if world == 1:
         return samples or []

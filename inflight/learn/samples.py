@@ -19,7 +19,11 @@ from inflight.wire.rollouts import Rollout
 
 
 @dataclass
-class Sample:
+class GatedSample:
+    """One rollout as the learner trains it: its tokens, advantage, the staleness gate's mask and each token's lag.
+
+    Not `learner.step.Sample` (what `train_step` takes): this one also carries the lags, broadcast to every rank."""
+
     prompt_ids: list[int]
     completion_ids: list[int]
     behaviour_logprobs: list[float]
@@ -48,7 +52,7 @@ class GateStats:
 
 
 def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean"
-                  ) -> tuple[list[Sample], GateStats]:  # fmt: skip
+                  ) -> tuple[list[GatedSample], GateStats]:  # fmt: skip
     from learner.advantages import group_advantages
 
     stats = GateStats()
@@ -66,6 +70,6 @@ def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advan
             stats.gated += keep.count(False)
             stats.lag_histogram.update(lags)
             stats.rewards.append(rollout.reward)
-            samples.append(Sample(rollout.prompt.tolist(), rollout.completion.tolist(), rollout.logprobs.tolist(),
+            samples.append(GatedSample(rollout.prompt.tolist(), rollout.completion.tolist(), rollout.logprobs.tolist(),
                                   float(adv), keep, lags))  # fmt: skip
     return samples, stats

@@ -24,7 +24,7 @@ from inflight.learn.buffer import RolloutBuffer
 from inflight.learn.config import LearnConfig
 from inflight.learn.journal import RolloutJournal
 from inflight.learn.publisher import PublishReport, WeightPublisher
-from inflight.learn.samples import GateStats, Sample, build_samples
+from inflight.learn.samples import GatedSample, GateStats, build_samples
 from inflight.wire.endpoints import ControlServer, RolloutReceiver
 from inflight.wire.memory import trim_after_update
 from inflight.wire.records import StepMetrics, encode_line, to_record
@@ -88,7 +88,7 @@ class LearnerService:
                      len(self.buffer.ready))  # fmt: skip
 
     # -- rollouts in ----------------------------------------------------------------------------------------------
-    def next_groups(self, version: int, stop: Callable[[], bool]) -> tuple[list[Sample], GateStats] | None:
+    def next_groups(self, version: int, stop: Callable[[], bool]) -> tuple[list[GatedSample], GateStats] | None:
         """Block until `groups_per_step` complete groups are here; mark them consumed, acknowledge and return them as
         samples gated at the learner's `version` (inflight/learn/samples.py:build_samples). None once `stop()` is
         true. Until the first groups are returned, also wait for `--wait-for-serves` serves to have said Hello."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from inflight.serve.config import ServeConfig
 from inflight.serve.stream import RolloutStream
-from inflight.tasks.arithmetic import Problem
+from inflight.tasks.base import Problem
 from inflight.tasks.loading import AsyncReward
 from inflight.wire.rollouts import Sampling, Times, encode_rollout, make_rollout
 

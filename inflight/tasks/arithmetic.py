@@ -19,24 +19,13 @@ import operator
 import random
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from decimal import Decimal
 from itertools import islice
 
+from inflight.tasks.base import Problem
+
 OPERATORS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 NUMBER = re.compile(r"(?<![0-9])-?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One question with its integer answer; `id` is stable for a given task seed and position."""
-
-    id: str
-    question: str
-    answer: int | str
-
-
-RewardFn = Callable[[str, Problem], float]
 
 
 class ArithmeticTask:

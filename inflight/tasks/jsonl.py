@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from inflight.tasks.arithmetic import Problem, reward
+from inflight.tasks.arithmetic import reward
+from inflight.tasks.base import Problem
 
 
 class TaskFileError(ValueError):

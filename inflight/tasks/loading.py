@@ -12,7 +12,8 @@ import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Iterable
 
-from inflight.tasks.arithmetic import ArithmeticTask, Problem
+from inflight.tasks.arithmetic import ArithmeticTask
+from inflight.tasks.base import Problem
 
 AsyncReward = Callable[[str, Problem], Awaitable[float]]
 

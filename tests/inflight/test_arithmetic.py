@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.tasks.arithmetic import ArithmeticTask, Problem, last_number, reward, reward_fn
+from inflight.tasks.arithmetic import ArithmeticTask, last_number, reward, reward_fn
+from inflight.tasks.base import Problem
 
 
 def test_same_seed_yields_the_same_problems():
