@@ -39,19 +39,11 @@ class RefusedError(RuntimeError):
 class ControlClient:
     def __init__(self, address: str, driver: RolloutDriver, tensors: list[TensorSpec], heartbeat_s: float = 1.0,
                  keys=None, contract: RunContract | None = None):  # fmt: skip
-        import zmq
-        import zmq.asyncio
+        from inflight.wire.endpoints import connect_control_dealer
 
         self.driver, self.engine, self.cfg = driver, driver.engine, driver.cfg
         self.tensors, self.heartbeat_s, self.contract = tensors, heartbeat_s, contract
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        if keys is not None:  # inflight.wire.secure.CurveKeys from --secret-file
-            from inflight.wire.secure import secure_client
-
-            secure_client(self._sock, keys)
-        self._sock.connect(address)
+        self._ctx, self._sock = connect_control_dealer(address, keys)
         self.rejected = 0
         self._update_task: asyncio.Task | None = None
         self._pending: UpdateWeights | None = None  # arrived while an update was running; starts when that one ends

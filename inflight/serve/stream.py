@@ -20,19 +20,10 @@ import collections
 
 class RolloutStream:
     def __init__(self, address: str, hwm: int = 4, keys=None):
-        import zmq
-        import zmq.asyncio
+        from inflight.wire.endpoints import connect_rollout_push
 
         self.address = address
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, hwm)
-        self._sock.setsockopt(zmq.LINGER, 10_000)
-        if keys is not None:  # inflight.wire.secure.CurveKeys from --secret-file
-            from inflight.wire.secure import secure_client
-
-            secure_client(self._sock, keys)
-        self._sock.connect(address)
+        self._ctx, self._sock = connect_rollout_push(address, hwm, keys)
         self.outbox: collections.deque[tuple[bytes, str]] = collections.deque()  # (record, group id)
         self.retained: dict[str, list[bytes]] = {}  # group id -> sent records not yet acknowledged
         self.retained_records = 0

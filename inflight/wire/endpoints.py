@@ -1,11 +1,14 @@
-"""The learner's two sockets (synchronous ZeroMQ; the training loop is not asyncio).
+"""Both ends of the two ZeroMQ protocols: the learner's sockets (synchronous; the training loop is not asyncio) and
+the serve's (asyncio; `connect_rollout_push`, `connect_control_dealer`).
 
 - `RolloutReceiver`: binds PULL; every serve's PUSH connects. `receive()` returns decoded, validated `Rollout`s; a bad
   message is counted in `rejected` (by reason) and logged, never raised into the training loop.
 - `ControlServer`: binds ROUTER; every serve's DEALER connects. Messages are addressed by the serve's ZeroMQ identity,
   learned from its `Hello`.
 
-Both bind 127.0.0.1 unless told otherwise; port 0 picks a free port (read it back from `.address`).
+Both bind 127.0.0.1 unless told otherwise; port 0 picks a free port (read it back from `.address`). The serve's ends
+connect out (nothing needs to reach a serve); with `keys` (inflight.wire.secure.CurveKeys from --secret-file) every
+socket on both sides speaks CURVE.
 """
 
 from __future__ import annotations
@@ -118,3 +121,37 @@ class ControlServer:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+def _connect_async(address: str, kind: int, keys, options: dict[int, int]):
+    """(asyncio context, socket of `kind` connected to `address`) with `options` set before connecting."""
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(kind)
+    for option, value in options.items():
+        sock.setsockopt(option, value)
+    if keys is not None:
+        from inflight.wire.secure import secure_client
+
+        secure_client(sock, keys)
+    sock.connect(address)
+    return ctx, sock
+
+
+def connect_rollout_push(address: str, hwm: int = 4, keys=None):
+    """The serve's end of the rollout channel: (context, asyncio PUSH) to the learner's `RolloutReceiver`.
+
+    A small send high-water mark keeps records in the serve's own outbox (counted, retained until acknowledged)
+    rather than in ZeroMQ's queue; a 10-s linger lets a stopping serve deliver what it already handed over."""
+    import zmq
+
+    return _connect_async(address, zmq.PUSH, keys, {zmq.SNDHWM: hwm, zmq.LINGER: 10_000})
+
+
+def connect_control_dealer(address: str, keys=None):
+    """The serve's end of the control channel: (context, asyncio DEALER) to the learner's `ControlServer` ROUTER,
+    which addresses replies by this socket's identity (learned from the serve's `Hello`)."""
+    import zmq
+
+    return _connect_async(address, zmq.DEALER, keys, {zmq.LINGER: 1000})
