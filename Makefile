@@ -23,15 +23,18 @@ $(STAMP): pyproject.toml
 models: setup
 	$(PY) -m inflight.models prepare $(MODELS)
 
-# The numerically sensitive tests run twice: once as the machine is, once with oneDNN limited to AVX2 (the kernels a
-# CPU without AMX or avx512_bf16 takes), so an AMX machine also proves the tolerances hold on the other kind.
+# The numerically sensitive tests run twice: once as the machine is, once limited to the kernels a CPU without AMX or
+# avx512_bf16 takes (oneDNN and MKL capped at AVX2, ATen's own kernels at AVX2), so an AMX machine also proves that
+# the tolerances (tests/tolerances.py, derived from the arithmetic) hold on the other kind.
+AVX2_ONLY := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 NUMERIC_TESTS := tests/learner/test_step.py tests/learner/test_logprobs.py tests/learner/test_fused_loss.py \
-	tests/learner/test_model.py tests/learner/test_losses.py tests/inflight/test_logprob_parity.py
+	tests/learner/test_model.py tests/learner/test_losses.py tests/learner/test_advantages.py \
+	tests/inflight/test_logprob_parity.py
 
 test: models
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-	@echo "== numerically sensitive tests with ONEDNN_MAX_CPU_ISA=AVX2 =="
-	ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS)
+	@echo "== numerically sensitive tests on AVX2 kernels only: $(AVX2_ONLY) =="
+	$(AVX2_ONLY) $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS)
 	@echo "== the whole suite =="
 	$(PY) -m pytest -q tests benchmarks/micro -m "not engine_bench" --durations=15
 
