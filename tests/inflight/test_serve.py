@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from serve_support import ServeProcess
 
-from inflight.wire.control import Hello, Progress, Status
+from inflight.wire.control import CONTROL_SCHEMA, Hello, Progress, Status
 from inflight.wire.endpoints import ControlServer, RolloutReceiver
 
 pytestmark = pytest.mark.engine
@@ -129,15 +129,15 @@ def test_malformed_and_unknown_schema_control_messages_are_logged_and_serve_keep
     before = serve.count("rejected control message")
     bad = [
         b"\x00not msgpack at all",
-        msgspec.msgpack.encode({"type": "self_destruct", "schema": 1}),
+        msgspec.msgpack.encode({"type": "self_destruct", "schema": CONTROL_SCHEMA}),
         msgspec.msgpack.encode({"type": "progress", "schema": 99, "version": 1, "groups_consumed": 5}),
-        msgspec.msgpack.encode({"type": "progress", "schema": 1, "groups_consumed": "many"}),
+        msgspec.msgpack.encode({"type": "progress", "schema": CONTROL_SCHEMA, "groups_consumed": "many"}),
         pickle.dumps({"type": "progress"}),
     ]
     for data in bad:
         side.ctl.send_raw(side.identity, data)
     serve.wait_for("rejected control message", timeout_s=30, count=before + len(bad))
-    assert "schema is 99, expected 1" in serve.tail(200)
+    assert f"schema is 99, expected {CONTROL_SCHEMA}" in serve.tail(200)
     got, statuses = len(side.rollouts), len(side.statuses())
     side.pump_until(lambda: len(side.rollouts) > got + GROUP and len(side.statuses()) > statuses + 1)
     assert serve.proc.poll() is None
