@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inflight-installed
-MODELS := smollm2 tiny-llama tiny-qwen2
+MODELS := smollm2 tiny-llama tiny-qwen2 tiny-moe
 
 .PHONY: setup models test test-fast demo demo-generate bench bench-micro ablate lint clean
 

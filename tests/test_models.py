@@ -128,9 +128,20 @@ def test_tiny_qwen2_has_an_untied_head_and_nonzero_qkv_biases(prepared):
         assert (bias != 0).float().mean() > 0.9 and bias.std() > 0.05, name
 
 
+def test_tiny_moe_routes_top2_of_4_experts_stored_per_expert(prepared):
+    config = json.loads((prepared / "tiny-moe" / "config.json").read_text())
+    state = load_file(prepared / "tiny-moe" / "model.safetensors")
+    assert config["model_type"] == "qwen3_moe" and config["num_experts_per_tok"] == 2
+    assert state["model.layers.0.mlp.gate.weight"].shape == (4, 128)
+    experts = {name.split(".")[5] for name in state if ".mlp.experts." in name}
+    assert experts == {"0", "1", "2", "3"}
+    # the CPU grouped gemm pads an intermediate size that is not a multiple of 32; keep the comparison free of padding
+    assert config["moe_intermediate_size"] % 32 == 0 and config["hidden_size"] % 32 == 0
+
+
 def test_tiny_models_share_the_smollm2_tokenizer(prepared):
     reference = (prepared / "smollm2" / "tokenizer.json").read_bytes()
-    for name in ("tiny-llama", "tiny-qwen2"):
+    for name in ("tiny-llama", "tiny-qwen2", "tiny-moe"):
         assert (prepared / name / "tokenizer.json").read_bytes() == reference, name
 
 

@@ -10,7 +10,10 @@ Worker and they are reached with `collective_rpc`. Flow for one update:
    the staged tensors into the live parameters. All-or-nothing: a failure restores the previous weights and re-raises.
 
 On CPU, linear weights are repacked after loading, so plain `model.load_weights` cannot update them; the commit goes
-through vLLM's layerwise `reload_weights` and then re-processes a tied `lm_head`, which that path skips.
+through vLLM's layerwise `reload_weights` and then re-processes a tied `lm_head`, which that path skips. Fused MoE
+experts need one more step (`_experts_set_up_afresh`): vLLM's reload treats a set-up kernel as "a weight update" and
+skips the experts' own post-load processing — on CPU the prepack into the grouped-gemm layout — so the live storage
+received unpacked weights and the engine matched neither checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -147,7 +151,8 @@ class InflightWorkerExtension:
             expected = ["RotaryEmbedding", "ParallelLMHead"] if tied else ["RotaryEmbedding"]
             self._inflight_log_filter = _ExpectedReloadWarnings(expected)
             logging.getLogger(_LAYERWISE_LOGGER).addFilter(self._inflight_log_filter)
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        with _experts_set_up_afresh(model):
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
             # reload_weights skips a tied lm_head; on CPU it keeps its own prepacked copy of the old matrix.
             lm_head.quant_method.process_weights_after_loading(lm_head)
@@ -163,3 +168,29 @@ class InflightWorkerExtension:
             with safe_open(path, "pt") as f:
                 for name in f.keys():  # noqa: SIM118
                     yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _experts_set_up_afresh(model: torch.nn.Module) -> Iterator[int]:
+    """Make a reload process every unquantized fused-MoE layer exactly as the first load did; yields how many.
+
+    `UnquantizedFusedMoEMethod._setup_kernel` reads "kernel already built" as "a weight update" and then skips
+    `fused_experts.process_weights_after_loading` (the CPU prepack into the grouped-gemm layout, zentorch's setup, the
+    intermediate-size padding). Clearing `moe_kernel` for the reload sends each layer down the first-load path — pad,
+    prepack, build the kernel — into the layer's materialised tensors, which reload then copies into the live storage
+    (shapes and data_ptr unchanged), so a swapped engine equals a fresh one. A layer the reload did not reach gets its
+    old kernel back, so a failed reload never leaves a layer without one (the rollback reload rebuilds it too).
+    """
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    methods = [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None),
+                                                                     UnquantizedFusedMoEMethod)]  # fmt: skip
+    kernels = [method.moe_kernel for method in methods]
+    for method in methods:
+        method.moe_kernel = None
+    try:
+        yield len(methods)
+    finally:
+        for method, kernel in zip(methods, kernels, strict=True):
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
