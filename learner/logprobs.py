@@ -7,6 +7,9 @@ logits tensor never exists whole — neither in forward nor in backward: `_Chunk
 per-token log-normaliser and recomputes each chunk's logits in backward. Peak extra memory is about
 chunk_tokens × vocab fp32 values.
 
+With a `Truncation` (top-k / top-p / min-p sampling, learner/truncation.py) the log-softmax runs over the tokens the
+sampler kept, chunk by chunk in forward and again in backward (the mask is recomputed from the same logits).
+
 `naive_token_logprobs` materialises all logits; it is the reference for tests and the baseline for benchmarks.
 """
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from learner.truncation import Truncation
+
 
 def naive_token_logprobs(
     hidden: torch.Tensor,
@@ -22,9 +27,13 @@ def naive_token_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     lm_head_bias: torch.Tensor | None = None,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
-    """log_softmax((hidden @ Wᵀ + b) / temperature)[t, targets[t]], via the full [T, V] logits."""
+    """log_softmax((hidden @ Wᵀ + b) / temperature)[t, targets[t]], via the full [T, V] logits (over the kept tokens
+    with a `truncation`)."""
     logits = _logits(hidden, lm_head_weight, lm_head_bias, temperature)
+    if truncation is not None:
+        truncation.mask_(logits, targets)
     return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
 
 
@@ -35,8 +44,10 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
-    """Log-probability of `targets[t]` under softmax((hidden[t] @ Wᵀ + b) / temperature), for every t.
+    """Log-probability of `targets[t]` under softmax((hidden[t] @ Wᵀ + b) / temperature), for every t; with an active
+    `truncation`, under that softmax renormalised over the tokens the sampler's rule keeps (the target always kept).
 
     hidden: [T, H]; lm_head_weight: [V, H] (same dtype as hidden); targets: [T] int64; lm_head_bias: [V] or None.
     Returns [T] in float32 (float64 when the inputs are float64). Differentiable w.r.t. hidden, weight and bias.
@@ -44,14 +55,17 @@ def token_logprobs(
     The weight must be a plain full tensor (with FSDP, call this where the LM head is unsharded).
     """
     _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_tokens, lm_head_bias)
-    return _ChunkedTokenLogprobs.apply(hidden, lm_head_weight, lm_head_bias, targets, float(temperature), chunk_tokens)
+    rule = truncation if truncation is not None and truncation.active else None
+    return _ChunkedTokenLogprobs.apply(hidden, lm_head_weight, lm_head_bias, targets, float(temperature), chunk_tokens,
+                                       rule)  # fmt: skip
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """Forward saves only logsumexp per token; backward recomputes each chunk's logits.
 
     d logp_t / d logits_t = (onehot(target_t) − softmax_t) / temperature, so the chunk's logit gradient is
-    g_t · (onehot − p_t) / temperature, from which the hidden, weight and bias gradients follow by matmuls.
+    g_t · (onehot − p_t) / temperature, from which the hidden, weight and bias gradients follow by matmuls. With a
+    truncation, p_t is the renormalised kept distribution (0 on dropped tokens: exp(−inf − log_norm)).
     """
 
     @staticmethod
@@ -63,16 +77,17 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         targets: torch.Tensor,
         temperature: float,
         chunk_tokens: int,
+        truncation: Truncation | None,
     ) -> torch.Tensor:
         out = hidden.new_empty(hidden.shape[0], dtype=_accum_dtype(hidden))
         log_norm = torch.empty_like(out)
         for start in range(0, hidden.shape[0], chunk_tokens):
             stop = start + chunk_tokens
-            logits = _logits(hidden[start:stop], weight, bias, temperature)
+            logits = _logits(hidden[start:stop], weight, bias, temperature, truncation, targets[start:stop])
             log_norm[start:stop] = torch.logsumexp(logits, dim=-1)
             out[start:stop] = logits.gather(1, targets[start:stop, None]).squeeze(1) - log_norm[start:stop]
         ctx.save_for_backward(hidden, weight, bias, targets, log_norm)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.temperature, ctx.chunk_tokens, ctx.truncation = temperature, chunk_tokens, truncation
         return out
 
     @staticmethod
@@ -88,7 +103,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             stop = start + ctx.chunk_tokens
             hidden_chunk, g = hidden[start:stop], grad_out[start:stop].to(acc)[:, None]
             # logits → softmax → g·(onehot − p)/temperature, in place in the one chunk-sized buffer
-            grad_logits = _logits(hidden_chunk, weight, bias, ctx.temperature)
+            grad_logits = _logits(hidden_chunk, weight, bias, ctx.temperature, ctx.truncation, targets[start:stop])
             grad_logits.sub_(log_norm[start:stop, None]).exp_().mul_(-g)
             grad_logits.scatter_add_(1, targets[start:stop, None], g).div_(ctx.temperature)
             if need_hidden:
@@ -99,18 +114,28 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_bias += grad_logits.sum(dim=0)
         grad_weight = grad_weight.to(weight.dtype) if need_weight else None
         grad_bias = grad_bias.to(bias.dtype) if need_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _accum_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, torch.float32)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+def _logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    truncation: Truncation | None = None,
+    targets: torch.Tensor | None = None,
+) -> torch.Tensor:
     logits = hidden @ weight.t()
     if bias is not None:
         logits = logits + bias
-    return logits.to(_accum_dtype(hidden)) / temperature
+    logits = logits.to(_accum_dtype(hidden)) / temperature
+    if truncation is not None:
+        truncation.mask_(logits, targets)
+    return logits
 
 
 def _check_logprob_inputs(

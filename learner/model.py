@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from learner.fused_loss import FusedLossInputs, fused_policy_loss
 from learner.logprobs import token_logprobs
+from learner.truncation import Truncation
 
 _WRAPPER_PREFIX = "hf."  # PolicyModel keeps the HF model under `self.hf`; HF names are the names below it
 
@@ -49,6 +50,7 @@ class PolicyModel(torch.nn.Module):
         positions: torch.Tensor | None = None,
         autocast: torch.dtype | None = None,
         fused: FusedLossInputs | None = None,
+        truncation: Truncation | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """[B, L] float32: log softmax(logits[b, t] / temperature)[targets[b, t]], logits from input_ids[b, :t+1].
 
@@ -59,7 +61,12 @@ class PolicyModel(torch.nn.Module):
         head and the log-softmax stay in the parameters' dtype — the logprobs feed importance ratios.
         `fused` ([B, L] loss inputs): the policy loss is computed with the LM head in one pass (learner/fused_loss.py,
         the Triton kernel on CUDA) and the forward returns (logp [B, L] detached, loss, metrics) instead.
+        `truncation` (top-k / top-p / min-p sampling, learner/truncation.py): logprobs under the sampler's kept set;
+        the fused loss computes full-softmax logprobs only, so the two are refused together.
         """
+        if fused is not None and truncation is not None and truncation.active:
+            raise ValueError("the fused loss computes full-softmax logprobs: with top-k/top-p/min-p sampling set "
+                             "TrainConfig.fused_loss='off'")  # fmt: skip
         if input_ids.dim() != 2 or targets.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids has shape {tuple(input_ids.shape)} and targets {tuple(targets.shape)}, "
@@ -82,7 +89,7 @@ class PolicyModel(torch.nn.Module):
         with torch.autocast(device, enabled=False):
             if fused is None:
                 logp = token_logprobs(hidden, lm_head.weight, flat_targets, temperature, chunk_tokens,
-                                      getattr(lm_head, "bias", None))  # fmt: skip
+                                      getattr(lm_head, "bias", None), truncation)  # fmt: skip
             else:
                 if getattr(lm_head, "bias", None) is not None:
                     raise ValueError("the fused loss takes an LM head without bias: set TrainConfig.fused_loss='off'")

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from learner.fused_loss import FUSED_MODES, FusedLossInputs, fused_enabled
 from learner.losses import LossConfig, policy_loss
+from learner.truncation import Truncation
 
 AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}
 
@@ -43,6 +44,9 @@ class TrainConfig:
     autocast: str = "none"  # "bfloat16": the decoder forward/backward under autocast (LM head stays fp32)
     loss: LossConfig = field(default_factory=LossConfig)
     fused_loss: str = "auto"  # the LM head and the loss in one pass: "auto" = on CUDA with Triton; "on"; "off"
+    # the serve's top-k / top-p / min-p: logprobs over the kept tokens (learner/truncation.py); "auto" fusing then
+    # stays off (the fused loss is full-softmax only)
+    truncation: Truncation = field(default_factory=Truncation)
 
     def __post_init__(self) -> None:
         checks = [
@@ -57,6 +61,11 @@ class TrainConfig:
             (
                 self.fused_loss in FUSED_MODES,
                 f"TrainConfig.fused_loss is {self.fused_loss!r}, expected one of {list(FUSED_MODES)}",
+            ),
+            (
+                not (self.fused_loss == "on" and self.truncation.active),
+                f"TrainConfig.fused_loss is 'on' with {self.truncation}: the fused loss computes full-softmax "
+                "logprobs; set fused_loss 'auto' or 'off' for top-k/top-p/min-p sampling",
             ),
         ]
         for ok, message in checks:
@@ -173,14 +182,14 @@ def train_step(
     normalizer = max(normalizer, 1.0)  # nothing trains anywhere: a zero loss, not 0 / 0
 
     positions = batch.mask if probe_mask is None else batch.mask | probe_mask  # the LM head runs only where needed
-    if fused_enabled(cfg.fused_loss, batch.input_ids.device):
+    if fused_enabled(cfg.fused_loss, batch.input_ids.device) and not cfg.truncation.active:
         fused = FusedLossInputs(batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg.loss,
                                 normalizer)  # fmt: skip
         logp, loss, metrics = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens,
                                     positions=positions, autocast=AUTOCAST[cfg.autocast], fused=fused)  # fmt: skip
     else:
         logp = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens, positions=positions,
-                     autocast=AUTOCAST[cfg.autocast])  # fmt: skip
+                     autocast=AUTOCAST[cfg.autocast], truncation=cfg.truncation)  # fmt: skip
         flat = [t.reshape(-1) for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
         loss, metrics = policy_loss(*flat, cfg.loss, normalizer=normalizer)
     if probe_mask is not None:
