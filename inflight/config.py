@@ -28,6 +28,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kind = type(default)
+        # A bool flag alone means true (`--resume`); `--resume true|false` still works.
+        flag = {"nargs": "?", "const": True} if kind is bool else {}
         parser.add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f.name,
@@ -35,6 +37,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             default=default,
             choices=f.metadata.get("choices"),
             help=f"{f.metadata.get('help', '')} (default {default!r})",
+            **flag,
         )
 
 

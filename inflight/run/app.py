@@ -3,8 +3,10 @@
     python -m inflight.run --duration-s 600                       # SmolLM2 + arithmetic, never-stop, 10 minutes
     python -m inflight.run --mode blocking --steps 20 --run-dir runs/blocking
     python -m inflight.run --learn-gpus 0,1 --serve-gpus 2 ...    # GPU pools: torchrun + NCCL for the learner
+    python -m inflight.run --config run.toml --steps 50           # a run file (inflight/run/config_file.py)
 
-The run directory collects `run-config.json`, the resolved config of each side (`learn-config.json`,
+The run directory collects `run-config.json` and `config.toml` (the resolved run, which `--config` reads again), the
+resolved config of each side (`learn-config.json`,
 `serve-config.json`), both logs (`learn.log`, `serve.log`), both metrics streams (`metrics.jsonl` from the learner,
 `serve-metrics.jsonl` from the serve), `checkpoints/`, `hf-final/`, and at the end `summary.json`, `summary.md` and the
 plots (`reward.png`, `lag.png`, `throughput.png`).
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from inflight.config import parse_dataclass, write_resolved
 from inflight.run.config import RunConfig
+from inflight.run.config_file import parse_run_args, write_run_toml
 from inflight.run.launch import Side, learn_launcher, side_commands, side_env
 
 
@@ -54,15 +57,25 @@ def _check_side_args(argv: list[str], side: str, run_dir: Path) -> None:
         write_resolved(cfg, run_dir / "serve-config.json")
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_dataclass(RunConfig, argv, "python -m inflight.run", __doc__.split("\n\n")[0].split(": ", 1)[1])
+def plan(argv: list[str] | None) -> tuple[RunConfig, dict[str, dict], Path, dict[str, list[str]]]:
+    """The command line (and `--config` file) as the run's config, its side tables, its run directory (created) and
+    each side's argv, every side's flags checked by that side's own parser: a typo fails here, before anything
+    starts."""
+    about = __doc__.split("\n\n")[0].split(": ", 1)[1]
+    cfg, tables = parse_run_args(argv, "python -m inflight.run", about)
     run_dir = Path(cfg.resolved_run_dir())
     run_dir.mkdir(parents=True, exist_ok=True)
     ports = tuple(range(cfg.port_base, cfg.port_base + 3)) if cfg.port_base else tuple(free_ports(3, cfg.host))
-    commands = side_commands(cfg, run_dir, ports)  # type: ignore[arg-type]
+    commands = side_commands(cfg, run_dir, ports, tables)  # type: ignore[arg-type]
     for side, args in commands.items():
         _check_side_args(args, side, run_dir)
+    return cfg, tables, run_dir, commands
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, tables, run_dir, commands = plan(argv)
     write_resolved(cfg, run_dir / "run-config.json")
+    write_run_toml(cfg, tables, run_dir)
     launchers = {"learn": learn_launcher(cfg, free_ports(1, "127.0.0.1")[0]), "serve": [sys.executable]}
     print(f"[run] run directory {run_dir}", file=sys.stderr, flush=True)
     for side in ("learn", "serve"):

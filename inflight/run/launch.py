@@ -28,8 +28,14 @@ _PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITI
 LEARN_AUTOCAST = {"auto": "auto", "float32": "none", "bfloat16": "bfloat16"}
 
 
-def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) -> dict[str, list[str]]:
-    """The argv of each side (without the interpreter), built from the shared knobs plus the verbatim extras."""
+def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int],
+                  tables: dict[str, dict] | None = None) -> dict[str, list[str]]:  # fmt: skip
+    """The argv of each side (without the interpreter): the shared knobs, then the side's table of a run file
+    (inflight/run/config_file.py), then the verbatim `--serve-args` / `--learn-args`; argparse keeps the last of a
+    repeated flag, so each later part overrides an earlier one."""
+    from inflight.run.config_file import table_argv
+
+    tables = tables or {}
     rollouts, control, weights = ports
     shared_serve = [
         "--model", cfg.model, "--task", cfg.task, "--mode", cfg.mode, "--group-size", str(cfg.group_size),
@@ -52,9 +58,11 @@ def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) ->
     if parse_gpus(cfg.learn_gpus):
         shared_learn += ["--backend", "nccl"]
     return {
-        "serve": ["-m", "inflight.serve", *shared_serve, *shlex.split(cfg.serve_args)],
-        "learn": ["-m", "inflight.learn", *shared_learn, *shlex.split(cfg.learn_args)],
-    }
+        "serve": ["-m", "inflight.serve", *shared_serve, *table_argv(tables.get("serve", {})),
+                  *shlex.split(cfg.serve_args)],
+        "learn": ["-m", "inflight.learn", *shared_learn, *table_argv(tables.get("learn", {})),
+                  *shlex.split(cfg.learn_args)],
+    }  # fmt: skip
 
 
 def learn_launcher(cfg: RunConfig, master_port: int) -> list[str]:
