@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass, field
 
 from inflight.config import require
-from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, TOP_P, RunContract
+from inflight.wire.contract import GROUP_SIZE, MIN_P, TEMPERATURE, TOP_P, RunContract
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
 
@@ -34,9 +34,10 @@ class ServeConfig:
     max_tokens: int = field(default=48, metadata=_h("completion budget per sample"))
     temperature: float = field(default=TEMPERATURE, metadata=_h("sampling temperature (behaviour logprobs are after "
                                                                 "it; the learner's --temperature)"))  # fmt: skip
-    top_p: float = field(default=TOP_P, metadata=_h("nucleus sampling (the learner refuses < 1: its logprobs are a "
-                                                    "full softmax)"))  # fmt: skip
-    top_k: int = field(default=-1, metadata=_h("top-k sampling, -1 = off (the learner refuses any other)"))
+    top_p: float = field(default=TOP_P, metadata=_h("nucleus sampling, 1.0 = off (the learner's --top-p: it computes "
+                                                    "logprobs under the same truncation)"))  # fmt: skip
+    top_k: int = field(default=-1, metadata=_h("top-k sampling, -1 = off (the learner's --top-k)"))
+    min_p: float = field(default=MIN_P, metadata=_h("min-p sampling, 0.0 = off (the learner's --min-p)"))
     mode: str = field(default="never-stop", metadata=_h("how weight updates interrupt generation", choices=MODES))
     kv: str = field(default="keep", metadata=_h("KV cache after a commit", choices=("keep", "recompute")))
     max_outstanding: int = field(default=256, metadata=_h("most rollouts generating or waiting to be sent"))
@@ -81,6 +82,9 @@ class ServeConfig:
                 f">= group_size ({self.group_size})")  # fmt: skip
         require(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
         require(self.temperature > 0, "temperature", self.temperature, "> 0 (greedy has no behaviour distribution)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1], 1.0 = off")
+        require(self.top_k >= -1, "top_k", self.top_k, ">= 1, or -1 / 0 = off")
+        require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1], 0.0 = off")
         require(self.max_lag >= -1, "max_lag", self.max_lag, ">= -1")
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
         require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
@@ -101,7 +105,7 @@ class ServeConfig:
         """What this serve samples with, for `Hello` (inflight/wire/contract.py); once `main` resolved `--dtype`."""
         # vLLM reads top_k -1 and 0 both as off; the contract holds 0
         return RunContract(group_size=self.group_size, temperature=self.temperature, top_p=self.top_p,
-                           top_k=max(self.top_k, 0), dtype=self.dtype)  # fmt: skip
+                           top_k=max(self.top_k, 0), min_p=self.min_p, dtype=self.dtype)  # fmt: skip
 
     def resolved_server_id(self) -> str:
         return self.server_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -144,7 +144,7 @@ class RolloutDriver:
 
         cfg = self.cfg
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                top_k=cfg.top_k, logprobs=0)  # fmt: skip
+                                top_k=cfg.top_k, min_p=cfg.min_p, logprobs=0)  # fmt: skip
         submitted = time.time()
         try:
             done = await self.engine.generate(prompt_ids, params, f"{group_id}-{index}")
@@ -159,7 +159,7 @@ class RolloutDriver:
             prompt_ids=prompt_ids, completion_ids=done.token_ids, logprobs=done.logprobs, versions=done.versions,
             rollout_id=f"{group_id}-{index}", group_id=group_id, group_size=cfg.group_size, index=index,
             server_id=self.server_id, model=cfg.model, reward=score, finish_reason=done.finish_reason,
-            sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens),
+            sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens, cfg.min_p),
             times=Times(submitted, done.first_token_time or finished, finished),
             problem_id=problem.id, resubmissions=done.resubmissions,
         )  # fmt: skip

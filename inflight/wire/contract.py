@@ -6,8 +6,9 @@ The learner's gradient is only the one its rollouts call for if both sides mean 
   another estimator (a smaller group, a noisier baseline), and the learner's groups per step were sized for its own.
 - `temperature`: behaviour logprobs are after temperature; the learner computes its own at its `--temperature`, so
   every ratio against a rollout of another temperature is off from the first token.
-- `top_p`, `top_k`: the learner's logprobs are a full softmax over the vocabulary; a truncated behaviour distribution
-  is renormalized, so every ratio would be biased. No learner supports truncation today: it expects 1.0 and 0 (off).
+- `top_p`, `top_k`, `min_p`: a truncated behaviour distribution is renormalised over the kept tokens; the learner
+  computes its logprobs under the same rule (learner/truncation.py), so it must know the serve's: a learner computing
+  another truncation (or a full softmax) biases every ratio by the log of a kept mass.
 - `dtype`: the compute precision (the serve's engine dtype; the learner's autocast dtype, or its parameter dtype
   without autocast), always resolved (`auto` never travels: inflight/machine.py:resolve_precision runs first).
 
@@ -27,6 +28,7 @@ GROUP_SIZE = 8
 TEMPERATURE = 1.0
 TOP_P = 1.0  # no nucleus truncation: the learner's logprobs are a full softmax
 TOP_K = 0  # 0 = off (vLLM also reads -1 as off; `RunContract` holds 0)
+MIN_P = 0.0  # no min-p truncation
 _TOLERANCE = 1e-6  # floats given as the same decimal on both sides compare equal; anything else differs
 
 
@@ -37,6 +39,7 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     temperature: float = TEMPERATURE
     top_p: float = TOP_P
     top_k: int = TOP_K
+    min_p: float = MIN_P
     dtype: str  # resolved compute dtype: 'float32', 'bfloat16' or 'float16'
 
     def __post_init__(self) -> None:
@@ -71,9 +74,11 @@ _REASONS = {
                                           "--group-size"),
     "temperature": lambda learner, serve: (f"this learner computes logprobs at temperature {learner}: start both "
                                            "with the same --temperature"),
-    "top_p": lambda learner, serve: (f"this learner computes full-softmax logprobs (top_p {learner}): start the serve "
-                                     f"with --top-p {learner}"),
-    "top_k": lambda learner, serve: ("this learner computes full-softmax logprobs (no top-k): start the serve with "
-                                     "--top-k -1"),
+    "top_p": lambda learner, serve: (f"this learner computes logprobs under top_p {learner}: start both with the "
+                                     "same --top-p"),
+    "top_k": lambda learner, serve: (f"this learner computes logprobs under top_k {learner} (0 = off): start both "
+                                     "with the same --top-k"),
+    "min_p": lambda learner, serve: (f"this learner computes logprobs under min_p {learner}: start both with the "
+                                     "same --min-p"),
     "dtype": _dtype_reason,
 }  # fmt: skip

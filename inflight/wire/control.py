@@ -20,7 +20,7 @@ from inflight.wire.contract import RunContract
 
 # 2: Hello carries the serve's RunContract. An older serve's Hello is refused naming both schemas, never read as one
 # that agrees with every default.
-CONTROL_SCHEMA = 2
+CONTROL_SCHEMA = 3
 MAX_CONTROL_BYTES = 256 << 20  # manifests of large models are a few MiB; anything near this is an attack or a bug
 
 

@@ -29,6 +29,7 @@ class Sampling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 0
+    min_p: float = 0.0
 
 
 class Times(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -18,10 +18,12 @@ from tolerances import check_within, lm_head_logprob_bounds, unit_roundoff
 pytestmark = pytest.mark.engine
 
 
-def collect(model_dir, dtype: str, n: int = 16) -> list:
+def collect(model_dir, dtype: str, n: int = 16, extra: list[str] | None = None) -> list:
+    """`n` rollouts from a real serve of `model_dir` at version 0 (`extra`: more serve flags, e.g. sampling)."""
     side = LearnerSide()
     args = ["--model", str(model_dir), "--rollouts", side.rx.address, "--control", side.ctl.address]
-    serve = ServeProcess([*args, "--group-size", "4", "--max-lag", "-1", "--max-groups", str(n // 4), "--dtype", dtype])
+    serve = ServeProcess([*args, "--group-size", "4", "--max-lag", "-1", "--max-groups", str(n // 4), "--dtype", dtype,
+                          *(extra or [])])  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while len(side.rollouts) < n and time.monotonic() < deadline:

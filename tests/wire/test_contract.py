@@ -13,7 +13,7 @@ from inflight.run.config import RunConfig
 from inflight.run.launch import side_commands
 from inflight.serve.config import ServeConfig
 from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, RunContract
-from inflight.wire.control import ControlError, Hello, decode_control, encode_control
+from inflight.wire.control import CONTROL_SCHEMA, ControlError, Hello, decode_control, encode_control
 
 LEARNER = RunContract(group_size=8, temperature=1.0, dtype="float32")
 
@@ -23,8 +23,9 @@ LEARNER = RunContract(group_size=8, temperature=1.0, dtype="float32")
     [
         ("group_size", 4, "group_size 4, but this learner trains groups of 8", "--group-size"),
         ("temperature", 0.7, "temperature 0.7, but this learner computes logprobs at temperature 1.0", "--temperature"),
-        ("top_p", 0.9, "top_p 0.9, but this learner computes full-softmax logprobs", "--top-p 1.0"),
-        ("top_k", 50, "top_k 50, but this learner computes full-softmax logprobs", "--top-k -1"),
+        ("top_p", 0.9, "top_p 0.9, but this learner computes logprobs under top_p 1.0", "--top-p"),
+        ("top_k", 50, "top_k 50, but this learner computes logprobs under top_k 0", "--top-k"),
+        ("min_p", 0.05, "min_p 0.05, but this learner computes logprobs under min_p 0.0", "--min-p"),
         ("dtype", "bfloat16", "dtype bfloat16, but this learner computes in float32", "--dtype float32"),
     ],
 )
@@ -85,8 +86,11 @@ def test_hello_carries_the_contract_and_an_old_schema_hello_is_refused_naming_th
     hello = Hello(server_id="s", contract=RunContract(group_size=4, dtype="bfloat16"))
     assert decode_control(encode_control(hello), to="learner").contract == hello.contract
     old = msgspec.msgpack.encode({"type": "hello", "schema": 1, "server_id": "s", "model": "m"})  # no contract
-    with pytest.raises(ControlError, match="Hello.schema is 1, expected 2: run the same inflight version"):
+    with pytest.raises(ControlError, match=f"Hello.schema is 1, expected {CONTROL_SCHEMA}: run the same inflight"):
         decode_control(old, to="learner")
-    unresolved = msgspec.msgpack.encode({"type": "hello", "schema": 2, "contract": {"dtype": "auto"}})
+    no_min_p = msgspec.msgpack.encode({"type": "hello", "schema": 2, "contract": {"dtype": "float32"}})  # before min_p
+    with pytest.raises(ControlError, match=f"Hello.schema is 2, expected {CONTROL_SCHEMA}"):
+        decode_control(no_min_p, to="learner")
+    unresolved = msgspec.msgpack.encode({"type": "hello", "schema": CONTROL_SCHEMA, "contract": {"dtype": "auto"}})
     with pytest.raises(ControlError, match="resolved compute dtype"):
         decode_control(unresolved, to="learner")
