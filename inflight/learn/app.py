@@ -9,6 +9,7 @@ their slice; the new full weights go out as `version + 1` (`publish`). The loop 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import signal
@@ -21,6 +22,8 @@ from safetensors.torch import save_file
 from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
 from inflight.learn.service import LearnerService
+from inflight.learn.tracking import Reporting
+from inflight.wire.records import StepMetrics
 
 log = logging.getLogger("inflight.learn")
 
@@ -52,6 +55,10 @@ class Learner:
         if cfg.resume:
             self.version, self.step, consumed, by_server = self._resume()
         self.stop_requested = False  # set by SIGTERM/SIGINT: rank 0 stops waiting for groups, every rank then stops
+        # Rank 0's tracker (--report-to), opened before the service binds: a serve started on its ready line is
+        # followed from its first progress line on.
+        self.reporting = Reporting(cfg.report_to, self.run_dir, dataclasses.asdict(cfg), cfg.model,
+                                   cfg.log_samples_every) if rank == 0 else None  # fmt: skip
         state = full_hf_state(self.model)  # collective: every rank gathers
         self.service = LearnerService(cfg, state, self.version, consumed, by_server) if rank == 0 else None
 
@@ -82,8 +89,11 @@ class Learner:
             self.step += 1
             publish = self._publish() if self.version % self.cfg.publish_every == 0 else {}
             if self.rank == 0:
-                self._log(batch[1], metrics, publish, waited, time.perf_counter() - started,
-                          [len(s.completion_ids) for s in samples])  # fmt: skip
+                record = self._log(batch[1], metrics, publish, waited, time.perf_counter() - started,
+                                   [len(s.completion_ids) for s in samples])  # fmt: skip
+                # metrics.jsonl has the line; the tracker mirrors it (and never raises)
+                self.reporting.step(record)
+                self.reporting.samples(samples, batch[1].rewards, self.version - 1, self.step)  # gated at version - 1
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self.checkpoint()
         if not (self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0):
@@ -119,7 +129,8 @@ class Learner:
         state = full_hf_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors
         return self.service.publish(state, self.version, start) if self.rank == 0 else {}
 
-    def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]) -> None:
+    def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]
+             ) -> StepMetrics:  # fmt: skip
         """One StepMetrics line (inflight/wire/records.py): train_step's metrics and the publish report are fields of
         it, so a metric added or renamed there without the record fails here, in the first step of any learner test."""
         rewards = gate.rewards
@@ -133,6 +144,7 @@ class Learner:
         })  # fmt: skip
         log.info("step %d v%d reward %.3f loss %.4f wait %.2fs train %.2fs publish %.2fs", self.step, self.version,
                  record.reward, metrics.get("loss", 0.0), waited, record.train_s, record.publish_s or 0.0)  # fmt: skip
+        return record
 
     def checkpoint(self) -> None:
         """Every rank: model, optimizer, step, version and (from rank 0's service) the consumed groups; rank 0 then
@@ -166,6 +178,8 @@ class Learner:
         """Rank 0: close the service (the serves commit the last update first, then the sockets and files close)."""
         if self.service is not None:
             self.service.close()
+        if self.reporting is not None:
+            self.reporting.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inflight.config import require
+from inflight.learn.tracking import REPORT_TO, check_installed
 from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, RunContract
 
 
@@ -57,6 +58,12 @@ class LearnConfig:
     resume: bool = field(default=False, metadata=_h("continue from the latest checkpoint in run_dir"))
     wait_for_serves: int = field(default=1, metadata=_h("serves to wait for before the first step"))
     seed: int = field(default=0, metadata=_h("torch seed"))
+    report_to: str = field(default="none", metadata=_h("mirror every metrics.jsonl line, the serve's progress and "
+                                                       "sample completions to an experiment tracker (inflight/learn/"
+                                                       "tracking.py); wandb runs offline unless WANDB_MODE says "
+                                                       "otherwise", choices=REPORT_TO))  # fmt: skip
+    log_samples_every: int = field(default=10, metadata=_h("with --report-to: a table of the step's completions "
+                                                           "every N steps; 0 = never"))  # fmt: skip
     secret_file: str = field(
         default="",
         metadata=_h("shared secret (>= 16 bytes): the rollout and control sockets admit only serves given the same file"
@@ -76,6 +83,8 @@ class LearnConfig:
         from inflight.wire.memory import trim_every_s
 
         trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update
+        require(self.log_samples_every >= 0, "log_samples_every", self.log_samples_every, ">= 0 (0 = never)")
+        check_installed(self.report_to)  # a missing package fails here, before a run starts anything
         if self.secret_file:
             from inflight.wire.secure import read_secret
 

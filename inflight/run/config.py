@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from inflight.config import require
+from inflight.learn.tracking import REPORT_TO
 from inflight.serve.config import MODES
 from inflight.wire.contract import GROUP_SIZE, TEMPERATURE
 
@@ -82,6 +83,10 @@ class RunConfig:
     echo: str = field(default="progress", metadata=_h("children's output on this terminal (always complete in the "
                                                       "logs)", choices=("all", "progress", "none")))  # fmt: skip
     plots: bool = field(default=True, metadata=_h("write PNG plots and the summary at the end"))
+    report_to: str = field(default="none", metadata=_h("the learner mirrors its metrics, the serve's progress and "
+                                                       "sample completions to this tracker (inflight/learn/"
+                                                       "tracking.py; metrics.jsonl stays the record)",
+                                                       choices=REPORT_TO))  # fmt: skip
 
     def validate(self) -> None:
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1")

@@ -42,7 +42,8 @@ RUN_SETS = {
     "learn": {"model": "model", "host": "host", "rollouts_port": "port_base", "control_port": "port_base",
               "weights_port": "port_base", "groups_per_step": "groups_per_step", "steps": "steps",
               "max_lag": "max_lag", "temperature": "temperature", "lr": "lr", "seed": "seed", "run_dir": "run_dir",
-              "autocast": "dtype", "group_size": "group_size", "backend": "learn_gpus"},
+              "autocast": "dtype", "group_size": "group_size", "backend": "learn_gpus",
+              "report_to": "report_to"},
 }  # fmt: skip
 
 

@@ -53,7 +53,7 @@ def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int],
         "--weights-port", str(weights), "--groups-per-step", str(cfg.groups_per_step), "--steps", str(cfg.steps),
         "--max-lag", str(cfg.max_lag), "--temperature", repr(cfg.temperature), "--lr", repr(cfg.lr),
         "--seed", str(cfg.seed), "--run-dir", str(run_dir), "--autocast", LEARN_AUTOCAST[cfg.dtype],
-        "--group-size", str(cfg.group_size),
+        "--group-size", str(cfg.group_size), "--report-to", cfg.report_to,
     ]  # fmt: skip
     if parse_gpus(cfg.learn_gpus):
         shared_learn += ["--backend", "nccl"]
