@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,24 @@ def test_the_table_keys_the_run_refuses_are_exactly_the_flags_it_sets_itself(tmp
         assert flags == set(RUN_SETS[side]), side
         fields = {f.name for f in dataclasses.fields(ServeConfig if side == "serve" else LearnConfig)}
         assert set(RUN_SETS[side]) <= fields
+
+
+def readme_section() -> str:
+    return (ROOT / "README.md").read_text().split("## Config files and tracking", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readme_run_file_example_loads_and_plans_the_run_it_describes(tmp_path):
+    example = re.search(r"```toml\n(.*?)```", readme_section(), flags=re.DOTALL).group(1)
+    path = write(tmp_path / "run.toml", example)
+    top, tables = load_run_file(path)
+    assert top["report_to"] == "tensorboard" and tables["serve"] and tables["learn"]
+    cfg, _, _, commands = plan(["--config", str(path), "--run-dir", str(tmp_path / "run")])
+    learn = side_configs(commands)["learn"]
+    assert (learn["report_to"], learn["loss"], learn["lr"]) == ("tensorboard", "ppo", cfg.lr)
+
+
+def test_the_error_the_readme_quotes_is_the_one_a_bad_key_gives(tmp_path):
+    with pytest.raises(ValueError) as caught:
+        load_run_file(write(tmp_path / "run.toml", "[learn]\nlos = 'ppo'\n"))
+    quoted = str(caught.value).replace(str(tmp_path) + "/", "")
+    assert f"`{quoted}`" in " ".join(readme_section().split())
