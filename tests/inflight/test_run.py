@@ -43,7 +43,7 @@ def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_
     run_dir = tmp_path / "run"
     # --fused-loss on: the learner trains through learner/fused_loss.py (its torch row pass here; Triton on CUDA), and
     # the lag-0 mismatch below checks those logprobs against the serve's behaviour logprobs
-    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", str(STEPS), *FAST,
+    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", str(STEPS), *FAST, "--report-to", "tensorboard",
                              "--learn-args", "--fused-loss on"], module="inflight.run")  # fmt: skip
     try:
         launcher.wait_for("inflight.serve ready", 240)
@@ -57,7 +57,7 @@ def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_
     finally:
         launcher.stop()
     assert launcher.proc.returncode == 0, launcher.tail()
-    for name in ("run-config.json", "serve-config.json", "learn-config.json", "learn.log", "serve.log",
+    for name in ("run-config.json", "config.toml", "serve-config.json", "learn-config.json", "learn.log", "serve.log",
                  "metrics.jsonl", "serve-metrics.jsonl", "summary.json", "summary.md", "reward.png", "lag.png",
                  "throughput.png", "hf-final/model.safetensors", "learn.cmd", "serve.cmd"):  # fmt: skip
         assert (run_dir / name).exists(), name
@@ -80,6 +80,15 @@ def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_
     # rollouts sampled after the first commit carry the new versions: lags below the oldest possible one show up
     assert any(int(lag) < s["version"] - 1 for s in steps[1:] for lag in s["lag_histogram"]), steps
     assert all(s.get("mismatch_lag0", 0.0) < 0.05 for s in steps)
+
+    # --report-to tensorboard: the learner mirrored every step and the serve's own lines (see also test_tracking.py)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [p.step for p in events.Scalars("train/reward")] == list(range(1, STEPS + 1))
+    assert [p.value for p in events.Scalars("train/reward")] == pytest.approx([s["reward"] for s in steps])
+    assert events.Scalars("serve/tokens") and events.Scalars("update/stall_s")
 
 
 def test_ctrl_c_stops_the_learner_first_then_the_serve_and_keeps_the_run(tmp_path):
