@@ -19,9 +19,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from vllm_patches.kv_age import kv_ages
 from vllm_patches.rpc import CommitApplied, CommitResult, GroupJoined, StageStatus, rpc_result
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
+HEAD_DTYPES = ("model", "float32")
 WORKER_EXTENSION = "vllm_patches.worker_extension.InflightWorkerExtension"
 
 
@@ -37,6 +39,9 @@ class EngineConfig:
     kv_cache_gib: float = 1.0  # KV cache bytes, allocated and zeroed at start: first-touch page faults cost seconds
     dtype: str = "bfloat16"
     enable_prefix_caching: bool = True
+    # The LM head's precision: "float32" projects in fp32 (vLLM's head_dtype, through hf_overrides), as the learner's
+    # fp32 head does; "model" keeps the engine dtype. Changes nothing when dtype is already float32.
+    head_dtype: str = "model"
 
 
 @dataclass
@@ -49,6 +54,9 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    # per token, the version that computed the oldest KV it attended to (vllm_patches/kv_age.py): equal to `versions`
+    # until a commit with kv="keep" lets a request go on over KV of the older weights; -1 where none was recorded
+    kv_versions: list[int] = field(default_factory=list)
     text: str = ""
     resubmissions: int = 0
     first_token_time: float = 0.0  # time.time() when the first token came out
@@ -78,7 +86,10 @@ def engine_args(cfg: EngineConfig):
 
     if not cfg.kv_cache_gib > 0:
         raise ValueError(f"kv_cache_gib must be > 0 (got {cfg.kv_cache_gib}): the KV cache size in GiB, e.g. 0.25")
+    if cfg.head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"head_dtype is {cfg.head_dtype!r}, expected one of {list(HEAD_DTYPES)}")
     return AsyncEngineArgs(
+        hf_overrides={"head_dtype": cfg.head_dtype},
         model=cfg.model,
         dtype=cfg.dtype,
         max_model_len=cfg.max_model_len,
@@ -131,7 +142,7 @@ class InflightEngine:
 
         llm = AsyncLLM.from_engine_args(engine_args(cfg))
         engine = cls(llm, version)
-        await llm.engine_core.call_utility_async("set_weight_version", str(version))
+        await llm.engine_core.call_utility_async("inflight_track_kv", version)  # also sets the weight version
         return engine
 
     def shutdown(self) -> None:
@@ -153,6 +164,8 @@ class InflightEngine:
             done.token_ids += list(out.token_ids)
             done.logprobs += [lp[t].logprob for lp, t in zip(out.logprobs or [], out.token_ids, strict=True)]
             done.versions += spans_to_versions(out.weight_versions, len(out.token_ids))
+            spans = await self.llm.engine_core.call_utility_async("inflight_kv_spans", rid)
+            done.kv_versions += kv_ages([tuple(s) for s in spans], len(out.token_ids))
             done.text += out.text
             done.finish_reason = out.finish_reason or "length"
             if rid not in self._aborted_for_update:

@@ -1,4 +1,5 @@
-"""vLLM general plugin (entry point `vllm.general_plugins: inflight`): adds the `inflight_commit` utility to EngineCore.
+"""vLLM general plugin (entry point `vllm.general_plugins: inflight`): adds the `inflight_commit`, `inflight_track_kv`
+and `inflight_kv_spans` utilities to EngineCore, and the KV-age hook to the scheduler (vllm_patches/kv_age.py).
 
 vLLM loads general plugins in every process; `register` is idempotent and only adds a method. EngineCore runs utility
 calls in `_process_input_queue`, strictly between two `step()` calls, and on the synchronous step path (the CPU
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from vllm_patches.kv_age import KvAgeTracker, install
 from vllm_patches.rpc import CommitResult
 
 KV_MODES = ("keep", "recompute")
@@ -27,16 +29,36 @@ def inflight_commit(self, version: int, kv: str = "keep") -> CommitResult:
     start = time.perf_counter()
     workers = self.collective_rpc("inflight_commit_staged", args=(int(version),))
     self._weight_version = str(int(version))
+    tracker = getattr(self.scheduler, "_inflight_kv", None)
+    if tracker is not None:
+        tracker.version = int(version)  # requests (re)started from the next step on compute KV at the new version
     if kv == "recompute":
         self.reset_prefix_cache(reset_running_requests=True)
+        if tracker is not None:
+            tracker.prefix_cache_reset()
     return CommitResult(int(version), time.perf_counter() - start, workers)  # workers: CommitApplied each
+
+
+def inflight_track_kv(self, version: int) -> int:
+    """EngineCore utility: set the weight version and record every token's KV age from now on (InflightEngine.start)."""
+    self._weight_version = str(int(version))
+    self.scheduler._inflight_kv = KvAgeTracker(int(version))
+    return int(version)
+
+
+def inflight_kv_spans(self, request_id: str) -> list[tuple[int, int]]:
+    """EngineCore utility: a finished request's `(first output index, KV age)` spans, handed over once."""
+    tracker = getattr(self.scheduler, "_inflight_kv", None)
+    return [] if tracker is None else tracker.spans(request_id)
 
 
 def register() -> None:
     from vllm.v1.engine.core import EngineCore
 
-    if getattr(EngineCore, "inflight_commit", None) is not inflight_commit:
-        EngineCore.inflight_commit = inflight_commit
+    for method in (inflight_commit, inflight_track_kv, inflight_kv_spans):
+        if getattr(EngineCore, method.__name__, None) is not method:
+            setattr(EngineCore, method.__name__, method)
+    install()
     _exit_with_parent()
 
 

@@ -37,6 +37,7 @@ class Learner:
         from learner.losses import LossConfig
         from learner.model import full_hf_state, load_policy, shard_policy
         from learner.step import TrainConfig, make_optimizer
+        from learner.truncation import Truncation
 
         torch.manual_seed(cfg.seed)
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, Path(cfg.run_dir)
@@ -48,8 +49,10 @@ class Learner:
             self.mesh = init_device_mesh("cpu", (world,))
             shard_policy(self.model, self.mesh)
         loss = LossConfig(kind=cfg.loss, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation)
+        truncation = Truncation(top_k=max(cfg.top_k, 0), top_p=cfg.top_p, min_p=cfg.min_p)
         self.train_cfg = TrainConfig(lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
-                                     autocast=cfg.autocast, fused_loss=cfg.fused_loss, loss=loss)  # fmt: skip
+                                     autocast=cfg.autocast, fused_loss=cfg.fused_loss, loss=loss,
+                                     truncation=truncation)  # fmt: skip
         self.optimizer = make_optimizer(self.model, self.train_cfg)
         self.version, self.step, consumed, by_server = 0, 0, [], {}
         if cfg.resume:

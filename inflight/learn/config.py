@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from inflight.config import require
 from inflight.learn.tracking import REPORT_TO, check_installed
-from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, RunContract
+from inflight.wire.contract import GROUP_SIZE, MIN_P, TEMPERATURE, TOP_K, TOP_P, RunContract
 
 
 def _h(text: str, **kw) -> dict:
@@ -37,6 +37,15 @@ class LearnConfig:
             "computed at it; a serve of another is refused at Hello"
         ),
     )
+    top_p: float = field(
+        default=TOP_P,
+        metadata=_h(
+            "the serves' top-p: logprobs under the same nucleus truncation "
+            "(learner/truncation.py); a serve of another is refused at Hello"
+        ),
+    )
+    top_k: int = field(default=TOP_K, metadata=_h("the serves' top-k, 0 or -1 = off; another is refused at Hello"))
+    min_p: float = field(default=MIN_P, metadata=_h("the serves' min-p, 0.0 = off; another is refused at Hello"))
     lr: float = field(default=1e-5, metadata=_h("AdamW learning rate"))
     grad_clip: float = field(default=1.0, metadata=_h("max gradient norm"))
     dtype: str = field(default="float32", metadata=_h("parameter dtype", choices=("float32", "bfloat16")))
@@ -78,6 +87,12 @@ class LearnConfig:
         require(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, ">= 1")
         require(self.lr > 0, "lr", self.lr, "> 0")
         require(self.temperature > 0, "temperature", self.temperature, "> 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1], 1.0 = off")
+        require(self.top_k >= -1, "top_k", self.top_k, ">= 1, or 0 / -1 = off")
+        require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1], 0.0 = off")
+        truncated = self.top_p < 1 or self.top_k > 0 or self.min_p > 0
+        require(not (truncated and self.fused_loss == "on"), "fused_loss", self.fused_loss,
+                "'auto' or 'off' with top-k/top-p/min-p sampling (the fused loss is full-softmax only)")  # fmt: skip
         require(self.steps >= 0, "steps", self.steps, ">= 0")
         require(self.keep_checkpoints >= 0, "keep_checkpoints", self.keep_checkpoints, ">= 0 (0 keeps all)")
         from inflight.wire.memory import trim_every_s
@@ -94,4 +109,5 @@ class LearnConfig:
         """What a serve must agree on (inflight/wire/contract.py); after `main` resolved `--autocast auto`. The compute
         dtype is the decoder's autocast dtype, or the parameter dtype without autocast."""
         dtype = self.dtype if self.autocast == "none" else self.autocast
-        return RunContract(group_size=self.group_size, temperature=self.temperature, dtype=dtype)
+        return RunContract(group_size=self.group_size, temperature=self.temperature, top_p=self.top_p,
+                           top_k=max(self.top_k, 0), min_p=self.min_p, dtype=dtype)  # fmt: skip

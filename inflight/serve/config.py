@@ -61,6 +61,11 @@ class ServeConfig:
                                                    "machine); float32 keeps behaviour logprobs within 1e-5 of an fp32 "
                                                    "learner's",
                                                    choices=("auto", "bfloat16", "float16", "float32")))  # fmt: skip
+    head_dtype: str = field(default="float32", metadata=_h("LM head precision: float32 projects the last hidden "
+                                                           "state in fp32, as the learner's fp32 head does (the bf16 "
+                                                           "head's rounding was most of the bf16 lag-0 mismatch); "
+                                                           "model = the engine dtype. A no-op for a float32 engine",
+                                                           choices=("float32", "model")))  # fmt: skip
     seed: int = field(default=0, metadata=_h("engine sampling seed"))
     version: int = field(default=0, metadata=_h("weight version of the served checkpoint"))
     wait_for_learner: bool = field(default=True, metadata=_h("admit nothing until the learner reports its latest "

