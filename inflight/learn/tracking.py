@@ -81,7 +81,8 @@ def serve_scalars(event: ServeProgress | UpdateEvent) -> dict[str, float]:
 
 
 class Tracker:
-    """Where metrics go. Subclasses implement `scalars`, `table` and `close`; this base logs nothing (`none`)."""
+    """Where metrics go: `log_step`, `log_serve` and `log_samples` in terms of the three calls a subclass implements
+    (`scalars`, `table`, `close`); the base's do nothing."""
 
     def scalars(self, values: dict[str, float], step: int, wall_time: float) -> None:
         pass
@@ -102,7 +103,8 @@ class Tracker:
         self.table("samples", SAMPLE_COLUMNS, [list(dataclasses.astuple(r)) for r in rows], step)
 
 
-NoTracker = Tracker
+class NoTracker(Tracker):
+    """`--report-to none`: nothing leaves metrics.jsonl."""
 
 
 class TensorBoardTracker(Tracker):

@@ -125,13 +125,15 @@ def _typed(path: Path, where: str, key: str, value: Any, f: dataclasses.Field) -
 
 
 def table_argv(table: dict[str, Any]) -> list[str]:
-    """A side's table as its flags: `{"max_inflight": 32, "resume": True}` -> `--max-inflight 32 --resume true`."""
-    argv = []
-    for name, value in table.items():
-        text = ("true" if value else "false") if isinstance(value, bool) else repr(value) if isinstance(value, float) \
-            else str(value)  # fmt: skip
-        argv += [f"--{name.replace('_', '-')}", text]
-    return argv
+    """A side's table as its flags: `{"max_inflight": 32, "resume": True}` -> `--max-inflight=32 --resume=true` (one
+    word each, so a value that starts with `-` is not taken for an option)."""
+    return [f"--{name.replace('_', '-')}={_flag_text(value)}" for name, value in table.items()]
+
+
+def _flag_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)  # repr: every digit of a float
 
 
 # -- the command line ------------------------------------------------------------------------------------------------

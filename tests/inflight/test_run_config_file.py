@@ -177,3 +177,10 @@ def test_the_error_the_readme_quotes_is_the_one_a_bad_key_gives(tmp_path):
         load_run_file(write(tmp_path / "run.toml", "[learn]\nlos = 'ppo'\n"))
     quoted = str(caught.value).replace(str(tmp_path) + "/", "")
     assert f"`{quoted}`" in " ".join(readme_section().split())
+
+
+def test_a_table_value_that_starts_with_a_dash_reaches_its_side_as_a_value(tmp_path):
+    path = write(tmp_path / "run.toml", "[serve]\nserver-id = '-odd-name'\nprogress_s = 0.5\n")
+    _, _, _, commands = plan(["--config", str(path), "--run-dir", str(tmp_path / "r")])
+    serve = side_configs(commands)["serve"]
+    assert (serve["server_id"], serve["progress_s"]) == ("-odd-name", 0.5)
