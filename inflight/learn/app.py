@@ -140,7 +140,9 @@ class Learner:
         # `tokens` is train_step's (rank 0's trained tokens); the batch's, gated included, is the lag histogram's sum.
         record = self.service.write_step({
             "step": self.step, "version": self.version, "time": time.time(), "reward": sum(rewards) / len(rewards),
-            "lag_histogram": dict(sorted(gate.lag_histogram.items())), "groups": gate.group_ids, "lengths": lengths,
+            "lag_histogram": dict(sorted(gate.lag_histogram.items())),
+            "kv_lag_histogram": dict(sorted(gate.kv_lag_histogram.items())),
+            "groups": gate.group_ids, "lengths": lengths,
             "gated_fraction": gate.gated / max(gate.tokens, 1), "wait_s": waited,
             "step_s": step_s, "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
             **metrics, **publish,

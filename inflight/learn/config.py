@@ -26,6 +26,9 @@ class LearnConfig:
                                                             "another --group-size is refused at Hello"))  # fmt: skip
     steps: int = field(default=0, metadata=_h("stop after this many steps; 0 = until interrupted"))
     max_lag: int = field(default=4, metadata=_h("staleness gate: tokens older than this many versions are masked"))
+    max_kv_lag: int = field(default=-1, metadata=_h("KV staleness gate: tokens that attended to KV older than this "
+                                                    "many versions are masked (kv='keep' keeps a sequence's KV across "
+                                                    "commits); -1 = off"))  # fmt: skip
     loss: str = field(default="tis", metadata=_h("policy loss", choices=("tis", "ppo", "mask")))
     aggregation: str = field(default="token", metadata=_h("loss aggregation", choices=("token", "sequence")))
     advantage: str = field(default="mean", metadata=_h("group advantage", choices=("mean", "std", "loo")))
@@ -83,6 +86,7 @@ class LearnConfig:
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
         require(self.max_lag >= 0, "max_lag", self.max_lag, ">= 0")
+        require(self.max_kv_lag >= -1, "max_kv_lag", self.max_kv_lag, ">= 0, or -1 = off")
         require(self.publish_every >= 1, "publish_every", self.publish_every, ">= 1")
         require(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, ">= 1")
         require(self.lr > 0, "lr", self.lr, "> 0")

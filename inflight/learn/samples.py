@@ -2,7 +2,9 @@
 
 Called by the learner's rank 0 once per step. lag = learner version − token version, per token; a token whose lag
 exceeds `max_lag` is masked out of the loss (and counted), so a long rollout that straddled several updates still
-trains on its fresh tail. A sample whose every token is gated contributes nothing but is still consumed.
+trains on its fresh tail. kv lag = learner version − the version of the oldest KV the token attended to (≥ its lag;
+larger after a commit with kv="keep"); with `max_kv_lag` ≥ 0 a token whose kv lag exceeds it is gated too. A sample
+whose every token is gated contributes nothing but is still consumed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class GatedSample:
     advantage: float
     token_mask: list[bool]
     lags: list[int]
+    kv_lags: list[int] = field(default_factory=list)  # learner version − version of the oldest KV attended to
 
     @property
     def on_policy_prefix(self) -> list[bool]:
@@ -47,12 +50,13 @@ class GateStats:
     tokens: int = 0
     gated: int = 0
     lag_histogram: Counter = field(default_factory=Counter)
+    kv_lag_histogram: Counter = field(default_factory=Counter)
     rewards: list[float] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
 
 
-def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean"
-                  ) -> tuple[list[GatedSample], GateStats]:  # fmt: skip
+def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean",
+                  max_kv_lag: int = -1) -> tuple[list[GatedSample], GateStats]:  # fmt: skip
     from learner.advantages import group_advantages
 
     stats = GateStats()
@@ -65,11 +69,14 @@ def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advan
             lags = (version - rollout.versions.astype(np.int64)).tolist()
             # A negative lag is a token from a version this learner never made: one published by a previous life of
             # a learner that was killed and resumed from an older checkpoint. That policy is gone: gate it too.
-            keep = [0 <= lag <= max_lag for lag in lags]
+            kv_lags = (version - rollout.kv_ages.astype(np.int64)).tolist()
+            kv_ok = [max_kv_lag < 0 or kv <= max_kv_lag for kv in kv_lags]
+            keep = [0 <= lag <= max_lag and ok for lag, ok in zip(lags, kv_ok, strict=True)]
             stats.tokens += len(lags)
             stats.gated += keep.count(False)
             stats.lag_histogram.update(lags)
+            stats.kv_lag_histogram.update(kv_lags)
             stats.rewards.append(rollout.reward)
             samples.append(GatedSample(rollout.prompt.tolist(), rollout.completion.tolist(), rollout.logprobs.tolist(),
-                                  float(adv), keep, lags))  # fmt: skip
+                                  float(adv), keep, lags, kv_lags))  # fmt: skip
     return samples, stats

@@ -105,7 +105,7 @@ class LearnerService:
                     for rollout in group:
                         self.raw.pop(rollout.rollout_id, None)
                 self._send_progress(version)
-                return build_samples(groups, version, self.cfg.max_lag, self.cfg.advantage)
+                return build_samples(groups, version, self.cfg.max_lag, self.cfg.advantage, self.cfg.max_kv_lag)
             if any(self.acks.values()) or time.monotonic() - last_progress > PROGRESS_EVERY_S:
                 self._send_progress(version)
                 last_progress = time.monotonic()

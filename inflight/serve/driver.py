@@ -157,6 +157,7 @@ class RolloutDriver:
         score = await self._score(done.text, problem)
         record = make_rollout(
             prompt_ids=prompt_ids, completion_ids=done.token_ids, logprobs=done.logprobs, versions=done.versions,
+            kv_versions=done.kv_versions,
             rollout_id=f"{group_id}-{index}", group_id=group_id, group_size=cfg.group_size, index=index,
             server_id=self.server_id, model=cfg.model, reward=score, finish_reason=done.finish_reason,
             sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens, cfg.min_p),

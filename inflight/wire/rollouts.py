@@ -6,7 +6,9 @@ pickle. `decode_rollout` validates everything a learner relies on and raises `Ro
 learner counts and logs rejections instead of dropping them silently.
 
 Behaviour logprobs are vLLM's processed logprobs: log-softmax of the logits after temperature (and top-k/top-p), i.e.
-the exact distribution each token was sampled from. `token_versions[i]` is the weight version that produced token i.
+the exact distribution each token was sampled from. `token_versions[i]` is the weight version that produced token i;
+`kv_versions[i]` the version that computed the oldest KV token i attended to (vllm_patches/kv_age.py): older than
+`token_versions[i]` only when a commit with kv="keep" let the sequence go on over KV of older weights.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     times: Times
     problem_id: str = ""
     resubmissions: int = 0
+    kv_versions: bytes = b""  # int32 LE, one per completion token (-1: not recorded); empty = not recorded at all
 
     @property
     def prompt(self) -> np.ndarray:
@@ -75,10 +78,20 @@ class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def versions(self) -> np.ndarray:
         return np.frombuffer(self.token_versions, dtype="<i4")
 
+    @property
+    def kv_ages(self) -> np.ndarray:
+        """Per token, the version of the oldest KV it attended to; where unrecorded, its own version (the best bound
+        a serve that did not record it allows: a token never attends to KV newer than its weights)."""
+        if not self.kv_versions:
+            return self.versions
+        kv = np.frombuffer(self.kv_versions, dtype="<i4")
+        return np.where(kv < 0, self.versions, kv)
 
-def make_rollout(*, prompt_ids, completion_ids, logprobs, versions, **fields) -> Rollout:
+
+def make_rollout(*, prompt_ids, completion_ids, logprobs, versions, kv_versions=(), **fields) -> Rollout:
     """Build a record from Python/numpy sequences; arrays are converted to the wire dtypes."""
     return Rollout(
+        kv_versions=np.asarray(kv_versions, dtype="<i4").tobytes(),
         schema=ROLLOUT_SCHEMA,
         prompt_ids=np.asarray(prompt_ids, dtype="<i4").tobytes(),
         completion_ids=np.asarray(completion_ids, dtype="<i4").tobytes(),
@@ -128,13 +141,16 @@ def _peek_schema(data: bytes) -> int | None:
 
 
 def validate_rollout(r: Rollout) -> None:
-    for name in ("prompt_ids", "completion_ids", "behaviour_logprobs", "token_versions"):
+    for name in ("prompt_ids", "completion_ids", "behaviour_logprobs", "token_versions", "kv_versions"):
         if len(getattr(r, name)) % 4:
             raise RolloutError(f"rollout.{name} has {len(getattr(r, name))} bytes, not a multiple of 4")
     n = len(r.completion_ids) // 4
-    for name in ("behaviour_logprobs", "token_versions"):
-        if len(getattr(r, name)) // 4 != n:
+    for name in ("behaviour_logprobs", "token_versions", "kv_versions"):
+        if len(getattr(r, name)) // 4 != n and not (name == "kv_versions" and not r.kv_versions):
             raise RolloutError(f"rollout.{name} has {len(getattr(r, name)) // 4} entries, completion_ids has {n}")
+    if r.kv_versions and bool((r.kv_ages > r.versions).any()):
+        raise RolloutError("rollout.kv_versions has a version newer than its token's: a token attends only to KV its "
+                           "own or older weights computed")  # fmt: skip
     if not r.prompt_ids:
         raise RolloutError("rollout.prompt_ids is empty; every sample needs its prompt")
     if not 0 <= r.index < r.group_size:

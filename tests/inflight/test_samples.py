@@ -1,15 +1,18 @@
-"""From groups to samples: the per-token staleness gate and the on-policy probe mask."""
+"""From groups to samples: the per-token staleness gate, the KV staleness gate and the on-policy probe mask."""
 
 from __future__ import annotations
 
+import pytest
+
 from inflight.learn.samples import build_samples
-from inflight.wire.rollouts import Sampling, Times, make_rollout
+from inflight.wire.rollouts import RolloutError, Sampling, Times, decode_rollout, encode_rollout, make_rollout
 
 
-def rollout(index: int, versions: list[int], reward: float):
+def rollout(index: int, versions: list[int], reward: float, kv_versions: list[int] = ()):
     n = len(versions)
     return make_rollout(prompt_ids=[1, 2], completion_ids=list(range(3, 3 + n)), logprobs=[-1.0] * n,
-                        versions=versions, rollout_id=f"g-{index}", group_id="g", group_size=2, index=index,
+                        versions=versions, kv_versions=kv_versions, rollout_id=f"g-{index}", group_id="g",
+                        group_size=2, index=index,
                         server_id="s@1", model="tiny-llama", reward=reward, finish_reason="length",
                         sampling=Sampling(1.0), times=Times(0.0, 0.0, 0.0))  # fmt: skip
 
@@ -30,3 +33,27 @@ def test_the_mismatch_probe_takes_lag0_tokens_only_after_an_all_lag0_prefix():
     samples, _ = build_samples([[rollout(0, [4, 4, 5, 5], 1.0), rollout(1, [5, 5, 4, 5], 0.0)]], 5, max_lag=2)
     assert samples[0].on_policy_prefix == [False, False, False, False]
     assert samples[1].on_policy_prefix == [True, True, False, False]
+
+
+def test_the_kv_gate_masks_tokens_that_attended_to_kv_older_than_max_kv_lag():
+    # A sequence prefilled under v3 and kept across two commits (kv="keep"): its v5 tokens attend to v3's KV.
+    kept = rollout(0, [3, 4, 5, 5], 1.0, kv_versions=[3, 3, 3, 3])
+    fresh = rollout(1, [5, 5, 5, 5], 0.0, kv_versions=[5, 5, 5, 5])
+    samples, stats = build_samples([[kept, fresh]], 5, max_lag=4)
+    assert samples[0].kv_lags == [2, 2, 2, 2] and samples[0].token_mask == [True] * 4  # off by default
+    assert stats.kv_lag_histogram == {2: 4, 0: 4} and stats.lag_histogram == {2: 1, 1: 1, 0: 6}
+    samples, stats = build_samples([[kept, fresh]], 5, max_lag=4, max_kv_lag=1)
+    assert samples[0].token_mask == [False] * 4 and samples[1].token_mask == [True] * 4 and stats.gated == 4
+
+
+def test_a_rollout_without_kv_versions_reads_its_token_versions_as_kv_ages():
+    samples, stats = build_samples([[rollout(0, [4, 5], 1.0), rollout(1, [5, 5], 0.0)]], 5, max_lag=1)
+    assert samples[0].kv_lags == samples[0].lags == [1, 0] and stats.kv_lag_histogram == {1: 1, 0: 3}
+    marked = rollout(0, [4, 5], 1.0, kv_versions=[-1, 4])  # -1: the serve recorded none for that token
+    assert marked.kv_ages.tolist() == [4, 4]
+
+
+@pytest.mark.parametrize(("kv", "message"), [([4, 6], "newer than its token's"), ([4], "kv_versions has 1 entries")])
+def test_kv_versions_newer_than_the_token_or_of_another_length_are_refused(kv: list[int], message: str):
+    with pytest.raises(RolloutError, match=message):
+        decode_rollout(encode_rollout(rollout(0, [4, 5], 1.0, kv_versions=kv)))
