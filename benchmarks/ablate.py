@@ -17,8 +17,15 @@ core 1) in `<out>/<mode>/`; then one table (`<out>/ABLATION.md`, also printed) a
 Columns: time to target (first time the moving mean of the batch reward over 5 steps reaches `--target`, seconds
 since both sides were ready; "—" if never), reward at the budget (mean over the last 20% of steps), learner steps,
 generated tokens/s (serve), serve idle fraction (starved + stalled by updates), learner idle fraction (waiting for
-rollouts), commit stall mean / p99, token lag distribution (fraction of trained tokens at lag 0, 1, 2+), requests
-resubmitted and tokens prefilled again by abort-resume, lag-0 logprob mismatch (learner vs behaviour).
+rollouts), commit stall mean / p99, token lag distribution (fraction of trained tokens at lag 0, 1, 2+), the same for
+the KV lag (learner version − version of the oldest KV a token attended to: older than the token's own version after
+a commit with kv="keep"), requests resubmitted and tokens prefilled again by abort-resume, lag-0 logprob mismatch
+(learner vs behaviour).
+
+kv="keep" vs kv="recompute" under never-stop: one run each, e.g.
+
+    python -m benchmarks.ablate --modes never-stop --out benchmarks/results/ablate-kv/recompute \\
+        -- --serve-args "--kv recompute"
 """
 
 from __future__ import annotations
@@ -43,22 +50,38 @@ def time_to_target(run_dir: Path, target: float, window: int = 5) -> float:
     return float("nan")
 
 
+def kv_lag_tokens(run_dir: Path) -> dict[int, int]:
+    """Tokens per KV lag over all steps ({} for a run from before KV ages were recorded)."""
+    total: dict[int, int] = {}
+    for s in read_steps(run_dir / "metrics.jsonl"):
+        for lag, n in (s.kv_lag_histogram or {}).items():
+            total[lag] = total.get(lag, 0) + n
+    return total
+
+
+def lag_shares(histogram: dict) -> str:
+    """'share at 0 / 1 / 2+' of a lag histogram; '—' when empty."""
+    h = {int(k): v for k, v in histogram.items()}
+    total = sum(h.values())
+    if not total:
+        return "—"
+    old = sum(v for k, v in h.items() if k >= 2)
+    return f"{h.get(0, 0) / total:.2f} / {h.get(1, 0) / total:.2f} / {old / total:.2f}"
+
+
 def table(rows: list[dict], target: float) -> str:
     head = (
         f"| mode | time to reward {target:g} (s) | reward at budget | steps | gen tok/s | serve idle | learner idle "
-        "| stall ms mean / p99 | lag 0 / 1 / 2+ | resubmitted / recomputed tok | mismatch lag0 |"
+        "| stall ms mean / p99 | lag 0 / 1 / 2+ | kv lag 0 / 1 / 2+ | resubmitted / recomputed tok | mismatch lag0 |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        h = {int(k): v for k, v in r["lag_histogram"].items()}
-        total = sum(h.values()) or 1
-        old = sum(v for k, v in h.items() if k >= 2)
-        lag = f"{h.get(0, 0) / total:.2f} / {h.get(1, 0) / total:.2f} / {old / total:.2f}"
+        lag, kv = lag_shares(r["lag_histogram"]), lag_shares(r.get("kv_lag_histogram", {}))
         ttt = "—" if r["time_to_target_s"] != r["time_to_target_s"] else f"{r['time_to_target_s']:.0f}"
         lines.append(
             f"| {r['mode']} | {ttt} | {r['reward_last']:.3f} ± {r['reward_last_se']:.3f} | {r['steps']} "
             f"| {r['gen_tokens_per_s']:.1f} | {r['serve_idle_fraction']:.2f} | {r['learner_wait_fraction']:.2f} "
-            f"| {1e3 * r['stall_mean_s']:.0f} / {1e3 * r['stall_p99_s']:.0f} | {lag} "
+            f"| {1e3 * r['stall_mean_s']:.0f} / {1e3 * r['stall_p99_s']:.0f} | {lag} | {kv} "
             f"| {r['resubmitted']} / {r['recomputed_tokens']} | {r['mismatch_lag0']:.2e} |"
         )
     return "\n".join(lines)
@@ -141,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     codes, summaries = run_modes(modes, args.duration_s, out, extra, reuse=args.reuse, tag="ablate")
     for s in summaries:
         s["time_to_target_s"] = time_to_target(Path(s["run_dir"]), args.target)
+        s["kv_lag_histogram"] = {str(k): v for k, v in sorted(kv_lag_tokens(Path(s["run_dir"])).items())}
     result = table(summaries, args.target)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ABLATION.md").write_text(result + "\n")

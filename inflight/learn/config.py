@@ -113,5 +113,12 @@ class LearnConfig:
         """What a serve must agree on (inflight/wire/contract.py); after `main` resolved `--autocast auto`. The compute
         dtype is the decoder's autocast dtype, or the parameter dtype without autocast."""
         dtype = self.dtype if self.autocast == "none" else self.autocast
-        return RunContract(group_size=self.group_size, temperature=self.temperature, top_p=self.top_p,
-                           top_k=max(self.top_k, 0), min_p=self.min_p, dtype=dtype)  # fmt: skip
+        return RunContract(
+            group_size=self.group_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            dtype=dtype,
+            head_dtype=self.dtype,
+        )  # the parameter dtype: autocast never covers the LM head

@@ -60,6 +60,7 @@ class WeightPublisher:
         self.timeout_s, self.bucket_bytes, self.quiet_after_s = timeout_s, bucket_bytes, quiet_after_s
         self.store = open_store(GroupAddress(host, store_port, 1, timeout_s=timeout_s), is_host=True)
         self.membership = Membership(self._mismatch)
+        self._head_warned: set[str] = set()  # serves warned about a differing LM head precision (once each)
         self.group: WeightsGroup | None = None
         self.expected: dict[str, tuple[str, list[int]]] | None = None  # what the learner sends: name -> (dtype, shape)
         self.contract: RunContract | None = None  # what the learner trains for; None = no check (unit tests)
@@ -103,7 +104,13 @@ class WeightPublisher:
     def _mismatch(self, hello: Hello) -> str:
         """'' if the serve's tensors can take the learner's update and its contract is the learner's, else the first
         mismatch in words (the model first: a serve of another model is that, whatever its contract says)."""
-        return self._tensor_mismatch(hello) or self._contract_mismatch(hello)
+        problem = self._tensor_mismatch(hello) or self._contract_mismatch(hello)
+        if not problem and self.contract is not None and hello.contract is not None:
+            warning = hello.contract.head_warning(self.contract, hello.server_id)
+            if warning and hello.server_id not in self._head_warned:
+                self._head_warned.add(hello.server_id)
+                log.warning("%s", warning)
+        return problem
 
     def _contract_mismatch(self, hello: Hello) -> str:
         if self.contract is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from inflight.config import require
 from inflight.learn.tracking import REPORT_TO
 from inflight.serve.config import MODES
-from inflight.wire.contract import GROUP_SIZE, TEMPERATURE
+from inflight.wire.contract import GROUP_SIZE, MIN_P, TEMPERATURE, TOP_K, TOP_P
 
 
 def _h(text: str, **kw) -> dict:
@@ -60,6 +60,10 @@ class RunConfig:
     max_tokens: int = field(default=48, metadata=_h("completion budget per sample"))
     temperature: float = field(default=TEMPERATURE, metadata=_h("sampling temperature (the learner computes "
                                                                 "logprobs at it)"))  # fmt: skip
+    top_p: float = field(default=TOP_P, metadata=_h("nucleus sampling, 1.0 = off; the learner computes its logprobs "
+                                                    "under the same truncation (learner/truncation.py)"))  # fmt: skip
+    top_k: int = field(default=TOP_K, metadata=_h("top-k sampling, 0 = off; both sides get it"))
+    min_p: float = field(default=MIN_P, metadata=_h("min-p sampling, 0.0 = off; both sides get it"))
     lr: float = field(default=1e-5, metadata=_h("AdamW learning rate"))
     max_lag: int = field(default=4, metadata=_h("learner staleness gate: tokens older than this are masked"))
     admit_lag: int = field(default=1, metadata=_h("serve admits a group only while admitted - consumed < "

@@ -37,12 +37,14 @@ def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int],
 
     tables = tables or {}
     rollouts, control, weights = ports
+    # the sampler's truncation: the serve samples with it, the learner computes its logprobs under it
+    sampling = ["--top-p", repr(cfg.top_p), "--top-k", str(cfg.top_k), "--min-p", repr(cfg.min_p)]
     shared_serve = [
         "--model", cfg.model, "--task", cfg.task, "--mode", cfg.mode, "--group-size", str(cfg.group_size),
         "--groups-per-step", str(cfg.groups_per_step), "--max-tokens", str(cfg.max_tokens),
         "--temperature", repr(cfg.temperature), "--max-lag", str(cfg.admit_lag), "--task-seed", str(cfg.seed),
         "--seed", str(cfg.seed), "--rollouts", f"tcp://{cfg.host}:{rollouts}", "--control", f"tcp://{cfg.host}:{control}",
-        "--metrics", str(run_dir / "serve-metrics.jsonl"), "--dtype", cfg.dtype,
+        "--metrics", str(run_dir / "serve-metrics.jsonl"), "--dtype", cfg.dtype, *sampling,
     ]  # fmt: skip
     if cfg.reward:
         shared_serve += ["--reward", cfg.reward]
@@ -53,7 +55,7 @@ def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int],
         "--weights-port", str(weights), "--groups-per-step", str(cfg.groups_per_step), "--steps", str(cfg.steps),
         "--max-lag", str(cfg.max_lag), "--temperature", repr(cfg.temperature), "--lr", repr(cfg.lr),
         "--seed", str(cfg.seed), "--run-dir", str(run_dir), "--autocast", LEARN_AUTOCAST[cfg.dtype],
-        "--group-size", str(cfg.group_size), "--report-to", cfg.report_to,
+        "--group-size", str(cfg.group_size), "--report-to", cfg.report_to, *sampling,
     ]  # fmt: skip
     if parse_gpus(cfg.learn_gpus):
         shared_learn += ["--backend", "nccl"]

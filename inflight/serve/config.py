@@ -110,7 +110,8 @@ class ServeConfig:
         """What this serve samples with, for `Hello` (inflight/wire/contract.py); once `main` resolved `--dtype`."""
         # vLLM reads top_k -1 and 0 both as off; the contract holds 0
         return RunContract(group_size=self.group_size, temperature=self.temperature, top_p=self.top_p,
-                           top_k=max(self.top_k, 0), min_p=self.min_p, dtype=self.dtype)  # fmt: skip
+                           top_k=max(self.top_k, 0), min_p=self.min_p, dtype=self.dtype,
+                           head_dtype="float32" if self.head_dtype == "float32" else self.dtype)  # fmt: skip
 
     def resolved_server_id(self) -> str:
         return self.server_id or f"{socket.gethostname()}-{os.getpid()}"

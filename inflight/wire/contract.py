@@ -12,6 +12,11 @@ The learner's gradient is only the one its rollouts call for if both sides mean 
 - `dtype`: the compute precision (the serve's engine dtype; the learner's autocast dtype, or its parameter dtype
   without autocast), always resolved (`auto` never travels: inflight/machine.py:resolve_precision runs first).
 
+Advisory, not refused: `head_dtype`, the LM head's precision (the serve's `--head-dtype float32`, else its engine
+dtype; the learner's parameter dtype — autocast never covers its head). Two heads of different precision only move the
+lag-0 mismatch floor (3.6e-2 with a bf16 serve head against 1e-2 with an fp32 one on SmolLM2: BENCHMARKS.md), so the
+learner warns (`RunContract.head_warning`) and goes on.
+
 The learner (inflight/learn/membership.py:Membership.receive) refuses a serve whose contract differs, before any
 weights move, naming the first differing field, both values and the flag that fixes it (`RunContract.mismatch`).
 
@@ -40,6 +45,7 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     top_p: float = TOP_P
     top_k: int = TOP_K
     min_p: float = MIN_P
+    head_dtype: str = ""  # advisory: the LM head's precision ('' = not said); see the module docstring
     dtype: str  # resolved compute dtype: 'float32', 'bfloat16' or 'float16'
 
     def __post_init__(self) -> None:
@@ -50,12 +56,22 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def mismatch(self, learner: RunContract, server_id: str) -> str:
         """'' when this serve's contract is the `learner`'s, else the first differing field in words with its fix."""
         for name in self.__struct_fields__:
+            if name == "head_dtype":
+                continue  # advisory: head_warning
             mine, theirs = getattr(self, name), getattr(learner, name)
             numeric = isinstance(mine, float) or isinstance(theirs, float)
             same = abs(mine - theirs) <= _TOLERANCE if numeric else mine == theirs
             if not same:
                 return f"serve {server_id}: {name} {mine}, but {_REASONS[name](theirs, mine)}"
         return ""
+
+    def head_warning(self, learner: RunContract, server_id: str) -> str:
+        """'' when both LM heads compute in the same precision (or either did not say), else a warning with the fix."""
+        if not self.head_dtype or not learner.head_dtype or self.head_dtype == learner.head_dtype:
+            return ""
+        return (f"serve {server_id} computes its LM head in {self.head_dtype}, this learner in {learner.head_dtype}: "
+                "the two heads' rounding adds to every lag-0 logprob mismatch; start the serve with --head-dtype "
+                f"{'float32' if learner.head_dtype == 'float32' else 'model'}")  # fmt: skip
 
 
 def _dtype_reason(learner: str, serve: str) -> str:

@@ -184,3 +184,10 @@ def test_a_table_value_that_starts_with_a_dash_reaches_its_side_as_a_value(tmp_p
     _, _, _, commands = plan(["--config", str(path), "--run-dir", str(tmp_path / "r")])
     serve = side_configs(commands)["serve"]
     assert (serve["server_id"], serve["progress_s"]) == ("-odd-name", 0.5)
+
+
+def test_the_run_gives_both_sides_the_same_sampler_truncation(tmp_path):
+    _, _, _, commands = plan(["--run-dir", str(tmp_path / "run"), "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05"])
+    configs = side_configs(commands)
+    for side in ("serve", "learn"):
+        assert (configs[side]["top_p"], configs[side]["top_k"], configs[side]["min_p"]) == (0.9, 20, 0.05), side

@@ -94,3 +94,22 @@ def test_hello_carries_the_contract_and_an_old_schema_hello_is_refused_naming_th
     unresolved = msgspec.msgpack.encode({"type": "hello", "schema": CONTROL_SCHEMA, "contract": {"dtype": "auto"}})
     with pytest.raises(ControlError, match="resolved compute dtype"):
         decode_control(unresolved, to="learner")
+
+
+def test_lm_head_precisions_that_differ_warn_with_the_fix_and_are_never_refused():
+    learner = RunContract(dtype="bfloat16", head_dtype="float32")  # bf16 autocast, fp32 parameters (its head)
+    bf16_head = RunContract(dtype="bfloat16", head_dtype="bfloat16")
+    assert bf16_head.mismatch(learner, "s@1") == ""
+    warning = bf16_head.head_warning(learner, "s@1")
+    assert "LM head in bfloat16, this learner in float32" in warning and "--head-dtype float32" in warning
+    assert RunContract(dtype="bfloat16", head_dtype="float32").head_warning(learner, "s@1") == ""
+    assert RunContract(dtype="bfloat16").head_warning(learner, "s@1") == ""  # a serve that did not say
+
+
+def test_the_serve_and_learner_configs_declare_their_heads_precision():
+    from inflight.learn.config import LearnConfig
+    from inflight.serve.config import ServeConfig
+
+    assert ServeConfig(dtype="bfloat16").contract().head_dtype == "float32"  # --head-dtype float32 by default
+    assert ServeConfig(dtype="bfloat16", head_dtype="model").contract().head_dtype == "bfloat16"
+    assert LearnConfig(dtype="float32", autocast="bfloat16").contract().head_dtype == "float32"
