@@ -25,17 +25,21 @@ async def serve(cfg: ServeConfig) -> int:
     from inflight.models import resolve_model
     from inflight.serve.control import ControlClient
     from inflight.serve.driver import RolloutDriver
+    from inflight.serve.eval import Evaluation, load_eval_problems
     from inflight.serve.latency import parse_latency
     from inflight.serve.progress import ProgressReporter
     from inflight.serve.stream import RolloutStream
-    from inflight.tasks.loading import load_reward, load_task
+    from inflight.tasks.loading import load_task
+    from inflight.tasks.rewards import load_rewards
     from inflight.wire.control import TensorSpec
     from vllm_patches.engine import EngineConfig, InflightEngine
 
     model_path = resolve_model(cfg.model)
     contract = cfg.contract()  # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
-    problems, default_reward = load_task(cfg.task, cfg.task_seed, cfg.max_operand)
-    reward = load_reward(cfg.reward or default_reward)
+    problems, default_reward = load_task(cfg.task, cfg.task_seed, cfg.max_operand, cfg.prompt_key, cfg.answer_key,
+                                         cfg.system_prompt)  # fmt: skip
+    rewards = load_rewards(cfg.reward or default_reward, cfg.reward_weights, cfg.reward_convention)
+    held_out = load_eval_problems(cfg) if cfg.eval_task else None
     latency = parse_latency(cfg.tool_latency, cfg.seed) if cfg.tool_latency else None
     engine = await InflightEngine.start(
         EngineConfig(model=str(model_path), max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
@@ -54,10 +58,14 @@ async def serve(cfg: ServeConfig) -> int:
 
         keys = derive_keys(read_secret(cfg.secret_file))
     stream = RolloutStream(cfg.rollouts, keys=keys)
-    driver = RolloutDriver(engine, cfg, problems, reward, stream, AutoTokenizer.from_pretrained(model_path), latency)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    driver = RolloutDriver(engine, cfg, problems, rewards, stream, tokenizer, latency)
     control = ControlClient(cfg.control, driver, tensors, keys=keys, contract=contract)
     reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s)
     control.on_update = reporter.update_event
+    if held_out:
+        driver.evaluation = Evaluation(engine, cfg, held_out, rewards, tokenizer, driver.server_id,
+                                       reporter.eval_result)  # fmt: skip
     try:
         return await _run(cfg, driver, stream, control, reporter)
     finally:

@@ -24,10 +24,28 @@ class ServeConfig:
     server_id: str = field(default="", metadata=_h("name (default <hostname>-<pid>); records say <name>@<run>"))
     rollouts: str = field(default="tcp://127.0.0.1:5555", metadata=_h("learner's rollout address (ZeroMQ PUSH to it)"))
     control: str = field(default="tcp://127.0.0.1:5556", metadata=_h("learner's control address (ZeroMQ DEALER)"))
-    task: str = field(default="arithmetic", metadata=_h("'arithmetic' or 'jsonl:<path>'"))
+    task: str = field(default="arithmetic", metadata=_h("'arithmetic', 'jsonl:<path>', 'parquet:<path>' "
+                                                        "or 'hf:<saved dir or dataset name>[@split]'"))  # fmt: skip
+    prompt_key: str = field(default="prompt", metadata=_h("column holding the prompt: a string or chat messages"))
+    answer_key: str = field(default="answer", metadata=_h("column holding the reference answer; empty = none"))
+    system_prompt: str = field(default="", metadata=_h("system message put before every prompt; empty = none"))
     task_seed: int = field(default=0, metadata=_h("seed of the prompt stream"))
     max_operand: int = field(default=20, metadata=_h("arithmetic difficulty: operands in [0, max_operand]"))
-    reward: str = field(default="", metadata=_h("reward as module:function (sync or async); empty = the task's own"))
+    reward: str = field(default="", metadata=_h("rewards as module:function[,module:function...], f(text, problem) "
+                                                "or TRL's f(prompts, completions, **columns); empty = the task's "
+                                                "own"))  # fmt: skip
+    reward_weights: str = field(default="", metadata=_h("one weight per --reward, comma-separated; empty = all 1.0"))
+    reward_convention: str = field(default="auto", metadata=_h("auto = by each reward's signature; sample = "
+                                                               "f(text, problem); group = TRL's per-group call",
+                                                               choices=("auto", "sample", "group")))  # fmt: skip
+    reward_constant_steps: int = field(default=10, metadata=_h("warn once when a reward is the same on every sample "
+                                                               "of this many steps in a row; 0 = never"))  # fmt: skip
+    eval_task: str = field(default="", metadata=_h("held-out task scored between groups (as --task, "
+                                                   "e.g. hf:dir@test; same keys, rewards); empty = none"))  # fmt: skip
+    eval_every: int = field(default=0, metadata=_h("score --eval-task each time the served version reaches a "
+                                                   "multiple of this (learner versions); 0 = never"))  # fmt: skip
+    eval_problems: int = field(default=64, metadata=_h("problems of --eval-task per eval (its first ones)"))
+    eval_temperature: float = field(default=0.0, metadata=_h("eval sampling temperature; 0 = greedy"))
     group_size: int = field(default=GROUP_SIZE, metadata=_h("completions sampled per prompt (the learner's "
                                                             "--group-size: another is refused)"))  # fmt: skip
     max_inflight: int = field(default=64, metadata=_h("most requests generating at once"))
@@ -93,6 +111,13 @@ class ServeConfig:
         require(self.max_lag >= -1, "max_lag", self.max_lag, ">= -1")
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
         require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
+        require(self.eval_every >= 0, "eval_every", self.eval_every, ">= 0 (0 = no eval)")
+        require(not self.eval_every or bool(self.eval_task), "eval_every", self.eval_every,
+                "0 without --eval-task (pass --eval-task <held-out split>)")  # fmt: skip
+        require(self.eval_every > 0 or not self.eval_task, "eval_every", self.eval_every,
+                f"> 0 with --eval-task {self.eval_task!r} (how many versions between evals)")  # fmt: skip
+        require(self.eval_problems >= 1, "eval_problems", self.eval_problems, ">= 1")
+        require(self.eval_temperature >= 0, "eval_temperature", self.eval_temperature, ">= 0 (0 = greedy)")
         require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "> 0 GiB (fractions allowed, e.g. 0.25)")
         from inflight.wire.memory import trim_every_s
 

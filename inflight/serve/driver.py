@@ -18,12 +18,12 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inflight.serve.config import ServeConfig
 from inflight.serve.stream import RolloutStream
 from inflight.tasks.base import Problem
-from inflight.tasks.loading import AsyncReward
+from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
 from inflight.wire.rollouts import Sampling, Times, encode_rollout, make_rollout
 
 log = logging.getLogger("inflight.serve")
@@ -35,15 +35,18 @@ class DriverStats:
     groups_finished: int = 0
     requests_inflight: int = 0  # admitted and not finished generating
     samples_open: int = 0  # admitted and not yet handed to the rollout stream (generating, waiting on a tool, scoring)
-    reward_errors: int = 0
+    reward_errors: int = 0  # reward calls that failed (their samples scored 0.0): inflight/tasks/rewards.py
     rewards_sum: float = 0.0
     rollouts_made: int = 0
+    reward_means: RewardMeans = field(default_factory=RewardMeans)  # each reward's own mean, over every sample
 
 
 class RolloutDriver:
-    def __init__(self, engine, cfg: ServeConfig, problems: Iterable[Problem], reward: AsyncReward,
+    def __init__(self, engine, cfg: ServeConfig, problems: Iterable[Problem], rewards: list[Reward],
                  stream: RolloutStream, tokenizer, tool_latency: Callable[[], float] | None = None):  # fmt: skip
-        self.engine, self.cfg, self.reward, self.stream = engine, cfg, reward, stream
+        self.engine, self.cfg, self.rewards, self.stream = engine, cfg, rewards, stream
+        self.constant_watch = ConstantRewardWatch(cfg.groups_per_step, cfg.reward_constant_steps)
+        self.evaluation = None  # an inflight/serve/eval.py:Evaluation when --eval-task is given
         self.tokenizer, self.tool_latency = tokenizer, tool_latency
         # One incarnation per process: a serve restarted under the same --server-id is a new stream to the learner,
         # so its group ids and consumed counts start afresh instead of colliding with those of its previous life.
@@ -100,7 +103,11 @@ class RolloutDriver:
     async def run(self) -> None:
         """Admit groups for as long as the driver runs; each group is its own task."""
         for group_index in itertools.count():
-            while not self.can_admit():
+            while True:
+                if self.evaluation is not None and self.evaluation.due():
+                    await self.evaluation.run()  # between groups: admission waits, generating groups go on
+                if self.can_admit():
+                    break
                 self._changed.clear()
                 await self._changed.wait()
             problem = next(self._problems)
@@ -127,19 +134,29 @@ class RolloutDriver:
             await asyncio.wait(set(self._tasks))
 
     async def _run_group(self, group_index: int, problem: Problem) -> None:
+        """Generate the group, score it (every reward once per group: TRL's convention needs all completions), then
+        hand its records to the stream."""
         group_id = f"{self.server_id}-g{group_index}"
         prompt_ids = self._prompt_ids(problem)
-        await asyncio.gather(*(self._run_sample(group_id, i, problem, prompt_ids) for i in range(self.cfg.group_size)))
-        self.stats.groups_finished += 1
-
-    async def _run_sample(self, group_id: str, index: int, problem: Problem, prompt_ids: list[int]) -> None:
+        n = self.cfg.group_size
         try:
-            await self._generate_and_send(group_id, index, problem, prompt_ids)
+            samples = await asyncio.gather(*(self._generate(group_id, i, prompt_ids) for i in range(n)))
+            scores = await score_group(self.rewards, problem, [d.text for d, _, _ in samples],
+                                       [d.token_ids for d, _, _ in samples])  # fmt: skip
+            self._account(scores)
+            for index, (done, submitted, finished) in enumerate(samples):
+                record = self._record(group_id, index, problem, prompt_ids, done, scores.total[index],
+                                      Times(submitted, done.first_token_time or finished, finished))  # fmt: skip
+                self.stats.rollouts_made += 1
+                self.stats.rewards_sum += scores.total[index]
+                self.stream.offer(encode_rollout(record), group_id)
+            self.stats.groups_finished += 1
         finally:
-            self.stats.samples_open -= 1
+            self.stats.samples_open -= n
             self.notify()
 
-    async def _generate_and_send(self, group_id: str, index: int, problem: Problem, prompt_ids: list[int]) -> None:
+    async def _generate(self, group_id: str, index: int, prompt_ids: list[int]):
+        """One sample (after its simulated tool latency): (completion, submitted, finished)."""
         from vllm import SamplingParams
 
         cfg = self.cfg
@@ -154,32 +171,29 @@ class RolloutDriver:
         finished = time.time()
         if self.tool_latency is not None:
             await asyncio.sleep(self.tool_latency())
-        score = await self._score(done.text, problem)
-        record = make_rollout(
+        return done, submitted, finished
+
+    def _record(self, group_id: str, index: int, problem: Problem, prompt_ids: list[int], done, score: float,
+                times: Times):  # fmt: skip
+        cfg = self.cfg
+        return make_rollout(
             prompt_ids=prompt_ids, completion_ids=done.token_ids, logprobs=done.logprobs, versions=done.versions,
             kv_versions=done.kv_versions,
             rollout_id=f"{group_id}-{index}", group_id=group_id, group_size=cfg.group_size, index=index,
             server_id=self.server_id, model=cfg.model, reward=score, finish_reason=done.finish_reason,
             sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens, cfg.min_p),
-            times=Times(submitted, done.first_token_time or finished, finished),
-            problem_id=problem.id, resubmissions=done.resubmissions,
+            times=times, problem_id=problem.id, resubmissions=done.resubmissions,
         )  # fmt: skip
-        self.stats.rollouts_made += 1
-        self.stats.rewards_sum += score
-        self.stream.offer(encode_rollout(record), group_id)
 
-    async def _score(self, text: str, problem: Problem) -> float:
-        try:
-            return await self.reward(text, problem)
-        except Exception as exc:  # a buggy reward must not lose the sample: score 0, count, log
-            self.stats.reward_errors += 1
-            log.error("reward failed on %s (scored 0.0): %r", problem.id, exc)
-            return 0.0
+    def _account(self, scores: GroupScores) -> None:
+        """Per-reward means and failures for the progress lines; the constant-reward warning."""
+        self.stats.reward_errors += scores.errors
+        self.stats.reward_means.add(scores)
+        for warning in self.constant_watch.add(scores):
+            log.warning(warning)
 
     def _prompt_ids(self, problem: Problem) -> list[int]:
-        messages = [{"role": "user", "content": problem.question}]
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))  # fmt: skip
+        return prompt_token_ids(self.tokenizer, problem)
 
     async def stop(self) -> None:
         """Stop admitting; cancel generating groups (their partial samples are not rollouts)."""
@@ -187,3 +201,9 @@ class RolloutDriver:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def prompt_token_ids(tokenizer, problem: Problem) -> list[int]:
+    """The chat template applied to the problem's messages (system prompt included), ready for generation."""
+    return list(tokenizer.apply_chat_template(problem.chat(), add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))  # fmt: skip

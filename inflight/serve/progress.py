@@ -1,6 +1,7 @@
 """Serve's progress: one line to stderr and one JSON line to `--metrics` every `--progress-s` seconds, plus an event
-line per weight update. The JSONL is what `inflight.run` plots (generation tokens/s over time with update markers); its
-lines are the records `ServeProgress` and `UpdateEvent` of inflight/wire/records.py, which the readers decode."""
+line per weight update and per held-out eval. The JSONL is what `inflight.run` plots (generation tokens/s over time
+with update markers); its lines are the records `ServeProgress`, `UpdateEvent` and `EvalResult` of
+inflight/wire/records.py, which the readers decode."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from inflight.wire.records import ServeProgress, UpdateEvent, encode_line
+from inflight.wire.records import EvalResult, ServeProgress, UpdateEvent, encode_line
 
 
 class ProgressReporter:
@@ -41,12 +42,20 @@ class ProgressReporter:
             groups_consumed=d.groups_consumed, mean_reward=d.stats.rewards_sum / made,
             reward_errors=d.stats.reward_errors, idle_s=d.engine.idle_s, stalled_s=d.engine.stalled_s,
             resubmitted=d.engine.resubmitted, recomputed_tokens=d.engine.recomputed_tokens,
+            reward_means=d.stats.reward_means.means(),
         )  # fmt: skip
 
     def update_event(self, done) -> None:
         self.write(UpdateEvent(time=time.time(), server_id=self.driver.server_id, version=done.version, ok=done.ok,
                                error=done.error, stall_s=done.stall_s, total_s=done.total_s, receive_s=done.receive_s,
                                commit_s=done.commit_s))  # fmt: skip
+
+    def eval_result(self, result: EvalResult) -> None:
+        """An eval finished: its record into the metrics file and one line on stderr."""
+        self.write(result)
+        print(f"[serve {result.server_id}] eval v{result.version} | {result.task} | n {result.n} | reward "
+              f"{result.mean_reward:.3f}{_each(result.reward_means)} | accuracy {result.accuracy:.3f} | "
+              f"{result.eval_s:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
 
     async def run(self) -> None:
         while True:
@@ -56,6 +65,12 @@ class ProgressReporter:
             line = (
                 f"[serve {s.server_id}] v{s.version} | {s.tokens_per_s:.1f} tok/s | inflight {s.inflight}"
                 f" | outbox {s.outbox} | sent {s.rollouts_sent} | groups {s.groups_admitted}"
-                f" (consumed {s.groups_consumed}) | reward {s.mean_reward:.3f}"
+                f" (consumed {s.groups_consumed}) | reward {s.mean_reward:.3f}{_each(s.reward_means)}"
+                f"{f' | reward errors {s.reward_errors}' if s.reward_errors else ''}"
             )
             print(line, file=sys.stderr, flush=True)
+
+
+def _each(means: dict[str, float]) -> str:
+    """Per-reward means after the combined one, when there are several rewards: " (format 1.000, answer 0.250)"."""
+    return f" ({', '.join(f'{k} {v:.3f}' for k, v in means.items())})" if len(means) > 1 else ""

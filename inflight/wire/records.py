@@ -2,8 +2,9 @@
 them (the run report, the benchmarks, the simulator's calibration).
 
 - `<run_dir>/metrics.jsonl`: one `StepMetrics` per learner step, written by `inflight/learn/app.py:Learner._log`.
-- `serve-metrics.jsonl` (the serve's `--metrics`): `ServeProgress` every `--progress-s` seconds and one `UpdateEvent`
-  per weight update, written by `inflight/serve/progress.py:ProgressReporter`; the `event` field tells them apart.
+- `serve-metrics.jsonl` (the serve's `--metrics`): `ServeProgress` every `--progress-s` seconds, one `UpdateEvent`
+  per weight update and one `EvalResult` per held-out eval, written by `inflight/serve/progress.py:ProgressReporter`;
+  the `event` field tells them apart.
 
 Writers build the Struct and encode it with `encode_line`; readers decode each line into it with `read_steps` /
 `read_serve_events`. A field renamed on one side, missing, of the wrong type or unknown therefore raises `RecordError`
@@ -75,7 +76,9 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     kv_lag_histogram: dict[int, int] | None = None
 
 
-class ServeProgress(msgspec.Struct, tag_field="event", tag="progress", kw_only=True, forbid_unknown_fields=True):
+class ServeProgress(
+    msgspec.Struct, tag_field="event", tag="progress", kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """A serve's progress, written every `--progress-s` seconds. Counters are cumulative since the serve started;
     `*_s` are cumulative seconds; `time` is `time.time()` when written."""
 
@@ -97,6 +100,8 @@ class ServeProgress(msgspec.Struct, tag_field="event", tag="progress", kw_only=T
     stalled_s: float  # generation stalled by weight updates
     resubmitted: int  # requests aborted by abort-resume updates and submitted again
     recomputed_tokens: int  # prompt + partial tokens those resubmissions prefilled again
+    # Each --reward's own mean over every sample it scored (None, "not applicable", left out); absent when empty.
+    reward_means: dict[str, float] = {}
 
 
 class UpdateEvent(msgspec.Struct, tag_field="event", tag="update", kw_only=True, forbid_unknown_fields=True):
@@ -113,7 +118,25 @@ class UpdateEvent(msgspec.Struct, tag_field="event", tag="update", kw_only=True,
     commit_s: float  # the engine-step gap of the commit
 
 
-ServeEvent = ServeProgress | UpdateEvent
+class EvalResult(msgspec.Struct, tag_field="event", tag="eval", kw_only=True, forbid_unknown_fields=True):
+    """One held-out eval (`--eval-task`, every `--eval-every` versions), written when it finished. Every token it
+    scored was sampled by weights `version` (`versions` lists what the tokens carried, to show it)."""
+
+    time: float
+    server_id: str
+    version: int  # the weight version that generated every scored completion
+    versions: list[int]  # the distinct token versions seen (== [version] for a valid eval)
+    task: str  # the --eval-task spec
+    n: int  # completions scored
+    mean_reward: float  # mean combined (weighted) reward
+    accuracy: float  # fraction of completions with a combined reward > 0 (for a 0/1 reward: the accuracy)
+    reward_means: dict[str, float] = {}  # each --reward's own mean
+    temperature: float = 0.0  # 0 = greedy
+    reward_errors: int = 0
+    eval_s: float = 0.0  # wall-clock seconds the eval took
+
+
+ServeEvent = ServeProgress | UpdateEvent | EvalResult
 
 
 def encode_line(record: msgspec.Struct) -> str:
@@ -126,8 +149,8 @@ def read_steps(path: Path) -> list[StepMetrics]:
     return read_records(path, StepMetrics)
 
 
-def read_serve_events(path: Path) -> list[ServeProgress | UpdateEvent]:
-    """Every progress line and update event of a serve's metrics file; [] when it does not exist."""
+def read_serve_events(path: Path) -> list[ServeProgress | UpdateEvent | EvalResult]:
+    """Every progress line, update event and eval result of a serve's metrics file; [] when it does not exist."""
     return read_records(path, ServeEvent)
 
 

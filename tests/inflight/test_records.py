@@ -17,6 +17,7 @@ import pytest
 from record_factories import a_step, an_update, write_lines
 
 from inflight.run.report import compute_summary
+from inflight.tasks.rewards import RewardMeans
 from inflight.wire.records import (
     RecordError,
     ServeProgress,
@@ -88,7 +89,8 @@ def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
     engine = SimpleNamespace(tokens_generated=40, version=3, idle_s=1.5, stalled_s=0.25, resubmitted=1,
                              recomputed_tokens=7)  # fmt: skip
     stream = SimpleNamespace(outbox=[b"r"], retained_records=4, resent=0, sent=12)
-    stats = SimpleNamespace(rollouts_made=8, requests_inflight=2, groups_admitted=3, rewards_sum=2.0, reward_errors=1)
+    stats = SimpleNamespace(rollouts_made=8, requests_inflight=2, groups_admitted=3, rewards_sum=2.0, reward_errors=1,
+                            reward_means=RewardMeans())  # fmt: skip
     driver = SimpleNamespace(engine=engine, server_id="s@1", groups_consumed=2, stream=stream, stats=stats)
     reporter = ProgressReporter(driver, str(tmp_path / "serve.jsonl"), 5.0)
     reporter.write(reporter.snapshot())
