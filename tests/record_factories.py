@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from inflight.wire.records import ServeProgress, StepMetrics, UpdateEvent, encode_line
+from inflight.wire.records import EvalResult, ServeProgress, StepMetrics, UpdateEvent, encode_line
 
 
 def a_step(step: int = 1, **changes) -> StepMetrics:
@@ -29,6 +29,12 @@ def an_update(**changes) -> UpdateEvent:
     values = dict(time=105.0, server_id="s", version=1, ok=True, error="", stall_s=0.02, total_s=0.5, receive_s=0.3,
                   commit_s=0.02)  # fmt: skip
     return UpdateEvent(**(values | changes))
+
+
+def an_eval(**changes) -> EvalResult:
+    values = dict(time=120.0, server_id="s", version=2, versions=[2], task="jsonl:test.jsonl", n=4, mean_reward=0.5,
+                  accuracy=0.5)  # fmt: skip
+    return EvalResult(**(values | changes))
 
 
 def write_lines(path: Path, records: list[msgspec.Struct]) -> Path:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from inflight.wire.records import ServeEvent, ServeProgress, StepMetrics, UpdateEvent
+from inflight.wire.records import EvalResult, ServeEvent, ServeProgress, StepMetrics, UpdateEvent
 
 log = logging.getLogger("inflight.learn")
 REPORT_TO = ("none", "tensorboard", "wandb")
@@ -73,9 +73,10 @@ def step_scalars(record: StepMetrics) -> dict[str, float]:
     return out
 
 
-def serve_scalars(event: ServeProgress | UpdateEvent) -> dict[str, float]:
-    """A serve line's numeric fields (bools as 0/1) as `serve/<field>` (progress) or `update/<field>` (update)."""
-    prefix = "serve" if isinstance(event, ServeProgress) else "update"
+def serve_scalars(event: ServeProgress | UpdateEvent | EvalResult) -> dict[str, float]:
+    """A serve line's numeric fields (bools as 0/1) as `serve/<field>` (progress), `update/<field>` (update) or
+    `eval/<field>` (a held-out eval, whose `version` field says which weights it scored)."""
+    prefix = {ServeProgress: "serve", UpdateEvent: "update", EvalResult: "eval"}[type(event)]
     return {f"{prefix}/{name}": float(value) for name in event.__struct_fields__
             if name != "time" and isinstance(value := getattr(event, name), int | float)}  # fmt: skip
 

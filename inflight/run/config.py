@@ -45,7 +45,9 @@ def parse_gpus(spec: str) -> list[str]:
 class RunConfig:
     run_dir: str = field(default="", metadata=_h("run directory; empty = runs/<date>-<time>-<mode>"))
     model: str = field(default="smollm2", metadata=_h("prepared model name or HF dir, served and trained"))
-    task: str = field(default="arithmetic", metadata=_h("'arithmetic' or 'jsonl:<path>'"))
+    task: str = field(default="arithmetic", metadata=_h("'arithmetic', 'jsonl:<path>', 'parquet:<path>' or "
+                                                        "'hf:<saved dir or dataset name>[@split]' (the serve's "
+                                                        "--task)"))  # fmt: skip
     reward: str = field(default="", metadata=_h("the serve's reward as module:function (sync or async, "
                                                 "f(text, problem) -> float); empty = the task's own"))  # fmt: skip
     dtype: str = field(default="auto", metadata=_h("compute precision of both sides: the serve's engine dtype and the "

@@ -27,7 +27,7 @@ import math
 import sys
 from pathlib import Path
 
-from inflight.wire.records import ServeProgress, StepMetrics, UpdateEvent, read_serve_events, read_steps
+from inflight.wire.records import EvalResult, ServeProgress, StepMetrics, UpdateEvent, read_serve_events, read_steps
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -72,6 +72,11 @@ def load_run(run_dir: Path) -> dict:
 
 def progress_lines(serve: list) -> list[ServeProgress]:
     return [e for e in serve if isinstance(e, ServeProgress)]
+
+
+def eval_results(serve: list) -> list[EvalResult]:
+    """The serve's held-out evals (`--eval-task`, `--eval-every`), in the order they finished."""
+    return [e for e in serve if isinstance(e, EvalResult)]
 
 
 def committed_updates(serve: list) -> list[UpdateEvent]:
@@ -130,6 +135,8 @@ def compute_summary(run_dir: Path) -> dict:
         "gen_tokens_per_s": gen_rate, "serve_idle_fraction": serve_idle, "resubmitted": resubmitted,
         "recomputed_tokens": recomputed,
         "learner_wait_fraction": sum(s.wait_s for s in steps[1:]) / max(wall, 1e-9) if steps else 0.0,
+        "evals": [{"version": e.version, "mean_reward": e.mean_reward, "accuracy": e.accuracy, "n": e.n}
+                  for e in eval_results(serve)],
     }  # fmt: skip
 
 
@@ -172,6 +179,9 @@ def plot(run_dir: Path) -> list[Path]:
         ax.set_xlabel(label)
         ax.set_ylabel("reward")
         ax.grid(alpha=0.3)
+    evals = eval_results(serve)
+    if evals:  # a version is the step count that made it: held-out reward on the same axis as the training batches'
+        ax_s.plot([e.version for e in evals], [e.mean_reward for e in evals], "s-", label="held-out eval (by version)")
     ax_t.set_title(f"reward vs wall clock ({mode})")
     ax_s.set_title(f"reward vs step ({mode})")
     ax_s.legend()

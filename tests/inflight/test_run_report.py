@@ -9,11 +9,11 @@ import math
 from pathlib import Path
 
 import pytest
-from record_factories import a_progress, a_step, an_update, write_lines
+from record_factories import a_progress, a_step, an_eval, an_update, write_lines
 
 from inflight.run.config import RunConfig, parse_cores, parse_gpus
 from inflight.run.launch import side_commands, side_env
-from inflight.run.report import compute_summary, main, summarize, write_report
+from inflight.run.report import compute_summary, main, plot, summarize, write_report
 
 
 def write_run(path, rewards, lags, serve_events):
@@ -26,6 +26,14 @@ def write_run(path, rewards, lags, serve_events):
     with (path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 99, "cut by a kil')  # a torn last line is skipped, not fatal
     write_lines(path / "serve-metrics.jsonl", serve_events)
+
+
+def test_held_out_evals_reach_the_summary_by_version_and_the_reward_plot(tmp_path):
+    events = [a_progress(time=100.0), an_eval(version=2, mean_reward=0.25), an_eval(version=4, mean_reward=0.75)]
+    write_run(tmp_path / "r", [0.1, 0.2, 0.3, 0.4], [{0: 1}] * 4, events)
+    s = compute_summary(tmp_path / "r")
+    assert [(e["version"], e["mean_reward"]) for e in s["evals"]] == [(2, 0.25), (4, 0.75)]
+    assert (tmp_path / "r" / "reward.png") in plot(tmp_path / "r")  # the eval curve is drawn, not refused
 
 
 def test_summary_figures_match_hand_computation(tmp_path):

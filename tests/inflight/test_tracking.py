@@ -205,3 +205,13 @@ def test_the_learner_with_report_to_tensorboard_writes_every_step_serve_progress
     assert [(p.step, p.value) for p in events.Scalars("serve/tokens_per_s")] == [(1, 7.0)]
     [table] = events.Tensors("samples/text_summary")
     assert table.step == 2 and len(table.tensor_proto.string_val[0].decode().splitlines()) == 2 + 4  # a group
+
+
+def test_a_held_out_eval_line_is_logged_under_eval_with_its_version():
+    from record_factories import an_eval
+
+    from inflight.learn.tracking import serve_scalars
+
+    values = serve_scalars(an_eval(version=4, mean_reward=0.75, accuracy=1.0))
+    assert values["eval/version"] == 4.0 and values["eval/mean_reward"] == 0.75 and values["eval/accuracy"] == 1.0
+    assert not any(key.startswith(("serve/", "update/")) for key in values)
