@@ -120,7 +120,7 @@ def compute_summary(run_dir: Path) -> dict:
     # The step's own token count, gated ones included, is its lag histogram's sum (`tokens` is trained tokens only).
     gated = sum(s.gated_fraction * sum(s.lag_histogram.values()) for s in steps)
     wall = steps[-1].time - steps[0].time + steps[0].step_s if steps else 0.0
-    return {
+    summary = {
         "run_dir": str(run_dir), "mode": run["config"].get("mode", "?"), "model": run["config"].get("model", "?"),
         "steps": len(steps), "wall_s": wall,
         "reward_first": first, "reward_first_se": first_se, "reward_last": last, "reward_last_se": last_se,
@@ -135,9 +135,12 @@ def compute_summary(run_dir: Path) -> dict:
         "gen_tokens_per_s": gen_rate, "serve_idle_fraction": serve_idle, "resubmitted": resubmitted,
         "recomputed_tokens": recomputed,
         "learner_wait_fraction": sum(s.wait_s for s in steps[1:]) / max(wall, 1e-9) if steps else 0.0,
-        "evals": [{"version": e.version, "mean_reward": e.mean_reward, "accuracy": e.accuracy, "n": e.n}
-                  for e in eval_results(serve)],
     }  # fmt: skip
+    evals = eval_results(serve)
+    if evals:  # only runs with --eval-every get the key: the committed summaries of older runs stay what they were
+        summary["evals"] = [{"version": e.version, "mean_reward": e.mean_reward, "accuracy": e.accuracy, "n": e.n}
+                            for e in evals]  # fmt: skip
+    return summary
 
 
 def summarize(summaries: list[dict]) -> str:
