@@ -145,7 +145,7 @@ class Learner:
             "groups": gate.group_ids, "lengths": lengths,
             "gated_fraction": gate.gated / max(gate.tokens, 1), "wait_s": waited,
             "step_s": step_s, "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
-            **metrics, **publish,
+            **metrics, **publish, **_episodes(gate),
         })  # fmt: skip
         log.info("step %d v%d reward %.3f loss %.4f wait %.2fs train %.2fs publish %.2fs", self.step, self.version,
                  record.reward, metrics.get("loss", 0.0), waited, record.train_s, record.publish_s or 0.0)  # fmt: skip
@@ -216,3 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         learner.close()
         close_world(clean)
+
+
+def _episodes(gate) -> dict:
+    """The StepMetrics episode fields, for a batch with environment tokens (absent for single-turn batches)."""
+    if not gate.env_tokens:
+        return {}
+    return {"env_tokens": gate.env_tokens, "turns_mean": sum(gate.turns) / max(len(gate.turns), 1)}

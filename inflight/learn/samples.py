@@ -5,6 +5,9 @@ exceeds `max_lag` is masked out of the loss (and counted), so a long rollout tha
 trains on its fresh tail. kv lag = learner version − the version of the oldest KV the token attended to (≥ its lag;
 larger after a commit with kv="keep"); with `max_kv_lag` ≥ 0 a token whose kv lag exceeds it is gated too. A sample
 whose every token is gated contributes nothing but is still consumed.
+
+Environment tokens of a multi-turn episode (the rollout's `token_roles`) are context only: never a loss term, not
+counted as gated, left out of the lag histograms (they have no version), counted in `GateStats.env_tokens`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class GatedSample:
     token_mask: list[bool]
     lags: list[int]
     kv_lags: list[int] = field(default_factory=list)  # learner version − version of the oldest KV attended to
+    policy: list[bool] = field(default_factory=list)  # per token, False for an environment token; empty = all policy
 
     @property
     def on_policy_prefix(self) -> list[bool]:
@@ -42,7 +46,11 @@ class GatedSample:
         weights attends to KV those weights computed, while the learner recomputes that prefix with its own: the gap
         there measures staleness, not mismatch. (Token i's KV context comes from the steps that sampled tokens 0..i.)
         """
-        return list(itertools.accumulate((lag == 0 for lag in self.lags), operator.and_))
+        # an environment token is the same context for both sides: it does not end the prefix (nor is it a probe token:
+        # the probe is taken under token_mask, which excludes it)
+        policy = self.policy or [True] * len(self.lags)
+        fresh = (lag == 0 or not p for lag, p in zip(self.lags, policy, strict=True))
+        return list(itertools.accumulate(fresh, operator.and_))
 
 
 @dataclass
@@ -53,6 +61,8 @@ class GateStats:
     kv_lag_histogram: Counter = field(default_factory=Counter)
     rewards: list[float] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
+    env_tokens: int = 0  # environment tokens of the batch (context, never trained; not in `tokens`)
+    turns: list[int] = field(default_factory=list)  # policy turns of each sample
 
 
 def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean",
@@ -66,17 +76,26 @@ def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advan
         rewards = torch.tensor([[r.reward for r in group]], dtype=torch.float64)
         advantages = group_advantages(rewards, kind=advantage_kind)[0].tolist()
         for rollout, adv in zip(group, advantages, strict=True):
-            lags = (version - rollout.versions.astype(np.int64)).tolist()
-            # A negative lag is a token from a version this learner never made: one published by a previous life of
-            # a learner that was killed and resumed from an older checkpoint. That policy is gone: gate it too.
-            kv_lags = (version - rollout.kv_ages.astype(np.int64)).tolist()
-            kv_ok = [max_kv_lag < 0 or kv <= max_kv_lag for kv in kv_lags]
-            keep = [0 <= lag <= max_lag and ok for lag, ok in zip(lags, kv_ok, strict=True)]
-            stats.tokens += len(lags)
-            stats.gated += keep.count(False)
-            stats.lag_histogram.update(lags)
-            stats.kv_lag_histogram.update(kv_lags)
-            stats.rewards.append(rollout.reward)
-            samples.append(GatedSample(rollout.prompt.tolist(), rollout.completion.tolist(), rollout.logprobs.tolist(),
-                                  float(adv), keep, lags, kv_lags))  # fmt: skip
+            samples.append(_gate(rollout, float(adv), version, max_lag, max_kv_lag, stats))
     return samples, stats
+
+
+def _gate(rollout: Rollout, advantage: float, version: int, max_lag: int, max_kv_lag: int,
+          stats: GateStats) -> GatedSample:  # fmt: skip
+    """One rollout's staleness gate; its policy tokens counted into `stats`."""
+    policy = rollout.policy_mask
+    # A negative lag is a token from a version this learner never made: one published by a previous life of a learner
+    # that was killed and resumed from an older checkpoint. That policy is gone: gate it too.
+    lags = np.where(policy, version - rollout.versions.astype(np.int64), 0)
+    kv_lags = np.where(policy, version - rollout.kv_ages.astype(np.int64), 0)
+    keep = policy & (lags >= 0) & (lags <= max_lag) & ((max_kv_lag < 0) | (kv_lags <= max_kv_lag))
+    stats.tokens += int(policy.sum())
+    stats.gated += int((policy & ~keep).sum())
+    stats.env_tokens += int((~policy).sum())
+    stats.lag_histogram.update(lags[policy].tolist())
+    stats.kv_lag_histogram.update(kv_lags[policy].tolist())
+    stats.rewards.append(rollout.reward)
+    stats.turns.append(rollout.turns)
+    return GatedSample(rollout.prompt.tolist(), rollout.completion.tolist(), rollout.logprobs.tolist(), advantage,
+                       keep.tolist(), lags.tolist(), kv_lags.tolist(),
+                       [] if policy.all() else policy.tolist())  # fmt: skip

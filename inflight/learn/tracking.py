@@ -198,7 +198,8 @@ def sample_rows(samples, rewards: list[float], gate_version: int, decode: Callab
     gate_version − its lag)."""
     rows = []
     for sample, reward in list(zip(samples, rewards, strict=True))[:MAX_SAMPLE_ROWS]:
-        versions = sorted({gate_version - lag for lag in sample.lags})
+        policy = sample.policy or [True] * len(sample.lags)  # environment tokens have no version
+        versions = sorted({gate_version - lag for lag, p in zip(sample.lags, policy, strict=True) if p})
         rows.append(SampleRow(decode(sample.prompt_ids), decode(sample.completion_ids), float(reward),
                               float(sample.advantage), ",".join(map(str, versions))))  # fmt: skip
     return rows

@@ -37,8 +37,11 @@ async def serve(cfg: ServeConfig) -> int:
     model_path = resolve_model(cfg.model)
     contract = cfg.contract()  # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
     problems, default_reward = load_task(cfg.task, cfg.task_seed, cfg.max_operand, cfg.prompt_key, cfg.answer_key,
-                                         cfg.system_prompt)  # fmt: skip
-    rewards = load_rewards(cfg.reward or default_reward, cfg.reward_weights, cfg.reward_convention)
+                                         cfg.system_prompt, terms=cfg.arithmetic_terms,
+                                         ops=cfg.arithmetic_ops)  # fmt: skip
+    # --reward none: only the environment's own rewards (inflight/envs/base.py)
+    rewards = [] if cfg.reward == "none" else load_rewards(cfg.reward or default_reward, cfg.reward_weights,
+                                                           cfg.reward_convention)  # fmt: skip
     held_out = load_eval_problems(cfg) if cfg.eval_task else None
     latency = parse_latency(cfg.tool_latency, cfg.seed) if cfg.tool_latency else None
     engine = await InflightEngine.start(

@@ -31,6 +31,9 @@ class ServeConfig:
     system_prompt: str = field(default="", metadata=_h("system message put before every prompt; empty = none"))
     task_seed: int = field(default=0, metadata=_h("seed of the prompt stream"))
     max_operand: int = field(default=20, metadata=_h("arithmetic difficulty: operands in [0, max_operand]"))
+    arithmetic_terms: int = field(default=2, metadata=_h("arithmetic: operands per problem (3+ = multi-step, "
+                                                         "usual precedence)"))  # fmt: skip
+    arithmetic_ops: str = field(default="+", metadata=_h("arithmetic: the operators drawn from, e.g. '+-*'"))
     reward: str = field(default="", metadata=_h("rewards as module:function[,module:function...], f(text, problem) "
                                                 "or TRL's f(prompts, completions, **columns); empty = the task's "
                                                 "own"))  # fmt: skip
@@ -63,6 +66,15 @@ class ServeConfig:
                                                 "groups_per_step; -1 = no learner gate"))  # fmt: skip
     groups_per_step: int = field(default=4, metadata=_h("groups the learner trains on per step"))
     max_groups: int = field(default=0, metadata=_h("stop admitting after this many groups; 0 = endless"))
+    env: str = field(default="single-turn", metadata=_h("environment episodes run in: 'single-turn' (the task's "
+                                                        "prompt, one turn), 'calculator' (<calc> tool calls) or "
+                                                        "module:Class (inflight/envs/base.py)"))  # fmt: skip
+    env_args: str = field(default="", metadata=_h("the environment's own keyword arguments as a JSON object, e.g. "
+                                                  "'{\"max_calls\": 4}'"))  # fmt: skip
+    max_turns: int = field(default=4, metadata=_h("most policy turns per episode (--max-tokens is per turn)"))
+    env_timeout_s: float = field(default=30.0, metadata=_h("seconds one environment call (reset or step) may "
+                                                           "take before its episode ends as an environment "
+                                                           "error"))  # fmt: skip
     tool_latency: str = field(default="", metadata=_h("simulated tool latency per sample: 'lognormal:MEDIAN_S,SIGMA' "
                                                       "or 'pareto:SCALE_S,ALPHA'; empty = none"))  # fmt: skip
     http_port: int = field(default=0, metadata=_h("also answer vLLM's OpenAI API on this port; 0 = off"))
@@ -118,6 +130,14 @@ class ServeConfig:
                 f"> 0 with --eval-task {self.eval_task!r} (how many versions between evals)")  # fmt: skip
         require(self.eval_problems >= 1, "eval_problems", self.eval_problems, ">= 1")
         require(self.eval_temperature >= 0, "eval_temperature", self.eval_temperature, ">= 0 (0 = greedy)")
+        require(self.max_turns >= 1, "max_turns", self.max_turns, ">= 1")
+        require(self.env_timeout_s > 0, "env_timeout_s", self.env_timeout_s, "> 0 seconds")
+        require(self.arithmetic_terms >= 2, "arithmetic_terms", self.arithmetic_terms, ">= 2")
+        require(bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"), "arithmetic_ops",
+                self.arithmetic_ops, "one or more of '+', '-', '*', e.g. '+-*'")  # fmt: skip
+        from inflight.envs.loading import load_env
+
+        load_env(self.env, self.env_args)  # a bad --env or --env-args is refused before the engine starts
         require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "> 0 GiB (fractions allowed, e.g. 0.25)")
         from inflight.wire.memory import trim_every_s
 

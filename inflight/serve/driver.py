@@ -16,11 +16,11 @@ import asyncio
 import itertools
 import logging
 import secrets
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from inflight.serve.config import ServeConfig
+from inflight.serve.episodes import Episode, EpisodeRunner
 from inflight.serve.stream import RolloutStream
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
@@ -39,11 +39,24 @@ class DriverStats:
     rewards_sum: float = 0.0
     rollouts_made: int = 0
     reward_means: RewardMeans = field(default_factory=RewardMeans)  # each reward's own mean, over every sample
+    # Episodes (inflight/serve/episodes.py), over every rollout made: policy turns, seconds inside environment calls,
+    # episodes an environment ended by failing (scored 0), malformed tool calls the environment reported, and the
+    # completion tokens by role.
+    turns: int = 0
+    env_s: float = 0.0
+    env_errors: int = 0
+    tool_errors: int = 0
+    env_tokens: int = 0
+    policy_tokens: int = 0
 
 
 class RolloutDriver:
     def __init__(self, engine, cfg: ServeConfig, problems: Iterable[Problem], rewards: list[Reward],
-                 stream: RolloutStream, tokenizer, tool_latency: Callable[[], float] | None = None):  # fmt: skip
+                 stream: RolloutStream, tokenizer, tool_latency: Callable[[], float] | None = None,
+                 env=None):  # fmt: skip
+        """`env`: the environment episodes run in (inflight/envs/); None = `--env` as `cfg` names it."""
+        from inflight.envs.loading import load_env
+
         self.engine, self.cfg, self.rewards, self.stream = engine, cfg, rewards, stream
         self.constant_watch = ConstantRewardWatch(cfg.groups_per_step, cfg.reward_constant_steps)
         self.evaluation = None  # an inflight/serve/eval.py:Evaluation when --eval-task is given
@@ -53,6 +66,9 @@ class RolloutDriver:
         self.server_id = f"{cfg.resolved_server_id()}@{secrets.token_hex(4)}"
         self._problems = iter(problems)
         self.stats = DriverStats()
+        self.env = env if env is not None else load_env(cfg.env, cfg.env_args)
+        self.episodes = EpisodeRunner(engine, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling,
+                                      tool_latency)  # fmt: skip
         self.groups_consumed = 0
         # None: waiting for the learner's first Progress (--wait-for-learner); then the version to have committed.
         self.required_version: int | None = None if cfg.wait_for_learner else cfg.version
@@ -134,55 +150,56 @@ class RolloutDriver:
             await asyncio.wait(set(self._tasks))
 
     async def _run_group(self, group_index: int, problem: Problem) -> None:
-        """Generate the group, score it (every reward once per group: TRL's convention needs all completions), then
-        hand its records to the stream."""
+        """Run the group's episodes, score it (every reward once per group: TRL's convention needs all completions),
+        then hand its records to the stream."""
         group_id = f"{self.server_id}-g{group_index}"
-        prompt_ids = self._prompt_ids(problem)
         n = self.cfg.group_size
         try:
-            samples = await asyncio.gather(*(self._generate(group_id, i, prompt_ids) for i in range(n)))
-            scores = await score_group(self.rewards, problem, [d.text for d, _, _ in samples],
-                                       [d.token_ids for d, _, _ in samples])  # fmt: skip
+            episodes = await asyncio.gather(*(self.episodes.run(problem, f"{group_id}-{i}") for i in range(n)))
+            scores = await score_group(self.rewards, problem, [e.text for e in episodes],
+                                       [e.last_ids for e in episodes])  # fmt: skip
             self._account(scores)
-            for index, (done, submitted, finished) in enumerate(samples):
-                record = self._record(group_id, index, problem, prompt_ids, done, scores.total[index],
-                                      Times(submitted, done.first_token_time or finished, finished))  # fmt: skip
-                self.stats.rollouts_made += 1
-                self.stats.rewards_sum += scores.total[index]
-                self.stream.offer(encode_rollout(record), group_id)
+            for index, ep in enumerate(episodes):
+                # an episode an environment failure ended scores 0, whatever its last turn said
+                reward = 0.0 if ep.env_error else scores.total[index] + ep.env_reward
+                self._count(ep)
+                self.stats.rewards_sum += reward
+                self.stream.offer(encode_rollout(self._record(group_id, index, problem, ep, reward)), group_id)
             self.stats.groups_finished += 1
         finally:
             self.stats.samples_open -= n
             self.notify()
 
-    async def _generate(self, group_id: str, index: int, prompt_ids: list[int]):
-        """One sample (after its simulated tool latency): (completion, submitted, finished)."""
+    def _sampling(self, max_tokens: int):
+        """One turn's SamplingParams: the serve's sampler, the environment's stop strings (kept in the text)."""
         from vllm import SamplingParams
 
         cfg = self.cfg
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                top_k=cfg.top_k, min_p=cfg.min_p, logprobs=0)  # fmt: skip
-        submitted = time.time()
-        try:
-            done = await self.engine.generate(prompt_ids, params, f"{group_id}-{index}")
-        finally:
-            self.stats.requests_inflight -= 1
-            self.notify()
-        finished = time.time()
-        if self.tool_latency is not None:
-            await asyncio.sleep(self.tool_latency())
-        return done, submitted, finished
+        stop = list(getattr(self.env, "stop", ()))
+        return SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              min_p=cfg.min_p, logprobs=0, stop=stop or None,
+                              include_stop_str_in_output=bool(stop))  # fmt: skip
 
-    def _record(self, group_id: str, index: int, problem: Problem, prompt_ids: list[int], done, score: float,
-                times: Times):  # fmt: skip
+    def _count(self, ep: Episode) -> None:
+        s = self.stats
+        s.rollouts_made += 1
+        s.turns += ep.turns
+        s.env_s += ep.env_s
+        s.env_errors += bool(ep.env_error)
+        s.tool_errors += ep.tool_errors
+        s.env_tokens += sum(ep.env)
+        s.policy_tokens += len(ep.env) - sum(ep.env)
+
+    def _record(self, group_id: str, index: int, problem: Problem, ep: Episode, reward: float):
         cfg = self.cfg
         return make_rollout(
-            prompt_ids=prompt_ids, completion_ids=done.token_ids, logprobs=done.logprobs, versions=done.versions,
-            kv_versions=done.kv_versions,
+            prompt_ids=ep.prompt_ids, completion_ids=ep.token_ids, logprobs=ep.logprobs, versions=ep.versions,
+            kv_versions=ep.kv_versions, roles=ep.env,
             rollout_id=f"{group_id}-{index}", group_id=group_id, group_size=cfg.group_size, index=index,
-            server_id=self.server_id, model=cfg.model, reward=score, finish_reason=done.finish_reason,
+            server_id=self.server_id, model=cfg.model, reward=reward, finish_reason=ep.finish_reason,
             sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens, cfg.min_p),
-            times=times, problem_id=problem.id, resubmissions=done.resubmissions,
+            times=Times(ep.submitted, ep.first_token or ep.finished, ep.finished), problem_id=problem.id,
+            resubmissions=ep.resubmissions, turns=ep.turns,
         )  # fmt: skip
 
     def _account(self, scores: GroupScores) -> None:
@@ -191,9 +208,6 @@ class RolloutDriver:
         self.stats.reward_means.add(scores)
         for warning in self.constant_watch.add(scores):
             log.warning(warning)
-
-    def _prompt_ids(self, problem: Problem) -> list[int]:
-        return prompt_token_ids(self.tokenizer, problem)
 
     async def stop(self) -> None:
         """Stop admitting; cancel generating groups (their partial samples are not rollouts)."""

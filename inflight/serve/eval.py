@@ -31,7 +31,8 @@ def load_eval_problems(cfg: ServeConfig) -> list[Problem]:
 
     # arithmetic: another seed than training's, so the problems are held out
     task, _ = load_task(cfg.eval_task, cfg.task_seed + 1000, cfg.max_operand, cfg.prompt_key, cfg.answer_key,
-                        cfg.system_prompt, shuffle=False)  # fmt: skip
+                        cfg.system_prompt, shuffle=False, terms=cfg.arithmetic_terms,
+                        ops=cfg.arithmetic_ops)  # fmt: skip
     table = getattr(task, "problems", None)  # a table: its rows once, not cycled
     return list(table[: cfg.eval_problems]) if table is not None else list(islice(task, cfg.eval_problems))
 

@@ -42,7 +42,9 @@ class ProgressReporter:
             groups_consumed=d.groups_consumed, mean_reward=d.stats.rewards_sum / made,
             reward_errors=d.stats.reward_errors, idle_s=d.engine.idle_s, stalled_s=d.engine.stalled_s,
             resubmitted=d.engine.resubmitted, recomputed_tokens=d.engine.recomputed_tokens,
-            reward_means=d.stats.reward_means.means(),
+            reward_means=d.stats.reward_means.means(), turns=d.stats.turns, env_s=d.stats.env_s,
+            env_errors=d.stats.env_errors, tool_errors=d.stats.tool_errors, env_tokens=d.stats.env_tokens,
+            policy_tokens=d.stats.policy_tokens, rollouts_made=d.stats.rollouts_made,
         )  # fmt: skip
 
     def update_event(self, done) -> None:
@@ -66,7 +68,7 @@ class ProgressReporter:
                 f"[serve {s.server_id}] v{s.version} | {s.tokens_per_s:.1f} tok/s | inflight {s.inflight}"
                 f" | outbox {s.outbox} | sent {s.rollouts_sent} | groups {s.groups_admitted}"
                 f" (consumed {s.groups_consumed}) | reward {s.mean_reward:.3f}{_each(s.reward_means)}"
-                f"{f' | reward errors {s.reward_errors}' if s.reward_errors else ''}"
+                f"{f' | reward errors {s.reward_errors}' if s.reward_errors else ''}{_episodes(s)}"
             )
             print(line, file=sys.stderr, flush=True)
 
@@ -74,3 +76,14 @@ class ProgressReporter:
 def _each(means: dict[str, float]) -> str:
     """Per-reward means after the combined one, when there are several rewards: " (format 1.000, answer 0.250)"."""
     return f" ({', '.join(f'{k} {v:.3f}' for k, v in means.items())})" if len(means) > 1 else ""
+
+
+def _episodes(s: ServeProgress) -> str:
+    """ " | turns 2.4/episode | env tokens 31% | env errors 1 | tool errors 3" once any episode took a second turn."""
+    if s.turns <= s.rollouts_made:
+        return f" | env errors {s.env_errors}" if s.env_errors else ""
+    share = s.env_tokens / max(s.env_tokens + s.policy_tokens, 1)
+    return (
+        f" | turns {s.turns / max(s.rollouts_made, 1):.2f}/episode | env tokens {share:.0%} | env errors "
+        f"{s.env_errors} | tool errors {s.tool_errors}"
+    )

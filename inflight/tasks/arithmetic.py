@@ -29,29 +29,48 @@ NUMBER = re.compile(r"(?<![0-9])-?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?
 
 
 class ArithmeticTask:
-    """An endless seeded stream of `a op b` problems, operands in [0, max_operand]. Iterating restarts the stream."""
+    """An endless seeded stream of `a op b` problems (`terms` > 2: `a op b op c ...`, usual precedence), operands in
+    [0, max_operand]. Iterating restarts the stream; two terms draw exactly what they always drew."""
 
-    def __init__(self, seed: int, max_operand: int = 9, ops: tuple[str, ...] = ("+",)):
+    def __init__(self, seed: int, max_operand: int = 9, ops: tuple[str, ...] = ("+",), terms: int = 2):
         if max_operand < 1:
             raise ValueError(f"max_operand is {max_operand}, expected >= 1: pass a positive largest operand")
         unknown = [op for op in ops if op not in OPERATORS]
         if not ops or unknown:
             raise ValueError(f"ops is {ops!r}, expected a non-empty tuple drawn from {tuple(OPERATORS)}")
-        self.seed, self.max_operand, self.ops = seed, max_operand, tuple(ops)
+        if terms < 2:
+            raise ValueError(f"terms is {terms}, expected >= 2 operands per problem")
+        self.seed, self.max_operand, self.ops, self.terms = seed, max_operand, tuple(ops), terms
 
     def __iter__(self) -> Iterator[Problem]:
         rng = random.Random(self.seed)
         index = 0
         while True:
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            op = rng.choice(self.ops)
-            question = f"What is {a} {op} {b}? Reply with only the number."
-            yield Problem(f"arith-{self.seed}-{index}", question, OPERATORS[op](a, b))
+            values = [rng.randint(0, self.max_operand) for _ in range(self.terms)]
+            ops = [rng.choice(self.ops) for _ in range(self.terms - 1)]
+            expression = " ".join(f"{op} {v}" for op, v in zip(["", *ops], values, strict=True)).strip()
+            question = f"What is {expression}? Reply with only the number."
+            yield Problem(f"arith-{self.seed}-{index}", question, evaluate(values, ops))
             index += 1
 
     def take(self, n: int) -> list[Problem]:
         """The first `n` problems of the stream."""
         return list(islice(self, n))
+
+
+def evaluate(values: list[int], ops: list[str]) -> int:
+    """`values[0] ops[0] values[1] ...` with * before + and -."""
+    terms, signs = [values[0]], []
+    for op, v in zip(ops, values[1:], strict=True):
+        if op == "*":
+            terms[-1] *= v
+        else:
+            terms.append(v)
+            signs.append(op)
+    total = terms[0]
+    for sign, t in zip(signs, terms[1:], strict=True):
+        total = OPERATORS[sign](total, t)
+    return total
 
 
 def last_number(text: str) -> Decimal | None:

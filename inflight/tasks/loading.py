@@ -32,11 +32,12 @@ class SystemPrompted:
 
 
 def load_task(spec: str, seed: int, max_operand: int = 9, prompt_key: str = "prompt", answer_key: str = "answer",
-              system_prompt: str = "", shuffle: bool = True) -> tuple[Iterable[Problem], str]:  # fmt: skip
+              system_prompt: str = "", shuffle: bool = True, terms: int = 2,
+              ops: str = "+") -> tuple[Iterable[Problem], str]:  # fmt: skip
     """The problem stream for `spec` and the `module:function` of its default reward. `shuffle` False keeps a
-    table's order (an eval pass); the arithmetic stream is seeded either way."""
+    table's order (an eval pass); the arithmetic stream is seeded either way (`terms`, `ops`: its shape)."""
     if spec == "arithmetic":
-        task = ArithmeticTask(seed, max_operand=max_operand)
+        task = ArithmeticTask(seed, max_operand=max_operand, ops=tuple(ops), terms=terms)
         return (SystemPrompted(task, system_prompt) if system_prompt else task), "inflight.tasks.arithmetic:reward_fn"
     rows, name = load_rows(spec)
     problems = rows_to_problems(rows, name, prompt_key, answer_key, system_prompt)

@@ -74,6 +74,10 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     publish_failed: list[str] | None = None  # server ids the update failed on
     # kv lag (learner version at training − version of the oldest KV the token attended to) → tokens; >= the lag
     kv_lag_histogram: dict[int, int] | None = None
+    # Multi-turn episodes (present when the batch had environment tokens): environment tokens of the batch (context,
+    # never trained, not in the lag histograms) and the mean policy turns per sample
+    env_tokens: int | None = None
+    turns_mean: float | None = None
 
 
 class ServeProgress(
@@ -102,6 +106,15 @@ class ServeProgress(
     recomputed_tokens: int  # prompt + partial tokens those resubmissions prefilled again
     # Each --reward's own mean over every sample it scored (None, "not applicable", left out); absent when empty.
     reward_means: dict[str, float] = {}
+    # Episodes (inflight/serve/episodes.py), over every rollout made; absent while zero. turns / rollouts_made is the
+    # turns per episode; env_tokens / (env_tokens + policy_tokens) the environment tokens' share.
+    turns: int = 0  # policy turns
+    env_s: float = 0.0  # seconds inside environment calls (summed over episodes, which overlap)
+    env_errors: int = 0  # episodes an environment ended by raising, timing out or answering garbage (scored 0)
+    tool_errors: int = 0  # malformed tool calls the environment reported (the episode went on)
+    env_tokens: int = 0  # completion tokens the environment appended
+    policy_tokens: int = 0  # completion tokens the policy sampled
+    rollouts_made: int = 0
 
 
 class UpdateEvent(msgspec.Struct, tag_field="event", tag="update", kw_only=True, forbid_unknown_fields=True):

@@ -9,6 +9,11 @@ Behaviour logprobs are vLLM's processed logprobs: log-softmax of the logits afte
 the exact distribution each token was sampled from. `token_versions[i]` is the weight version that produced token i;
 `kv_versions[i]` the version that computed the oldest KV token i attended to (vllm_patches/kv_age.py): older than
 `token_versions[i]` only when a commit with kv="keep" let the sequence go on over KV of older weights.
+
+A multi-turn episode (inflight/serve/episodes.py) is one record: `prompt_ids` is its first prompt, `completion_ids`
+every later token in order, the policy's turns and the environment's messages between them. `token_roles[i]` is 1 for
+an environment token (tool output, user turn, chat scaffolding): it carries version −1, KV version −1 and logprob 0.0,
+is context for the learner and never a loss term. Schema 2 added `token_roles` and `turns`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import math
 import msgspec
 import numpy as np
 
-ROLLOUT_SCHEMA = 1
+ROLLOUT_SCHEMA = 2
+POLICY, ENVIRONMENT = 0, 1  # token_roles values
 MAX_ROLLOUT_BYTES = 64 << 20  # a record larger than this is refused before decoding
 
 
@@ -61,6 +67,8 @@ class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     problem_id: str = ""
     resubmissions: int = 0
     kv_versions: bytes = b""  # int32 LE, one per completion token (-1: not recorded); empty = not recorded at all
+    token_roles: bytes = b""  # uint8, one per completion token: 0 policy, 1 environment; empty = all policy
+    turns: int = 1  # policy turns in the episode
 
     @property
     def prompt(self) -> np.ndarray:
@@ -79,6 +87,13 @@ class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return np.frombuffer(self.token_versions, dtype="<i4")
 
     @property
+    def policy_mask(self) -> np.ndarray:
+        """Per completion token, True where the policy sampled it (False: an environment token, never trained)."""
+        if not self.token_roles:
+            return np.ones(len(self.completion_ids) // 4, dtype=bool)
+        return np.frombuffer(self.token_roles, dtype=np.uint8) == POLICY
+
+    @property
     def kv_ages(self) -> np.ndarray:
         """Per token, the version of the oldest KV it attended to; where unrecorded, its own version (the best bound
         a serve that did not record it allows: a token never attends to KV newer than its weights)."""
@@ -88,9 +103,12 @@ class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return np.where(kv < 0, self.versions, kv)
 
 
-def make_rollout(*, prompt_ids, completion_ids, logprobs, versions, kv_versions=(), **fields) -> Rollout:
-    """Build a record from Python/numpy sequences; arrays are converted to the wire dtypes."""
+def make_rollout(*, prompt_ids, completion_ids, logprobs, versions, kv_versions=(), roles=(), **fields) -> Rollout:
+    """Build a record from Python/numpy sequences; arrays are converted to the wire dtypes. `roles`: per completion
+    token, truthy for an environment token; all-policy roles are sent as empty."""
+    env = np.asarray(roles, dtype=bool)
     return Rollout(
+        token_roles=env.astype(np.uint8).tobytes() if env.any() else b"",
         kv_versions=np.asarray(kv_versions, dtype="<i4").tobytes(),
         schema=ROLLOUT_SCHEMA,
         prompt_ids=np.asarray(prompt_ids, dtype="<i4").tobytes(),
@@ -148,7 +166,9 @@ def validate_rollout(r: Rollout) -> None:
     for name in ("behaviour_logprobs", "token_versions", "kv_versions"):
         if len(getattr(r, name)) // 4 != n and not (name == "kv_versions" and not r.kv_versions):
             raise RolloutError(f"rollout.{name} has {len(getattr(r, name)) // 4} entries, completion_ids has {n}")
-    if r.kv_versions and bool((r.kv_ages > r.versions).any()):
+    _validate_roles(r, n)
+    policy = r.policy_mask
+    if r.kv_versions and bool((r.kv_ages > r.versions)[policy].any()):
         raise RolloutError("rollout.kv_versions has a version newer than its token's: a token attends only to KV its "
                            "own or older weights computed")  # fmt: skip
     if not r.prompt_ids:
@@ -160,5 +180,23 @@ def validate_rollout(r: Rollout) -> None:
     lp = r.logprobs
     if n and (not np.all(np.isfinite(lp)) or np.any(lp > 1e-4)):
         raise RolloutError("rollout.behaviour_logprobs has values that are not finite log-probabilities (<= 0)")
-    if n and np.any(r.versions < 0):
-        raise RolloutError("rollout.token_versions has negative versions")
+    if n and np.any(r.versions[policy] < 0):
+        raise RolloutError("rollout.token_versions has negative versions on policy tokens")
+    if r.turns < 1:
+        raise RolloutError(f"rollout.turns is {r.turns}, expected >= 1")
+
+
+def _validate_roles(r: Rollout, n: int) -> None:
+    """Roles, when sent, name every completion token; an environment token carries version −1 and logprob 0.0."""
+    if not r.token_roles:
+        return
+    if len(r.token_roles) != n:
+        raise RolloutError(f"rollout.token_roles has {len(r.token_roles)} entries, completion_ids has {n}")
+    roles = np.frombuffer(r.token_roles, dtype=np.uint8)
+    if np.any(roles > ENVIRONMENT):
+        raise RolloutError(f"rollout.token_roles has values other than {POLICY} (policy) and {ENVIRONMENT} "
+                           "(environment)")  # fmt: skip
+    env = roles == ENVIRONMENT
+    if np.any(r.versions[env] != -1) or np.any(r.logprobs[env] != 0.0):
+        raise RolloutError("rollout has environment tokens with a version other than -1 or a logprob other than 0.0: "
+                           "no policy sampled them")  # fmt: skip

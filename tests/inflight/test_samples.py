@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from inflight.learn.samples import build_samples
@@ -57,3 +58,51 @@ def test_a_rollout_without_kv_versions_reads_its_token_versions_as_kv_ages():
 def test_kv_versions_newer_than_the_token_or_of_another_length_are_refused(kv: list[int], message: str):
     with pytest.raises(RolloutError, match=message):
         decode_rollout(encode_rollout(rollout(0, [4, 5], 1.0, kv_versions=kv)))
+
+
+def episode(index: int, versions: list[int], reward: float, env: list[bool]):
+    """A multi-turn rollout: environment tokens carry version -1 and logprob 0.0, as the serve sends them."""
+    n = len(versions)
+    return make_rollout(prompt_ids=[1, 2], completion_ids=list(range(3, 3 + n)),
+                        logprobs=[0.0 if e else -1.0 for e in env], versions=versions, roles=env,
+                        rollout_id=f"g-{index}", group_id="g", group_size=2, index=index, server_id="s@1",
+                        model="tiny-llama", reward=reward, finish_reason="stop", sampling=Sampling(1.0),
+                        times=Times(0.0, 0.0, 0.0), turns=2)  # fmt: skip
+
+
+def test_environment_tokens_are_never_trained_nor_gated_nor_in_the_lag_histograms():
+    env = [False, False, True, True, False]
+    samples, stats = build_samples([[episode(0, [4, 4, -1, -1, 5], 1.0, env), rollout(1, [5, 5], 0.0)]], 5,
+                                   max_lag=0)  # fmt: skip
+    assert samples[0].token_mask == [False, False, False, False, True]  # v4 gated (lag 1 > 0); env never trains
+    assert samples[0].policy == [True, True, False, False, True] and samples[1].policy == []
+    assert stats.tokens == 5 and stats.gated == 2 and stats.env_tokens == 2
+    assert stats.lag_histogram == {1: 2, 0: 3} and stats.kv_lag_histogram == {1: 2, 0: 3}
+    assert stats.turns == [2, 1]
+
+
+def test_environment_tokens_do_not_end_the_on_policy_prefix():
+    samples, _ = build_samples([[episode(0, [5, -1, 5, 4], 1.0, [False, True, False, False]),
+                                 rollout(1, [5], 0.0)]], 5, max_lag=1)  # fmt: skip
+    assert samples[0].on_policy_prefix == [True, True, True, False]
+
+
+@pytest.mark.parametrize(("versions", "logprobs", "roles", "message"), [
+    ([4, 3], [-1.0, 0.0], [False, True], "version other than -1"),
+    ([4, -1], [-1.0, -0.5], [False, True], "logprob other than 0.0"),
+    ([4, -1], [-1.0, 0.0], [False, False], "negative versions on policy tokens"),
+])  # fmt: skip
+def test_environment_tokens_that_claim_a_version_or_a_logprob_are_refused(versions, logprobs, roles, message):
+    bad = make_rollout(prompt_ids=[1], completion_ids=[7, 8], logprobs=logprobs, versions=versions, roles=roles,
+                       rollout_id="g-0", group_id="g", group_size=1, index=0, server_id="s@1", model="m", reward=0.0,
+                       finish_reason="stop", sampling=Sampling(1.0), times=Times(0.0, 0.0, 0.0))  # fmt: skip
+    with pytest.raises(RolloutError, match=message):
+        decode_rollout(encode_rollout(bad))
+
+
+def test_token_roles_of_another_length_or_value_are_refused():
+    good = episode(0, [4, -1], 0.0, [False, True])
+    for roles, message in ((b"\x00", "token_roles has 1 entries"), (b"\x00\x02", "values other than")):
+        data = encode_rollout(msgspec.structs.replace(good, token_roles=roles))
+        with pytest.raises(RolloutError, match=message):
+            decode_rollout(data)
