@@ -68,7 +68,7 @@ class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     resubmissions: int = 0
     kv_versions: bytes = b""  # int32 LE, one per completion token (-1: not recorded); empty = not recorded at all
     token_roles: bytes = b""  # uint8, one per completion token: 0 policy, 1 environment; empty = all policy
-    turns: int = 1  # policy turns in the episode
+    turns: int = 1  # policy turns in the episode (0: its environment failed before the first)
 
     @property
     def prompt(self) -> np.ndarray:
@@ -182,8 +182,8 @@ def validate_rollout(r: Rollout) -> None:
         raise RolloutError("rollout.behaviour_logprobs has values that are not finite log-probabilities (<= 0)")
     if n and np.any(r.versions[policy] < 0):
         raise RolloutError("rollout.token_versions has negative versions on policy tokens")
-    if r.turns < 1:
-        raise RolloutError(f"rollout.turns is {r.turns}, expected >= 1")
+    if r.turns < 0:  # 0: an environment that failed at reset ended the episode before its first turn
+        raise RolloutError(f"rollout.turns is {r.turns}, expected >= 0")
 
 
 def _validate_roles(r: Rollout, n: int) -> None:
