@@ -56,9 +56,12 @@ class EpisodeState:
 class Environment(Protocol):
     """The interface `--env module:Class` loads; `Class(**env_args)` builds one per serve (shared by its episodes,
     so per-episode data belongs in `EpisodeState.data`). `stop`: optional strings that end a policy turn (e.g. the
-    closing tag of a tool call); they stay in the turn's text."""
+    closing tag of a tool call); they stay in the turn's text. `run_inline`: optional, True for plain-function
+    environments that are quick and never block, called on the serve's event loop instead of a thread of their own
+    (and then under no timeout: a blocking one would stall the serve)."""
 
     stop: tuple[str, ...]
+    run_inline: bool
 
     def reset(self, problem: Problem) -> list[Message] | Awaitable[list[Message]]: ...
 

@@ -2,7 +2,9 @@
 
 A turn that ends with a call gets the result back as the next message (`<result>...</result>`, or `<result>error:
 ...</result>` for a malformed or refused expression, which counts as a tool error and lets the episode go on); a turn
-without a call is the final answer, scored by the task's rewards (the arithmetic task's: the last number).
+without a call is the final answer, scored by the task's rewards (the arithmetic task's: the last number). With
+`retries` > 0 a wrong final answer is told so and may try again, up to `retries` times (multi-turn self-correction, and
+multi-turn episodes even for a model too small to call the tool).
 
 The expression is never `eval`-ed: it is parsed with Python's `ast` and only numbers, + - * / // %, unary signs,
 parentheses and `**` with a small exponent are walked; names, calls, attributes, subscripts, strings and everything
@@ -19,6 +21,7 @@ import re
 from fractions import Fraction
 
 from inflight.envs.base import EpisodeState, Feedback
+from inflight.tasks.arithmetic import reward
 from inflight.tasks.base import Message, Problem
 
 MAX_CHARS = 200
@@ -96,16 +99,19 @@ def show(value: Fraction) -> str:
 class Calculator:
     """The built-in `--env calculator`. `max_calls`: calculator calls per episode before a call is refused (the
     episode is also bounded by `--max-turns`); `role`: the role of the result messages (\"user\" works with every chat
-    template; \"tool\" where the template knows it)."""
+    template; \"tool\" where the template knows it); `retries`: wrong final answers told to try again."""
 
     stop = ("</calc>",)
+    run_inline = True  # quick and never blocking: called on the serve's event loop, not in a thread
 
-    def __init__(self, max_calls: int = 8, role: str = "user"):
+    def __init__(self, max_calls: int = 8, role: str = "user", retries: int = 0):
         if max_calls < 1:
             raise ValueError(f"env_args max_calls is {max_calls}, expected >= 1")
         if role not in ("user", "tool"):
             raise ValueError(f"env_args role is {role!r}, expected 'user' or 'tool'")
-        self.max_calls, self.role = max_calls, role
+        if retries < 0:
+            raise ValueError(f"env_args retries is {retries}, expected >= 0")
+        self.max_calls, self.role, self.retries = max_calls, role, retries
 
     def reset(self, problem: Problem) -> list[Message]:
         messages = problem.chat()
@@ -115,8 +121,13 @@ class Calculator:
 
     def step(self, state: EpisodeState, completion: str) -> Feedback:
         call = CALL.search(completion)
-        if call is None:
-            return Feedback(done=True)  # the final answer: the task's reward scores it
+        if call is None:  # a final answer: the task's reward scores the last one
+            wrong = reward(completion, state.problem.answer) == 0.0
+            tries = state.data["retries"] = state.data.get("retries", 0) + wrong
+            if wrong and tries <= self.retries:
+                return Feedback([{"role": "user", "content": "That is not right. Try again: reply with only the "
+                                  "number."}])  # fmt: skip
+            return Feedback(done=True)
         calls = state.data["calls"] = state.data.get("calls", 0) + 1
         try:
             if calls > self.max_calls:

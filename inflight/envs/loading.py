@@ -19,6 +19,7 @@ class SingleTurn:
     """One policy turn: the problem's chat is the prompt, the turn is the episode (the task's rewards score it)."""
 
     stop: tuple[str, ...] = ()
+    run_inline = True
 
     def reset(self, problem: Problem) -> list[Message]:
         return problem.chat()

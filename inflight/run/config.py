@@ -48,6 +48,9 @@ class RunConfig:
     task: str = field(default="arithmetic", metadata=_h("'arithmetic', 'jsonl:<path>', 'parquet:<path>' or "
                                                         "'hf:<saved dir or dataset name>[@split]' (the serve's "
                                                         "--task)"))  # fmt: skip
+    env: str = field(default="single-turn", metadata=_h("the serve's environment: 'single-turn', 'calculator' or "
+                                                        "module:Class (its --env; --env-args and --max-turns go in "
+                                                        "--serve-args or the [serve] table)"))  # fmt: skip
     reward: str = field(default="", metadata=_h("the serve's reward as module:function (sync or async, "
                                                 "f(text, problem) -> float); empty = the task's own"))  # fmt: skip
     dtype: str = field(default="auto", metadata=_h("compute precision of both sides: the serve's engine dtype and the "

@@ -39,7 +39,7 @@ RUN_SETS = {
               "groups_per_step": "groups_per_step", "max_tokens": "max_tokens", "temperature": "temperature",
               "max_lag": "admit_lag", "task_seed": "seed", "seed": "seed", "rollouts": "host / port_base",
               "control": "host / port_base", "metrics": "run_dir", "reward": "reward", "http_port": "http_port",
-              "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"},
+              "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "env": "env"},
     "learn": {"model": "model", "host": "host", "rollouts_port": "port_base", "control_port": "port_base",
               "weights_port": "port_base", "groups_per_step": "groups_per_step", "steps": "steps",
               "max_lag": "max_lag", "temperature": "temperature", "lr": "lr", "seed": "seed", "run_dir": "run_dir",

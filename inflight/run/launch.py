@@ -44,7 +44,7 @@ def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int],
         "--groups-per-step", str(cfg.groups_per_step), "--max-tokens", str(cfg.max_tokens),
         "--temperature", repr(cfg.temperature), "--max-lag", str(cfg.admit_lag), "--task-seed", str(cfg.seed),
         "--seed", str(cfg.seed), "--rollouts", f"tcp://{cfg.host}:{rollouts}", "--control", f"tcp://{cfg.host}:{control}",
-        "--metrics", str(run_dir / "serve-metrics.jsonl"), "--dtype", cfg.dtype, *sampling,
+        "--metrics", str(run_dir / "serve-metrics.jsonl"), "--dtype", cfg.dtype, "--env", cfg.env, *sampling,
     ]  # fmt: skip
     if cfg.reward:
         shared_serve += ["--reward", cfg.reward]

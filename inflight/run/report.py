@@ -140,7 +140,19 @@ def compute_summary(run_dir: Path) -> dict:
     if evals:  # only runs with --eval-every get the key: the committed summaries of older runs stay what they were
         summary["evals"] = [{"version": e.version, "mean_reward": e.mean_reward, "accuracy": e.accuracy, "n": e.n}
                             for e in evals]  # fmt: skip
+    if progress and progress[-1].turns:  # serves that count episodes (older runs' summaries stay what they were)
+        summary["episodes"] = episode_summary(progress[-1])
     return summary
+
+
+def episode_summary(last) -> dict:
+    """Turns per episode, the environment tokens' share, environment time and errors, from a serve's last
+    `ServeProgress` (its counters are cumulative)."""
+    made = max(last.rollouts_made, 1)
+    share = last.env_tokens / max(last.env_tokens + last.policy_tokens, 1)
+    return {"episodes": last.rollouts_made, "turns_per_episode": last.turns / made, "env_token_share": share,
+            "env_s_per_episode": last.env_s / made, "env_errors": last.env_errors,
+            "tool_errors": last.tool_errors}  # fmt: skip
 
 
 def summarize(summaries: list[dict]) -> str:

@@ -194,6 +194,8 @@ class EpisodeRunner:
         try:
             if inspect.iscoroutinefunction(fn):
                 result = await asyncio.wait_for(fn(*args), self.cfg.env_timeout_s)
+            elif getattr(self.env, "run_inline", False):  # quick by its own account: a thread would cost more
+                result = fn(*args)
             else:
                 result = await asyncio.wait_for(_in_thread(fn, *args), self.cfg.env_timeout_s)
             if inspect.isawaitable(result):

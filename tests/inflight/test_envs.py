@@ -142,3 +142,13 @@ def test_environment_messages_become_exactly_the_ids_the_chat_template_appends(m
             assert turns.prompt_ids(first) + turn + appended == whole
         assert tokenizer.decode(appended).startswith("<|im_end|>" if turn[-1] != end else "\n<|im_start|>user")
         assert tokenizer.decode(appended).endswith("<|im_start|>assistant\n")
+
+
+def test_with_retries_a_wrong_final_answer_is_told_to_try_again_and_a_right_one_ends_the_episode():
+    env = Calculator(retries=1)
+    problem = Problem("p", "What is 2 * 21?", 42)
+    state = EpisodeState(problem, env.reset(problem))
+    again = env.step(state, "41")
+    assert not again.done and "not right" in again.messages[0]["content"]
+    assert env.step(state, "40").done  # its one retry used
+    assert Calculator(retries=1).step(EpisodeState(problem, []), "It is 42.").done
