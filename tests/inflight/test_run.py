@@ -91,6 +91,31 @@ def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_
     assert events.Scalars("serve/tokens") and events.Scalars("update/stall_s")
 
 
+def test_run_with_the_calculator_environment_on_smollm2_trains_on_multi_turn_episodes_and_reports_them(tmp_path):
+    # SmolLM2-135M does not call the tool; retries make its episodes multi-turn all the same (a wrong answer is told
+    # to try again), so environment tokens reach the learner through the real serve, sockets and loss.
+    run_dir = tmp_path / "calc"
+    serve_args = (f"--progress-s 1 --kv-cache-gib {TEST_KV_GIB} --max-turns 2 --arithmetic-terms 3 "
+                  """--arithmetic-ops +-* --env-args '{"retries": 1}'""")  # fmt: skip
+    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", "2", "--model", "smollm2", "--env", "calculator",
+                             "--group-size", "4", "--groups-per-step", "1", "--max-tokens", "12",
+                             "--serve-args", serve_args], module="inflight.run")  # fmt: skip
+    try:
+        launcher.proc.wait(600)
+    finally:
+        launcher.stop()
+    assert launcher.proc.returncode == 0, launcher.tail()
+    episodes = json.loads((run_dir / "summary.json").read_text())["episodes"]
+    assert episodes["turns_per_episode"] > 1 and 0 < episodes["env_token_share"] < 1 and episodes["env_errors"] == 0
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:  # environment tokens reached the learner, out of the lag histogram and the trained tokens
+        assert s["env_tokens"] > 0 and s["turns_mean"] > 1 and s["tokens"] == sum(s["lag_histogram"].values())
+    last = [e for e in read_jsonl(run_dir / "serve-metrics.jsonl") if e["event"] == "progress"][-1]
+    assert last["turns"] > last["rollouts_made"] and last["env_tokens"] > 0 and last["policy_tokens"] > 0
+    assert json.loads((run_dir / "serve-config.json").read_text())["env"] == "calculator"
+
+
 def test_ctrl_c_stops_the_learner_first_then_the_serve_and_keeps_the_run(tmp_path):
     run_dir = tmp_path / "run"
     launcher = ServeProcess(["--run-dir", str(run_dir), *FAST], module="inflight.run")
