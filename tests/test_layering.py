@@ -23,6 +23,8 @@ PACKAGES = ("inflight", "learner", "vllm_patches", "benchmarks")
 FORBIDDEN = {
     "inflight.wire": ("inflight.serve", "inflight.learn", "inflight.run", "inflight.tasks", "inflight.models",
                       "learner", "vllm_patches", "vllm", "transformers"),
+    "inflight.envs": ("inflight.serve", "inflight.learn", "inflight.run", "inflight.wire", "learner",
+                      "vllm_patches", "vllm", "transformers", "torch"),
     "inflight.tasks": ("inflight.serve", "inflight.learn", "inflight.run", "inflight.wire", "learner",
                        "vllm_patches", "vllm", "torch"),
     "vllm_patches": ("learner", "inflight.serve", "inflight.learn", "inflight.run"),
