@@ -53,7 +53,9 @@ class Calibration:
     publish_s: float = 1.0  # learner seconds to publish an update
     commit_s: dict = field(default_factory=lambda: dict.fromkeys(MODES, 0.05))  # serve stall per update, by mode
     receive_s: float = 0.5  # serve seconds to receive an update (paused modes stall for it)
-    lengths: list = field(default_factory=lambda: [30])  # completion lengths to resample
+    lengths: list = field(default_factory=lambda: [30])  # policy tokens of each measured sample, to resample
+    turns: list = field(default_factory=list)  # policy turns of the same samples (empty: one turn each)
+    tool: str = ""  # the measured run's --tool-latency (after every turn), "" = none
     prompt_tokens: int = 40
     group_size: int = 8
     groups_per_step: int = 4
@@ -81,10 +83,26 @@ def _sampler(spec: str, empirical: list[int], rng: random.Random):
     return lambda: min(cap, rng.lognormvariate(math.log(median), sigma))
 
 
+def _episodes(spec: str, cal: Calibration, rng: random.Random):
+    """A sampler of one sample's turn lengths: a measured sample (its policy tokens split evenly over its turns), or
+    one turn of a lognormal length."""
+    if spec != "empirical":
+        length_of = _sampler(spec, [], rng)
+        return lambda: [max(1, int(round(length_of())))]
+
+    def measured() -> list[int]:
+        i = rng.randrange(len(cal.lengths))
+        turns = cal.turns[i] if cal.turns else 1
+        return [max(1, cal.lengths[i] // turns)] * turns
+
+    return measured
+
+
 def simulate(cal: Calibration, mode: str, sc: Scenario, steps: int = 60, seed: int = 0) -> dict:  # noqa: C901 (one event loop)
-    """Learner steps/s, samples/s and idle fractions of one mode in one scenario (event-driven)."""
+    """Learner steps/s, samples/s and idle fractions of one mode in one scenario (event-driven). A sample is one or
+    more turns; after each turn its tool latency (if any) passes without a batch slot, then its next turn queues."""
     rng = random.Random(seed)
-    length_of = _sampler(sc.lengths, cal.lengths, rng)
+    turns_of = _episodes(sc.lengths, cal, rng)
     tool_of = _sampler(sc.tool, [], rng) if sc.tool else (lambda: 0.0)
     group_size = cal.group_size
     groups_per_step = max(1, sc.workers * sc.samples_per_worker // group_size)
@@ -101,9 +119,10 @@ def simulate(cal: Calibration, mode: str, sc: Scenario, steps: int = 60, seed: i
         seq += 1
         heapq.heappush(events, (at, seq, kind, payload))
 
-    running = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: remaining tokens}
+    running = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: [remaining tokens, group, later turns]}
     produced = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: tokens produced so far}
-    queue: list = []  # samples waiting for a worker slot: (sample_id, group, length)
+    queue: list = []  # turns waiting for a worker slot: (sample_id, group, [this turn's length, later turns' ...])
+    made: dict[int, int] = {}  # sample_id -> tokens of its finished turns
     group_left: dict[int, int] = {}
     complete_groups: list[tuple[int, int]] = []  # (group, tokens)
     group_tokens: dict[int, int] = {}
@@ -134,13 +153,13 @@ def simulate(cal: Calibration, mode: str, sc: Scenario, steps: int = 60, seed: i
             admitted += 1
             group_left[g], group_tokens[g] = group_size, 0
             for k in range(group_size):
-                queue.append((g * group_size + k, g, max(1, int(round(length_of())))))
+                queue.append((g * group_size + k, g, turns_of()))
 
     def fill(w):
         while queue and len(running[w]) < max_inflight and not draining[w]:
-            sid, g, n = queue.pop(0)
-            running[w][sid] = [n, g]
-            produced[w][sid] = 0
+            sid, g, turn_lengths = queue.pop(0)
+            running[w][sid] = [turn_lengths[0], g, turn_lengths[1:]]
+            produced[w][sid] = made.pop(sid, 0)
         if running[w] and not stepping[w]:
             stepping[w] = True
             start = max(t, paused_until[w])
@@ -185,16 +204,23 @@ def simulate(cal: Calibration, mode: str, sc: Scenario, steps: int = 60, seed: i
                 if entry[0] <= 0:
                     done.append(sid)
             for sid in done:
-                g = running[w].pop(sid)[1]
+                _, g, later = running[w].pop(sid)
                 tokens = produced[w].pop(sid)
                 latency = tool_of()
-                if latency > 0:
+                if later:  # the tool answers, then the next turn queues (holding no slot meanwhile)
+                    made[sid] = tokens
+                    push(t + latency, "next_turn", (sid, g, later))
+                elif latency > 0:
                     push(t + latency, "tool_done", (sid, g, tokens))
                 else:
                     finish(sid, g, tokens)
             if draining[w] and not running[w]:
                 push(t, "drained", w)
             fill(w)
+        elif kind == "next_turn":
+            queue.append(payload)
+            for w in range(sc.workers):
+                fill(w)
         elif kind == "tool_done":
             sid, g, tokens = payload
             finish(sid, g, tokens)
@@ -256,15 +282,17 @@ def calibrate(runs: Path, probe: Path | None) -> Calibration:
     if probe is not None and probe.exists():
         p = json.loads(probe.read_text())
         cal.d0, cal.d1, cal.prefill_per_token = p["d0"], p["d1"], p["prefill_per_token"]
-    steps, lengths = [], []
+    steps, lengths, turns = [], [], []
     for mode in MODES:
         run = runs / mode
         m = read_steps(run / "metrics.jsonl")
         if not m:
             continue
         steps += m[1:]  # the first step includes start-up
-        for s in m:
-            lengths += s.lengths
+        for s in m:  # policy tokens and turns of each sample (environment tokens are prefilled, not decoded)
+            env = s.env_lengths or [0] * len(s.lengths)
+            lengths += [n - e for n, e in zip(s.lengths, env, strict=True)]
+            turns += s.turns or [1] * len(s.lengths)
         updates = [e for e in read_serve_events(run / "serve-metrics.jsonl") if isinstance(e, UpdateEvent) and e.ok]
         if updates:
             cal.commit_s[mode] = sum(e.commit_s for e in updates) / len(updates)
@@ -272,6 +300,7 @@ def calibrate(runs: Path, probe: Path | None) -> Calibration:
         config = json.loads((run / "run-config.json").read_text())
         cal.group_size, cal.groups_per_step = config["group_size"], config["groups_per_step"]
         cal.admit_lag = config["admit_lag"]
+        cal.tool = _tool_latency(config.get("serve_args", ""))
     if not steps:
         raise SystemExit(f"no learner metrics under {runs}/<mode>/metrics.jsonl: run benchmarks.ablate first")
     # least squares train_s = t0 + t1 * tokens
@@ -283,8 +312,21 @@ def calibrate(runs: Path, probe: Path | None) -> Calibration:
     cal.train_t0 = max(my - cal.train_t1 * mx, 0.0)
     cal.publish_s = sum(s.publish_s or 0.0 for s in steps) / len(steps)  # None: a step that did not publish
     if lengths:
-        cal.lengths = lengths
+        cal.lengths, cal.turns = lengths, turns
     return cal
+
+
+def _tool_latency(serve_args: str) -> str:
+    """The `--tool-latency` a run's serve was given ('' = none); only the lognormal form is simulated."""
+    import shlex
+
+    words = shlex.split(serve_args)
+    spec = next((w.split("=", 1)[1] for w in words if w.startswith("--tool-latency=")), "")
+    if "--tool-latency" in words and words.index("--tool-latency") + 1 < len(words):
+        spec = words[words.index("--tool-latency") + 1]
+    if spec and not spec.startswith("lognormal:"):
+        raise SystemExit(f"--tool-latency {spec!r}: the simulator models 'lognormal:MEDIAN_S,SIGMA' only")
+    return spec
 
 
 def measured_speedup(runs: Path) -> dict[str, float]:
@@ -344,14 +386,17 @@ def probe_decode(model: str, core: int, out: Path, dtype: str = "bfloat16") -> d
 
 def predict(runs: Path, probe: Path | None, sizes: list[int], steps: int) -> str:
     cal = calibrate(runs, probe)
-    lines = ["## Calibration", "", "```", json.dumps({k: v for k, v in asdict(cal).items() if k != "lengths"}), "```",
+    fitted = {k: v for k, v in asdict(cal).items() if k not in ("lengths", "turns")}
+    lines = ["## Calibration", "", "```", json.dumps(fitted), "```",
              f"completion lengths: {len(cal.lengths)} samples, mean {sum(cal.lengths) / len(cal.lengths):.1f}, "
-             f"max {max(cal.lengths)}", ""]  # fmt: skip
+             f"max {max(cal.lengths)}"
+             + (f"; turns per sample mean {sum(cal.turns) / len(cal.turns):.2f}" if cal.turns else "")
+             + (f"; tool latency {cal.tool} after every turn" if cal.tool else ""), ""]  # fmt: skip
     measured = measured_speedup(runs)
     lines += ["## This machine: 1 inference worker + 1 learner (learner steps/s)", "",
               "| mode | simulated steps/s | measured steps/s | simulated speedup | measured speedup | error |",
               "|---|---|---|---|---|---|"]  # fmt: skip
-    base = Scenario(workers=1, learners=1, samples_per_worker=cal.group_size * cal.groups_per_step)
+    base = Scenario(workers=1, learners=1, samples_per_worker=cal.group_size * cal.groups_per_step, tool=cal.tool)
     sim = {m: simulate(cal, m, base, steps=steps) for m in MODES}
     for m in MODES:
         s_speed = sim[m]["steps_per_s"] / sim["blocking"]["steps_per_s"]

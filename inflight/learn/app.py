@@ -222,4 +222,5 @@ def _episodes(gate) -> dict:
     """The StepMetrics episode fields, for a batch with environment tokens (absent for single-turn batches)."""
     if not gate.env_tokens:
         return {}
-    return {"env_tokens": gate.env_tokens, "turns_mean": sum(gate.turns) / max(len(gate.turns), 1)}
+    return {"env_tokens": gate.env_tokens, "turns_mean": sum(gate.turns) / max(len(gate.turns), 1),
+            "turns": gate.turns, "env_lengths": gate.env_lengths}  # fmt: skip

@@ -63,6 +63,7 @@ class GateStats:
     group_ids: list[str] = field(default_factory=list)
     env_tokens: int = 0  # environment tokens of the batch (context, never trained; not in `tokens`)
     turns: list[int] = field(default_factory=list)  # policy turns of each sample
+    env_lengths: list[int] = field(default_factory=list)  # environment tokens of each sample
 
 
 def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean",
@@ -96,6 +97,7 @@ def _gate(rollout: Rollout, advantage: float, version: int, max_lag: int, max_kv
     stats.kv_lag_histogram.update(kv_lags[policy].tolist())
     stats.rewards.append(rollout.reward)
     stats.turns.append(rollout.turns)
+    stats.env_lengths.append(int((~policy).sum()))
     return GatedSample(rollout.prompt.tolist(), rollout.completion.tolist(), rollout.logprobs.tolist(), advantage,
                        keep.tolist(), lags.tolist(), kv_lags.tolist(),
                        [] if policy.all() else policy.tolist())  # fmt: skip

@@ -75,9 +75,12 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     # kv lag (learner version at training − version of the oldest KV the token attended to) → tokens; >= the lag
     kv_lag_histogram: dict[int, int] | None = None
     # Multi-turn episodes (present when the batch had environment tokens): environment tokens of the batch (context,
-    # never trained, not in the lag histograms) and the mean policy turns per sample
+    # never trained, not in the lag histograms), the mean policy turns per sample, and per sample (as `lengths`) its
+    # policy turns and its environment tokens
     env_tokens: int | None = None
     turns_mean: float | None = None
+    turns: list[int] | None = None
+    env_lengths: list[int] | None = None
 
 
 class ServeProgress(

@@ -62,3 +62,33 @@ def test_calibration_recovers_a_linear_train_cost_and_the_measured_stalls(tmp_pa
     assert c.publish_s == pytest.approx(0.7) and c.receive_s == pytest.approx(0.4)
     assert c.commit_s["never-stop"] == pytest.approx(0.3) and c.commit_s["blocking"] == pytest.approx(0.5)
     assert c.group_size == 8 and c.groups_per_step == 4
+
+
+def test_a_multi_turn_sample_decodes_its_turns_in_sequence_with_the_tool_latency_after_each():
+    # 3 turns of 10 tokens (30 policy tokens) and ~1 s of tool after every turn: 3 x (0.1 s decode + 1 s tool), then
+    # train + publish + commit; a one-turn sample of the same 30 tokens pays the tool once.
+    tool = "lognormal:1.0,0.0001"
+    three = simulate(cal(lengths=[30], turns=[3]), "blocking", Scenario(1, 1, 8, tool=tool), steps=20)
+    assert 1 / three["steps_per_s"] == pytest.approx(3 * (0.1 + 1.0) + 2.0 + 0.5 + 0.1, rel=0.02)
+    one = simulate(cal(lengths=[30], turns=[1]), "blocking", Scenario(1, 1, 8, tool=tool), steps=20)
+    assert 1 / three["steps_per_s"] - 1 / one["steps_per_s"] == pytest.approx(2 * 1.0, rel=0.02)
+
+
+def test_calibration_reads_policy_tokens_turns_and_the_tool_latency_of_an_episode_run(tmp_path):
+    run = tmp_path / "never-stop"
+    run.mkdir()
+    steps = [a_step(step=i, lengths=[50, 30], turns=[3, 1], env_lengths=[20, 0], env_tokens=20) for i in (1, 2, 3)]
+    write_lines(run / "metrics.jsonl", steps)
+    write_lines(run / "serve-metrics.jsonl", [an_update()])
+    (run / "run-config.json").write_text(
+        json.dumps(
+            {
+                "group_size": 2,
+                "groups_per_step": 1,
+                "admit_lag": 1,
+                "serve_args": "--tool-latency lognormal:1.0,1.0 --max-turns 3",
+            }
+        )
+    )
+    c = calibrate(tmp_path, None)
+    assert c.lengths[:2] == [30, 30] and c.turns[:2] == [3, 1] and c.tool == "lognormal:1.0,1.0"
