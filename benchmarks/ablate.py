@@ -84,6 +84,12 @@ def table(rows: list[dict], target: float) -> str:
             f"| {1e3 * r['stall_mean_s']:.0f} / {1e3 * r['stall_p99_s']:.0f} | {lag} | {kv} "
             f"| {r['resubmitted']} / {r['recomputed_tokens']} | {r['mismatch_lag0']:.2e} |"
         )
+    episodes = [(r["mode"], r["episodes"]) for r in rows if r.get("episodes", {}).get("turns_per_episode", 1) > 1]
+    if episodes:  # multi-turn runs (--env): what the episodes looked like in each mode
+        lines += ["", "| mode | episodes | turns / episode | env token share | env s / episode | env errors |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {m} | {e['episodes']} | {e['turns_per_episode']:.2f} | {e['env_token_share']:.2f} "
+                  f"| {e['env_s_per_episode']:.3f} | {e['env_errors']} |" for m, e in episodes]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -174,8 +174,10 @@ class EpisodeRunner:
         ep.add_policy(done)
         state.messages.append({"role": "assistant", "content": done.text})
         state.turn = ep.turns
-        if self.tool_latency is not None:
-            await asyncio.sleep(self.tool_latency())
+        if self.tool_latency is not None:  # --tool-latency: a simulated tool call, environment time too
+            delay = self.tool_latency()
+            await asyncio.sleep(delay)
+            ep.env_s += delay
         feedback = _env_step(check_feedback, await self._call(ep, self.env.step, state, done.text))
         ep.env_reward += feedback.reward or 0.0
         ep.tool_errors += feedback.tool_errors
