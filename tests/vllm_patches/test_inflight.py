@@ -65,6 +65,14 @@ def restore_a(loop, env) -> None:
     loop.run_until_complete(env["sender"].push(env["engine"], env["a"], env["engine"].version + 1))
 
 
+@pytest.fixture(autouse=True)
+def back_to_a(env, loop):
+    """Every test here swaps B in; A goes back after it even when it failed, so one failure stays one failure
+    instead of leaving B loaded for the next test's A references."""
+    yield
+    restore_a(loop, env)
+
+
 def test_request_survives_never_stop_commit_and_its_versions_switch_exactly_at_the_commit_step(env, loop):
     engine, old = env["engine"], env["engine"].version
     done, report = loop.run_until_complete(update_during(engine, env["sender"], env["prompt"], env["b"], "ns-keep"))
@@ -83,7 +91,6 @@ def test_request_survives_never_stop_commit_and_its_versions_switch_exactly_at_t
     # KV kept: the tokens after the commit attend to the prompt's KV, computed by the old weights (vllm_patches/kv_age)
     assert done.kv_versions == [old] * LONG, f"KV ages {sorted(set(done.kv_versions))}, expected v{old} throughout"
     print(f"\nnever-stop commit stall {report.commit_s * 1e3:.1f} ms, switch at token {k}")
-    restore_a(loop, env)
 
 
 def test_recompute_kv_continuation_equals_fresh_b_engine(env, loop):
@@ -100,7 +107,6 @@ def test_recompute_kv_continuation_equals_fresh_b_engine(env, loop):
     # Bit for bit: both engines run the same bf16 computation (B's weights, a prefill of the prompt and the first k
     # tokens, then the same decode steps) with the same kernels on one machine.
     assert done.logprobs[k:] == cont.logprobs, worst_gap(done.logprobs[k:], cont.logprobs)
-    restore_a(loop, env)
 
 
 def test_never_stop_keeps_generating_while_the_update_is_received(env, loop):
@@ -112,24 +118,28 @@ def test_never_stop_keeps_generating_while_the_update_is_received(env, loop):
         async def stream():
             from vllm.inputs import TokensPrompt
 
-            params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
+            # Long enough to outlast the transfer on a loaded machine; cancelled (aborted) once the update is done.
+            params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
             async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=env["prompt"]), params, "stream"):
                 stamps.append((time.time(), len(out.outputs[0].token_ids)))
 
         task = asyncio.ensure_future(stream())
-        await asyncio.sleep(0.3)
+        while not stamps:  # generating before the update starts
+            await asyncio.sleep(0.05)
         report = await env["sender"].push(engine, env["b"], engine.version + 1, bucket_bytes=64 << 10)
-        await task
-        return stamps, report
+        running = not task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return stamps, report, running
 
-    stamps, report = loop.run_until_complete(run())
+    stamps, report, running = loop.run_until_complete(run())
+    assert running, "the request ended before the update did: nothing to observe (make it longer)"
     t0, t1 = report.staging_window
     inside = [n for t, n in stamps if t0 <= t <= t1]
     produced = (max(inside) - min(inside)) if inside else 0
     print(f"\nreceive window {1e3 * (t1 - t0):.0f} ms over {report.bytes >> 10} KiB: {produced} tokens produced in it; "
           f"commit stall {1e3 * report.commit_s:.1f} ms")  # fmt: skip
     assert produced > 0, "the engine produced no token while the update was being received"
-    restore_a(loop, env)
 
 
 def _expected(env, version_state: str):
@@ -180,4 +190,3 @@ def test_blocking_mode_refuses_a_busy_engine_and_updates_an_idle_one(env, loop):
     report = loop.run_until_complete(env["sender"].push(engine, env["b"], old + 1, mode="blocking"))
     assert report.version == old + 1 == engine.version
     _assert_weights(env, loop, "b")
-    restore_a(loop, env)
