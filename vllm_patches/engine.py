@@ -215,6 +215,12 @@ class InflightEngine:
         current = time.monotonic() - self._empty_since if self._empty_since is not None else 0.0
         return self._empty_s + current
 
+    async def set_weights_key(self, key: bytes) -> None:
+        """Every worker verifies updates by keyed tags under `key` from now on (inflight/wire/weights.py)."""
+        done = await self.llm.collective_rpc("inflight_set_weights_key", args=(key,))
+        if not all(done):
+            raise UpdateError("a worker did not take the weights key")
+
     async def join_weights_group(self, host: str, port: int, rank: int, world_size: int, **kw) -> list[GroupJoined]:
         """Join the weights group as `rank` (TP workers take consecutive ranks). Blocks until rank 0 joins."""
         args = (host, port, rank, world_size, kw.get("group_name", "inflight-weights-0"),

@@ -1,8 +1,9 @@
 """StagedUpdate: one weight update being received, off the engine thread, into buffers outside the model.
 
 Owned by the worker extension. `start()` returns at once; a daemon thread receives every bucket over the weights group,
-then views and verifies every tensor (size, CRC32). Forward passes keep running the whole time because nothing here
-touches the live parameters; only `worker_extension.commit_staged` does, between two engine steps.
+then views and verifies every tensor (size, and its CRC32 or, with a secret, its keyed tag). Forward passes keep
+running the whole time because nothing here touches the live parameters; only `worker_extension.commit_staged` does,
+between two engine steps.
 
 On a CUDA device the buckets are allocated and received on a side stream of their own, so the transfer (NCCL's
 broadcast, or gloo's host-to-device copies) queues behind nothing the engine runs and the engine's kernels queue
@@ -38,8 +39,10 @@ class StageState(str, Enum):
 class StagedUpdate:
     """Receives `manifest`'s buckets from `group` on a background thread and holds the verified tensors."""
 
-    def __init__(self, manifest: UpdateManifest, group: WeightsGroup, device: torch.device | str = "cpu"):
-        self.manifest, self.group, self.device = manifest, group, device
+    def __init__(self, manifest: UpdateManifest, group: WeightsGroup, device: torch.device | str = "cpu",
+                 weights_key: bytes | None = None):  # fmt: skip
+        """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32."""
+        self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
         self.state = StageState.RECEIVING
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
@@ -73,7 +76,8 @@ class StagedUpdate:
                     self._ready.record(side)
                     self._ready.synchronize()  # receive_s is the transfer's, not the time to queue it
                 self.receive_s = time.perf_counter() - self.started
-                self.tensors = unpack_buckets(self.manifest, buckets, verify=True)  # CUDA: host copies, side stream
+                # CUDA: host copies, side stream
+                self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=self.weights_key)
             self.verify_s = time.perf_counter() - self.started - self.receive_s
             self.staged_at = time.time()
             self.state = StageState.STAGED

@@ -66,6 +66,14 @@ class InflightWorkerExtension:
         self._inflight_group = WeightsGroup(address, rank)
         return GroupJoined(rank, group_name)
 
+    def inflight_set_weights_key(self, key: bytes) -> bool:
+        """From now on verify every update's keyed tags under `key` (the serve's --secret-file, derived by
+        inflight/wire/secure.py:weights_key) and refuse tensors without one. Returns True."""
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise ManifestError("the weights key must be 32 bytes (inflight.wire.secure.weights_key)")
+        self._inflight_weights_key = key
+        return True
+
     def inflight_expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
         """HF name → (dtype, shape) of every tensor in the served checkpoint: what an update must contain.
 
@@ -103,7 +111,8 @@ class InflightWorkerExtension:
         current = getattr(self, "_inflight_stage", None)
         if current is not None and current.state == StageState.RECEIVING:
             raise ManifestError(f"update v{current.manifest.version} is still being received; wait for it first")
-        self._inflight_stage = StagedUpdate(manifest, group, self._inflight_device()).start()
+        key = getattr(self, "_inflight_weights_key", None)
+        self._inflight_stage = StagedUpdate(manifest, group, self._inflight_device(), key).start()
         return self._inflight_stage.status()
 
     def _inflight_device(self) -> torch.device:

@@ -79,7 +79,7 @@ class LearnConfig:
     secret_file: str = field(
         default="",
         metadata=_h("shared secret (>= 16 bytes): the rollout and control sockets admit only serves given the same file"
-                    " (ZeroMQ CURVE)"),
+                    " (ZeroMQ CURVE), and every weight update carries keyed BLAKE2b tags those serves verify"),
     )  # fmt: skip
 
     def validate(self) -> None:

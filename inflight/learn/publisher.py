@@ -55,8 +55,12 @@ class WeightPublisher:
     updates. Single-threaded use only: every method is called from the learner's main thread."""
 
     def __init__(self, control: ControlServer, host: str = "127.0.0.1", store_port: int = 0, backend: str = "gloo",
-                 timeout_s: float = 60.0, bucket_bytes: int = 64 << 20, quiet_after_s: float = 3.0):  # fmt: skip
+                 timeout_s: float = 60.0, bucket_bytes: int = 64 << 20, quiet_after_s: float = 3.0,
+                 weights_key: bytes | None = None):  # fmt: skip
+        """`weights_key` (from --secret-file, inflight/wire/secure.py:weights_key): tag every tensor of every update
+        with it instead of a CRC32."""
         self.control, self.host, self.backend = control, host, backend
+        self.weights_key = weights_key
         self.timeout_s, self.bucket_bytes, self.quiet_after_s = timeout_s, bucket_bytes, quiet_after_s
         self.store = open_store(GroupAddress(host, store_port, 1, timeout_s=timeout_s), is_host=True)
         self.membership = Membership(self._mismatch)
@@ -223,7 +227,7 @@ class WeightPublisher:
             members = self.membership.members()
             served = {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
             cast = {name: state[name].to(DTYPES[dtype]).contiguous() for name, (dtype, _) in served.items()}
-            manifest = plan_manifest(cast, version, self.bucket_bytes)
+            manifest = plan_manifest(cast, version, self.bucket_bytes, weights_key=self.weights_key)
             check_against(manifest, served)
             for serve in members:
                 self.control.send(serve.identity, UpdateWeights(manifest=manifest.encode(), groups_consumed=(

@@ -43,15 +43,16 @@ class LearnerService:
     def __init__(self, cfg: LearnConfig, state: dict[str, torch.Tensor], version: int,
                  consumed: Iterable[str] | dict, by_server: dict[str, int]):  # fmt: skip
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        keys = None
+        keys = tags = None
         if cfg.secret_file:
-            from inflight.wire.secure import derive_keys, read_secret
+            from inflight.wire.secure import derive_keys, read_secret, weights_key
 
-            keys = derive_keys(read_secret(cfg.secret_file))
+            secret = read_secret(cfg.secret_file)
+            keys, tags = derive_keys(secret), weights_key(secret)
         self.receiver = RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)
         self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
         self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
-                                         cfg.bucket_mb << 20)  # fmt: skip
+                                         cfg.bucket_mb << 20, weights_key=tags)  # fmt: skip
         self.publisher.set_model(state, cfg.contract())  # serves that differ are refused at Hello
         if version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
             self.publisher.latest = (version, state)

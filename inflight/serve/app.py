@@ -57,9 +57,15 @@ async def serve(cfg: ServeConfig) -> int:
         raise
     keys = None
     if cfg.secret_file:
-        from inflight.wire.secure import derive_keys, read_secret
+        from inflight.wire.secure import derive_keys, read_secret, weights_key
 
-        keys = derive_keys(read_secret(cfg.secret_file))
+        secret = read_secret(cfg.secret_file)
+        keys = derive_keys(secret)
+        try:
+            await engine.set_weights_key(weights_key(secret))  # updates are verified by keyed tags, not CRC32
+        except BaseException:
+            engine.shutdown()
+            raise
     stream = RolloutStream(cfg.rollouts, keys=keys)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     driver = RolloutDriver(engine, cfg, problems, rewards, stream, tokenizer, latency)

@@ -102,8 +102,9 @@ class ServeConfig:
                                                              "published version, then until that version is committed "
                                                              "here: a (re)started serve never generates with stale "
                                                              "weights"))  # fmt: skip
-    secret_file: str = field(default="", metadata=_h("shared secret (>= 16 bytes) for the learner's sockets, ZeroMQ "
-                                                     "CURVE; the learner must be given the same file"))  # fmt: skip
+    secret_file: str = field(default="", metadata=_h("shared secret (>= 16 bytes): ZeroMQ CURVE on the learner's "
+                                                     "sockets and keyed BLAKE2b tags on every weight update; the "
+                                                     "learner must be given the same file"))  # fmt: skip
 
     def validate(self) -> None:
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1")

@@ -87,3 +87,9 @@ def secure_client(sock, keys: CurveKeys) -> None:
     sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+
+
+def weights_key(secret: bytes) -> bytes:
+    """The key the weight updates' tags derive from (inflight/wire/weights.py:update_key): the same secret gives
+    learner and serve the same key, and it is independent of the CURVE keys."""
+    return hashlib.blake2b(secret, digest_size=32, person=b"inflight-weights").digest()

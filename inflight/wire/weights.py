@@ -4,17 +4,25 @@ Both sides import this (it imports torch and msgspec, never vLLM). An update is 
 msgpack) followed by `len(manifest.bucket_sizes)` uint8 buckets over the weights group. Every tensor lies wholly in one
 bucket at a 64-byte aligned offset, so the receiver can view it in place; a tensor larger than the bucket size gets a
 bucket of its own. Each tensor carries a CRC32 of its bytes, checked by the receiver before anything is committed.
+
+CRC32 catches corruption, not forgery: anyone who can write to the weights network can alter a tensor and fix four of
+its bytes so the CRC32 still matches. With a shared secret (`--secret-file` on both sides) every tensor carries a
+keyed BLAKE2b tag instead, under a key derived from the secret and the update's version (`update_key`): without the
+secret a tag cannot be made, and a tensor of an older update (a replay) carries a tag under another version's key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import zlib
 from collections.abc import Iterable, Mapping
 
 import msgspec
 import torch
 
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2  # 2: tensors carry an optional keyed BLAKE2b tag
+TAG_BYTES = 16
 ALIGN = 64
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -43,6 +51,7 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     offset: int
     nbytes: int
     crc32: int = 0
+    tag: bytes = b""  # keyed BLAKE2b of the bytes under update_key(secret key, version); empty without a secret
 
 
 class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -112,10 +121,29 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def update_key(weights_key: bytes, version: int) -> bytes:
+    """The key every tag of update `version` is made with, from the secret's weights key
+    (inflight/wire/secure.py:weights_key): another version, another key, so no tag verifies in another update."""
+    return hashlib.blake2b(version.to_bytes(8, "little", signed=True), key=weights_key, digest_size=32,
+                           person=b"inflight-update").digest()  # fmt: skip
+
+
+def tensor_tag(t: torch.Tensor, key: bytes) -> bytes:
+    """Keyed BLAKE2b of the tensor's bytes (a device tensor from a host copy)."""
+    return bytes_tag(_as_bytes(t).cpu().numpy(), key)
+
+
+def bytes_tag(data, key: bytes) -> bytes:
+    """Keyed BLAKE2b (16 bytes) of a bytes-like object."""
+    return hashlib.blake2b(data, key=key, digest_size=TAG_BYTES).digest()
+
+
 def plan_manifest(
-    state: Mapping[str, torch.Tensor], version: int, bucket_bytes: int, checksums: bool = True
-) -> UpdateManifest:
-    """Lay `state` (HF name → CPU tensor) out in buckets of at most `bucket_bytes` (a bigger tensor gets its own)."""
+    state: Mapping[str, torch.Tensor], version: int, bucket_bytes: int, checksums: bool = True,
+    weights_key: bytes | None = None,
+) -> UpdateManifest:  # fmt: skip
+    """Lay `state` (HF name → CPU tensor) out in buckets of at most `bucket_bytes` (a bigger tensor gets its own).
+    With `weights_key` every tensor also gets a keyed tag, which the receiver then checks instead of the CRC32."""
     if bucket_bytes < ALIGN:
         raise ManifestError(f"bucket_bytes is {bucket_bytes}; it must be at least {ALIGN}")
     entries, sizes, used = [], [], 0
@@ -129,9 +157,11 @@ def plan_manifest(
         offset = used
         used = _aligned(offset + nbytes)
         sizes[-1] = max(offset + nbytes, sizes[-1])
-        crc = tensor_crc32(tensor) if checksums else 0
+        key = update_key(weights_key, version) if weights_key is not None else None
+        crc = tensor_crc32(tensor) if checksums else 0  # kept with a tag: a corruption's message names its CRC32
+        tag = tensor_tag(tensor, key) if key is not None else b""
         entries.append(
-            TensorEntry(name, DTYPE_NAMES[tensor.dtype], list(tensor.shape), len(sizes) - 1, offset, nbytes, crc)
+            TensorEntry(name, DTYPE_NAMES[tensor.dtype], list(tensor.shape), len(sizes) - 1, offset, nbytes, crc, tag)
         )
     return UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries)
 
@@ -148,27 +178,41 @@ def pack_bucket(
 
 
 def unpack_buckets(
-    manifest: UpdateManifest, buckets: list[torch.Tensor], verify: bool = True
+    manifest: UpdateManifest, buckets: list[torch.Tensor], verify: bool = True, weights_key: bytes | None = None
 ) -> dict[str, torch.Tensor]:
-    """Views of every tensor inside the received buckets (no copy); checks sizes and, if asked, checksums."""
+    """Views of every tensor inside the received buckets (no copy); checks sizes and, if asked, checksums: with
+    `weights_key` every tensor's keyed tag (a tensor without one is refused), else its CRC32."""
     if len(buckets) != len(manifest.bucket_sizes):
         raise ManifestError(f"received {len(buckets)} buckets, the manifest announced {len(manifest.bucket_sizes)}")
     for i, (buf, size) in enumerate(zip(buckets, manifest.bucket_sizes, strict=True)):
         if buf.numel() != size:
             raise ManifestError(f"bucket {i} holds {buf.numel()} bytes, the manifest announced {size}")
     out = {}
+    key = update_key(weights_key, manifest.version) if weights_key is not None else None
     host: dict[int, torch.Tensor] = {}  # a device bucket is checksummed from a host copy (the current one only)
     for t in manifest.tensors:
         raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
         if verify and raw.device.type != "cpu" and t.bucket not in host:
             host = {t.bucket: _to_host(buckets[t.bucket])}
         check = host[t.bucket][t.offset : t.offset + t.nbytes] if t.bucket in host else raw
-        if verify and (crc := zlib.crc32(check.numpy()) & 0xFFFFFFFF) != t.crc32:
-            raise ManifestError(
-                f"tensor {t.name}: checksum {crc:#010x} but the manifest says {t.crc32:#010x} (corrupted in transit)"
-            )
+        if verify:
+            _verify(t, check.numpy(), key)
         out[t.name] = raw.view(DTYPES[t.dtype]).reshape(t.shape)
     return out
+
+
+def _verify(t: TensorEntry, data, key: bytes | None) -> None:
+    if key is not None:
+        if not t.tag:
+            raise ManifestError(f"tensor {t.name}: no tag, and this serve has a secret: give the learner the same "
+                                "--secret-file")  # fmt: skip
+        if not hmac.compare_digest(bytes_tag(data, key), t.tag):
+            raise ManifestError(f"tensor {t.name}: its tag does not verify under the update's key (forged, replayed "
+                                "from another update, or corrupted in transit)")  # fmt: skip
+    elif (crc := zlib.crc32(data) & 0xFFFFFFFF) != t.crc32:
+        raise ManifestError(
+            f"tensor {t.name}: checksum {crc:#010x} but the manifest says {t.crc32:#010x} (corrupted in transit)"
+        )
 
 
 _PINNED: list[torch.Tensor] = []  # one reusable page-locked buffer for checksumming device buckets

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import os
 import pickle
+import zlib
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
+from crc_forgery import forge_crc32
 
+from inflight.wire.secure import weights_key
 from inflight.wire.weights import (
     ALIGN,
     MANIFEST_SCHEMA,
+    TAG_BYTES,
     ManifestError,
     TensorEntry,
     UpdateManifest,
@@ -293,3 +297,46 @@ def test_check_against_reports_the_first_mismatch_in_manifest_order():
     expected["embed.weight"] = ("bfloat16", [7, 5])
     with pytest.raises(ManifestError, match=r"^tensor 'bias' is not a parameter"):
         check_against(plan_manifest(state, 0, BUCKET_BYTES), expected)
+
+
+def forged(manifest: UpdateManifest, state: dict[str, torch.Tensor], name: str) -> list[torch.Tensor]:
+    """The buckets of `state` with tensor `name` altered and its CRC32 fixed to what the manifest says."""
+    t = entry(manifest, name)
+    buckets = send_buckets(manifest, state)
+    raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
+    raw[:8] ^= 0x5A  # the attacker's change
+    crc = t.crc32 if t.crc32 else zlib.crc32(_bytes_of(state[name]))
+    raw[-4:] = torch.frombuffer(bytearray(forge_crc32(raw[:-4].numpy().tobytes(), crc)), dtype=torch.uint8)
+    assert zlib.crc32(raw.numpy()) == crc and not torch.equal(raw, torch.frombuffer(bytearray(_bytes_of(state[name])),
+                                                                                      dtype=torch.uint8))  # fmt: skip
+    return buckets
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_an_altered_tensor_with_its_crc32_recomputed_passes_crc32_and_is_refused_by_the_keyed_tag():
+    state, key = mixed_state(), weights_key(b"a shared secret of 32 bytes....!")
+    name = "big.weight"
+    plain = plan_manifest(state, 3, BUCKET_BYTES)
+    unpack_buckets(plain, forged(plain, state, name))  # CRC32 alone: the forgery goes through
+    tagged = plan_manifest(state, 3, BUCKET_BYTES, weights_key=key)
+    assert all(len(t.tag) == TAG_BYTES for t in tagged.tensors)
+    received = unpack_buckets(tagged, send_buckets(tagged, state), weights_key=key)  # the genuine update verifies
+    assert all(torch.equal(received[n], state[n]) for n in state)
+    with pytest.raises(ManifestError, match=f"tensor {name}: its tag does not verify"):
+        unpack_buckets(tagged, forged(tagged, state, name), weights_key=key)
+
+
+def test_a_replayed_update_or_one_without_tags_or_under_another_secret_is_refused():
+    state, key = mixed_state(), weights_key(b"a shared secret of 32 bytes....!")
+    old = plan_manifest(state, 3, BUCKET_BYTES, weights_key=key)
+    replay = msgspec.structs.replace(old, version=4)  # v3's tensors and tags presented as v4
+    with pytest.raises(ManifestError, match="does not verify under the update's key"):
+        unpack_buckets(replay, send_buckets(old, state), weights_key=key)
+    with pytest.raises(ManifestError, match="does not verify"):
+        unpack_buckets(old, send_buckets(old, state), weights_key=weights_key(b"another secret, also 32 bytes..."))
+    untagged = plan_manifest(state, 3, BUCKET_BYTES)
+    with pytest.raises(ManifestError, match="no tag, and this serve has a secret: give the learner the same"):
+        unpack_buckets(untagged, send_buckets(untagged, state), weights_key=key)
