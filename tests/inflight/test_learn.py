@@ -48,14 +48,19 @@ def test_learner_matches_the_serves_logprobs_and_after_an_update_the_serve_answe
     """Step 1 trains on version-0 rollouts only, so the learner's own lag-0 probe is |log pi_learner - log mu_vLLM|
     over every token: the float32 serve and the float32 learner agree to 5e-3 (bf16 serving: test_logprob_parity).
     Then the engine, after receiving the learner's update over the weights group, greedy-decodes exactly what
-    transformers decodes from the learner's exported weights (prompts with a clear greedy choice)."""
+    transformers decodes from the learner's exported weights (prompts with a clear greedy choice). Both sides share a
+    secret: the sockets run CURVE and the update arrives with keyed tags the serve verified (tests of forgeries:
+    tests/vllm_patches/test_authenticated_updates.py)."""
     import openai
     import torch
     from support import CONFIDENT_PROMPTS, greedy_transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, port = model_dirs["smollm2"], free_port()
-    learn, serve = start_pair(path, tmp_path, 1, extra_learn=["--lr", "1e-5"], extra_serve=["--http-port", str(port)])
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a secret both sides were given, 40 bytes")
+    learn, serve = start_pair(path, tmp_path, 1, extra_learn=["--lr", "1e-5", "--secret-file", str(secret)],
+                              extra_serve=["--http-port", str(port), "--secret-file", str(secret)])  # fmt: skip
     try:
         assert wait_exit(learn) == 0, learn.tail()
         [step] = read_jsonl(tmp_path / "metrics.jsonl")
