@@ -8,10 +8,13 @@ W&B run has one writer.
 
 What is logged, at the learner's step:
 - `train/<field>` for every numeric field of `StepMetrics` (inflight/wire/records.py; `time` is the wall time of every
-  point), plus `train/lag_mean`, `train/length_mean` and `train/rejected/<reason>`;
-- `serve/<field>` for each `ServeProgress` line and `update/<field>` for each `UpdateEvent` that the serve appended to
-  `<run_dir>/serve-metrics.jsonl` since the last step (where `inflight.run` has the serve write them; a serve on
-  another host writes its own file, which is not followed);
+  point) and `train/<field>/<key>` for every entry of its dicts (`train/rejected/<reason>`, the lag histograms as
+  tokens per lag: `train/lag_histogram/<lag>`, `train/kv_lag_histogram/<lag>`), plus `train/lag_mean` and
+  `train/length_mean`;
+- `serve/<field>` for each `ServeProgress` line, `update/<field>` for each `UpdateEvent` and `eval/<field>` for each
+  `EvalResult` that the serve appended to `<run_dir>/serve-metrics.jsonl` since the last step, dicts flattened the
+  same way (`serve/reward_means/<reward>`, `eval/reward_means/<reward>`); where `inflight.run` has the serve write
+  them; a serve on another host writes its own file, which is not followed;
 - every `--log-samples-every` steps, table `samples`: prompt, completion, reward, advantage and the weight versions
   that sampled the completion.
 
@@ -59,26 +62,39 @@ class SampleRow:
     versions: str
 
 
+def record_scalars(record: msgspec.Struct, prefix: str) -> dict[str, float]:
+    """Every number of `record` (bools as 0/1) as `<prefix>/<field>`, and every dict of numbers flattened to
+    `<prefix>/<field>/<key>`: the lag histograms and per-reward means are metrics too, and a tracker takes only
+    scalars. Absent fields are left out; `time` is the point's wall time, not a value; lists are left to the caller."""
+    out = {}
+    for name in record.__struct_fields__:
+        value = getattr(record, name)
+        if name == "time":
+            continue
+        if isinstance(value, int | float):
+            out[f"{prefix}/{name}"] = float(value)
+        elif isinstance(value, dict):
+            out.update({f"{prefix}/{name}/{key}": float(n) for key, n in value.items() if isinstance(n, int | float)})
+    return out
+
+
 def step_scalars(record: StepMetrics) -> dict[str, float]:
-    """Every numeric field of `record` as `train/<field>` (absent ones left out; `time` is the point's wall time, not a
-    value), with the lag and length means and the refused rollouts by reason."""
-    out = {f"train/{name}": float(value) for name in record.__struct_fields__
-           if name != "time" and isinstance(value := getattr(record, name), int | float)}  # fmt: skip
+    """`record` as `train/...` scalars (`record_scalars`: fields, histogram counts per lag, refused rollouts by
+    reason), with the lag and length means."""
+    out = record_scalars(record, "train")
     tokens = sum(record.lag_histogram.values())
     if tokens:
         out["train/lag_mean"] = sum(lag * n for lag, n in record.lag_histogram.items()) / tokens
     if record.lengths:
         out["train/length_mean"] = sum(record.lengths) / len(record.lengths)
-    out.update({f"train/rejected/{reason}": float(n) for reason, n in record.rejected.items()})
     return out
 
 
 def serve_scalars(event: ServeProgress | UpdateEvent | EvalResult) -> dict[str, float]:
-    """A serve line's numeric fields (bools as 0/1) as `serve/<field>` (progress), `update/<field>` (update) or
-    `eval/<field>` (a held-out eval, whose `version` field says which weights it scored)."""
+    """A serve line as `serve/...` (progress), `update/...` (update) or `eval/...` (a held-out eval, whose `version`
+    field says which weights it scored) scalars, per-reward means included (`record_scalars`)."""
     prefix = {ServeProgress: "serve", UpdateEvent: "update", EvalResult: "eval"}[type(event)]
-    return {f"{prefix}/{name}": float(value) for name in event.__struct_fields__
-            if name != "time" and isinstance(value := getattr(event, name), int | float)}  # fmt: skip
+    return record_scalars(event, prefix)
 
 
 class Tracker:
@@ -97,7 +113,7 @@ class Tracker:
     def log_step(self, record: StepMetrics) -> None:
         self.scalars(step_scalars(record), record.step, record.time)
 
-    def log_serve(self, event: ServeProgress | UpdateEvent, step: int) -> None:
+    def log_serve(self, event: ServeProgress | UpdateEvent | EvalResult, step: int) -> None:
         self.scalars(serve_scalars(event), step, event.time)
 
     def log_samples(self, rows: list[SampleRow], step: int) -> None:

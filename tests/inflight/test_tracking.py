@@ -8,11 +8,12 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import zmq
-from record_factories import a_progress, a_step, an_update, write_lines
+from record_factories import a_progress, a_step, an_eval, an_update, write_lines
 from test_learn_torchrun import rollouts
 from test_serve import free_port
 
@@ -33,7 +34,15 @@ from inflight.run.config import RunConfig
 from inflight.run.launch import side_commands
 from inflight.wire.records import encode_line, read_steps
 
-STEPS = [a_step(1), a_step(2, publish_s=0.5, publish_bytes=1000, rejected={"duplicate": 2}, loss=None)]
+STEPS = [a_step(1), a_step(2, publish_s=0.5, publish_bytes=1000, rejected={"duplicate": 2}, loss=None,
+                           kv_lag_histogram={1: 3, 2: 7})]  # fmt: skip
+# What the serve appends to serve-metrics.jsonl, per-reward means included (a dict, flattened for the trackers).
+SERVE_LINES = [a_progress(tokens_per_s=42.0, time=101.5, reward_means={"gsm_reward": 0.25, "format": 1.0}),
+               an_eval(version=2, reward_means={"gsm_reward": 0.5}, time=101.6)]  # fmt: skip
+# The dict-valued metrics as the trackers must show them: one scalar per key, at the step the line was logged.
+FLATTENED = {"train/lag_histogram/0": 6.0, "train/lag_histogram/1": 4.0, "train/kv_lag_histogram/1": 3.0,
+             "train/kv_lag_histogram/2": 7.0, "serve/reward_means/gsm_reward": 0.25, "serve/reward_means/format": 1.0,
+             "eval/reward_means/gsm_reward": 0.5}  # fmt: skip
 ROWS = [SampleRow("What is 2 + 3?", "5 | five\nok", 1.0, 0.5, "0,1")]
 
 
@@ -56,11 +65,18 @@ def test_step_scalars_are_every_numeric_field_of_the_record_namespaced():
     assert serve_scalars(an_update(ok=False))["update/ok"] == 0.0
 
 
+def test_dict_valued_metrics_are_flattened_to_one_scalar_per_key():
+    values = step_scalars(STEPS[1]) | serve_scalars(SERVE_LINES[0]) | serve_scalars(SERVE_LINES[1])
+    assert {tag: values.get(tag) for tag in FLATTENED} == FLATTENED
+    assert "train/kv_lag_histogram/1" not in step_scalars(STEPS[0])  # absent (None): no keys, no error
+
+
 def test_tensorboard_event_files_read_back_with_tensorboards_reader_hold_every_step_metric(tmp_path):
     tracker = TensorBoardTracker(tmp_path)
     for record in STEPS:
         tracker.log_step(record)
-    tracker.log_serve(a_progress(tokens_per_s=42.0, time=101.5), 2)
+    for line in SERVE_LINES:
+        tracker.log_serve(line, 2)
     tracker.log_samples(ROWS, 2)
     tracker.close()
     events = tensorboard_events(tmp_path / "tensorboard")
@@ -69,34 +85,48 @@ def test_tensorboard_event_files_read_back_with_tensorboards_reader_hold_every_s
             [point] = [p for p in events.Scalars(tag) if p.step == record.step]
             assert point.value == pytest.approx(value, rel=1e-6) and point.wall_time == record.time, tag
     assert [(p.step, p.value) for p in events.Scalars("serve/tokens_per_s")] == [(2, 42.0)]
+    for tag, value in FLATTENED.items():  # the histograms and per-reward means, named, not only "whatever was sent"
+        assert [p.value for p in events.Scalars(tag) if p.step == 2] == [pytest.approx(value)], tag
     [text] = events.Tensors("samples/text_summary")
     table = text.tensor_proto.string_val[0].decode()
     assert "| prompt | completion | reward | advantage | versions |" in table and "5 \\| five<br>ok" in table
 
 
-def wandb_history(run_dir: Path) -> list[dict[str, str]]:
-    """The history records of the offline run under `run_dir`: the `.wandb` file is a LevelDB-style log (a 7-byte
-    header, then 32 KiB blocks of records, each with a 7-byte header: CRC32, length, type full/first/middle/last) of
-    wandb's own protobuf `Record`s."""
+def wandb_records(path: Path) -> list:
+    """The records of an offline run's `.wandb` file: a LevelDB-style log (a 7-byte header, then 32 KiB blocks of
+    records, each with a 7-byte header: CRC32, length, type full/first/middle/last) of wandb's own protobuf
+    `Record`s."""
     from wandb.proto import wandb_internal_pb2
 
-    [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    data, pos, chunk, history = path.read_bytes(), 7, b"", []
+    data, pos, chunk, records = path.read_bytes(), 7, b"", []
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # still being written
+            break
         chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # full or last: a whole record
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(chunk)
+            records.append(wandb_internal_pb2.Record())
+            records[-1].ParseFromString(chunk)
             chunk = b""
-            if record.WhichOneof("record_type") == "history":
-                history.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
-    return history
+    return records
+
+
+def wandb_history(run_dir: Path, timeout_s: float = 30.0) -> list[dict[str, str]]:
+    """The history records of the offline run under `run_dir`, once its `exit` record is in: wandb's service process
+    writes the file after `run.finish()` returns (seen: in 2 runs of 100, a read right after it found only the 7-byte
+    header; 2 s later, the whole run)."""
+    [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while "exit" not in (kinds := [r.WhichOneof("record_type") for r in wandb_records(path)]):
+        assert time.monotonic() < deadline, f"no exit record in {path} after {timeout_s}s: {kinds}"
+        time.sleep(0.1)
+    return [{item.key or "/".join(item.nested_key): item.value_json for item in r.history.item}
+            for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]  # fmt: skip
 
 
 def test_a_wandb_offline_run_directory_is_created_with_the_same_keys(tmp_path, monkeypatch):
@@ -109,8 +139,9 @@ def test_a_wandb_offline_run_directory_is_created_with_the_same_keys(tmp_path, m
     run_dir = tmp_path / "run"
     reporting = Reporting("wandb", run_dir, {"lr": 1e-5}, "tiny-llama", samples_every=2)
     assert reporting.active, "wandb failed to open"
-    for record in STEPS:
-        reporting.step(record)
+    reporting.step(STEPS[0])
+    write_lines(run_dir / "serve-metrics.jsonl", SERVE_LINES)  # as a serve appends them between two steps
+    reporting.step(STEPS[1])
     reporting.tracker.log_samples(ROWS, 2)
     reporting.close()
     assert reporting.failures == 0
@@ -120,6 +151,7 @@ def test_a_wandb_offline_run_directory_is_created_with_the_same_keys(tmp_path, m
         want = step_scalars(record)
         assert set(want) <= set(by_step[record.step]), set(want) - set(by_step[record.step])
         assert all(float(by_step[record.step][k]) == pytest.approx(v) for k, v in want.items())
+    assert {tag: float(by_step[2][tag]) for tag in FLATTENED} == pytest.approx(FLATTENED)
     assert by_step[2]["samples/_type"] == '"table-file"' and by_step[2]["samples/nrows"] == "1"
     assert not (tmp_path / "home" / ".netrc").exists()
 
