@@ -19,6 +19,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from inflight.wire.weights import UPDATE_MEMORY
 from vllm_patches.kv_age import kv_ages
 from vllm_patches.rpc import CommitApplied, CommitResult, GroupJoined, StageStatus, rpc_result
 
@@ -42,6 +43,7 @@ class EngineConfig:
     # The LM head's precision: "float32" projects in fp32 (vLLM's head_dtype, through hf_overrides), as the learner's
     # fp32 head does; "model" keeps the engine dtype. Changes nothing when dtype is already float32.
     head_dtype: str = "model"
+    update_memory: str = "double"  # one of UPDATE_MEMORY
 
 
 @dataclass
@@ -72,6 +74,7 @@ class UpdateReport:
     stall_s: float = 0.0
     commit_s: float = 0.0
     receive_s: float = 0.0
+    prepare_s: float = 0.0  # loading into the processed copy off the engine thread (update_memory "double")
     bytes: int = 0
     staging_window: tuple[float, float] = (0.0, 0.0)  # wall clock: receive started, all buckets verified
     workers: list[CommitApplied] = field(default_factory=list)
@@ -140,8 +143,11 @@ class InflightEngine:
     async def start(cls, cfg: EngineConfig, version: int = 0) -> InflightEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if cfg.update_memory not in UPDATE_MEMORY:
+            raise ValueError(f"update_memory is {cfg.update_memory!r}, expected one of {list(UPDATE_MEMORY)}")
         llm = AsyncLLM.from_engine_args(engine_args(cfg))
         engine = cls(llm, version)
+        await llm.collective_rpc("inflight_set_update_memory", args=(cfg.update_memory,))
         await llm.engine_core.call_utility_async("inflight_track_kv", version)  # also sets the weight version
         return engine
 
@@ -246,6 +252,7 @@ class InflightEngine:
                 # starves the staging thread of the GIL: 4.2 s instead of 0.7 s to receive SmolLM2 fp32 here.
                 staged = await self._wait_staged(timeout_s, block=paused or mode == "blocking")
                 report.receive_s, report.bytes = staged.receive_s, staged.bytes_received
+                report.prepare_s = staged.prepare_s
                 report.staging_window = (staged.started_at, staged.staged_at)
                 await self._commit(report, kv)
             finally:

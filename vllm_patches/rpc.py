@@ -26,7 +26,8 @@ class GroupJoined(msgspec.Struct, forbid_unknown_fields=True):
 class StageStatus(msgspec.Struct, forbid_unknown_fields=True):
     """`inflight_begin_update`, `inflight_update_status`, `inflight_wait_staged`: one worker's staged update.
 
-    `receive_s` and `verify_s` are durations in seconds, 0 until done; `started_at` and `staged_at` are wall clock
+    `receive_s`, `verify_s` and `prepare_s` (loading into a processed copy, `--update-memory double`) are durations in
+    seconds, 0 until done; `started_at` and `staged_at` are wall clock
     (`time.time()`, comparable with token timestamps), `staged_at` 0 until staged. `error` is set only when failed.
     """
 
@@ -39,13 +40,16 @@ class StageStatus(msgspec.Struct, forbid_unknown_fields=True):
     verify_s: float
     started_at: float
     staged_at: float
+    prepare_s: float = 0.0
 
 
 class CommitApplied(msgspec.Struct, forbid_unknown_fields=True):
-    """`inflight_commit_staged`: one worker copied the staged tensors into its live model, in `apply_s` seconds."""
+    """`inflight_commit_staged`: one worker put the staged update into its live model in `apply_s` seconds, by
+    swapping in `swapped_layers` prepared layers (`--update-memory double`) or, when 0, copying in place (`low`)."""
 
     version: int
     apply_s: float
+    swapped_layers: int = 0
 
 
 class CommitResult(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,7 +1,8 @@
 """StagedUpdate: one weight update being received, off the engine thread, into buffers outside the model.
 
 Owned by the worker extension. `start()` returns at once; a daemon thread receives every bucket over the weights group,
-then views and verifies every tensor (size, and its CRC32 or, with a secret, its keyed tag). Forward passes keep
+then views and verifies every tensor (size, and its CRC32 or, with a secret, its keyed tag) and, when the engine swaps
+prepared weights (`--update-memory double`), loads and processes them into vLLM's kernel layout. Forward passes keep
 running the whole time because nothing here touches the live parameters; only `worker_extension.commit_staged` does,
 between two engine steps.
 
@@ -40,9 +41,12 @@ class StagedUpdate:
     """Receives `manifest`'s buckets from `group` on a background thread and holds the verified tensors."""
 
     def __init__(self, manifest: UpdateManifest, group: WeightsGroup, device: torch.device | str = "cpu",
-                 weights_key: bytes | None = None):  # fmt: skip
-        """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32."""
+                 weights_key: bytes | None = None, prepare: Callable[[dict], object] | None = None):  # fmt: skip
+        """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
+        `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`, e.g.
+        vllm_patches/prepared.py:prepare), then release the tensors; the update is staged only once that is done."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
+        self.prepare, self.prepared, self.prepare_s = prepare, None, 0.0
         self.state = StageState.RECEIVING
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
@@ -79,6 +83,10 @@ class StagedUpdate:
                 # CUDA: host copies, side stream
                 self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=self.weights_key)
             self.verify_s = time.perf_counter() - self.started - self.receive_s
+            if self.prepare is not None:
+                del buckets  # the tensors are views of them: they go together, once prepared
+                self.prepared, self.tensors = self.prepare(self.tensors), {}
+                self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
             self.staged_at = time.time()
             self.state = StageState.STAGED
         except Exception as exc:  # any failure must surface as a status, never kill the worker
@@ -113,6 +121,7 @@ class StagedUpdate:
             bytes_total=self.manifest.total_bytes,
             receive_s=self.receive_s,
             verify_s=self.verify_s,
+            prepare_s=self.prepare_s,
             started_at=self.started_at,
             staged_at=self.staged_at,
         )

@@ -6,8 +6,15 @@ Worker and they are reached with `collective_rpc`. Flow for one update:
 1. `inflight_init_weights_group(...)` joins the weights group (blocks until the learner's rank 0 joins too).
 2. `inflight_begin_update(manifest)` checks names/dtypes/shapes against the served checkpoint and returns at once; a
    background thread stages the buckets while `execute_model` keeps running on the engine thread.
-3. `inflight_commit_staged(version)` — called by the EngineCore utility `inflight_commit` between two steps — copies
-   the staged tensors into the live parameters. All-or-nothing: a failure restores the previous weights and re-raises.
+3. `inflight_commit_staged(version)` — called by the EngineCore utility `inflight_commit` between two steps — puts
+   the update into the live model. All-or-nothing: a failure restores the previous weights and re-raises.
+
+Two commit paths, chosen once per engine with `inflight_set_update_memory` (the serve's `--update-memory`):
+- `double` (default): the staging thread also loads and processes the update into a shadow copy of the changed
+  layers (vllm_patches/prepared.py); the commit swaps references, O(layers), whatever the model size. Costs one
+  processed copy of the weights while an update is staged.
+- `low`: the commit runs vLLM's layerwise reload into the live storage on the engine thread, O(bytes); every
+  parameter keeps its storage (what a kernel holding addresses, e.g. a CUDA graph, needs).
 
 On CPU, linear weights are repacked after loading, so plain `model.load_weights` cannot update them; the commit goes
 through vLLM's layerwise `reload_weights` and then re-processes a tied `lm_head`, which that path skips. Fused MoE
@@ -29,7 +36,9 @@ import torch
 
 from inflight.wire.group import GroupAddress, WeightsGroup
 from inflight.wire.memory import trim_after_update
-from inflight.wire.weights import ManifestError, UpdateManifest, check_against
+from inflight.wire.weights import UPDATE_MEMORY, ManifestError, UpdateManifest, check_against
+from vllm_patches import faults
+from vllm_patches.prepared import prepare
 from vllm_patches.rpc import CommitApplied, GroupJoined, StageStatus
 from vllm_patches.staging import StagedUpdate, StageState
 
@@ -74,6 +83,28 @@ class InflightWorkerExtension:
         self._inflight_weights_key = key
         return True
 
+    def inflight_set_update_memory(self, mode: str) -> str:
+        """Choose the commit path for this engine's life (see the module docstring): "double" or "low". Refused once an
+        update was staged: a rollback source of one path is not valid for the other. Returns the mode."""
+        if mode not in UPDATE_MEMORY:
+            raise ManifestError(f"update_memory is {mode!r}, expected one of {list(UPDATE_MEMORY)}")
+        if getattr(self, "_inflight_stage", None) is not None and mode != self._inflight_update_memory():
+            raise ManifestError("update_memory is chosen before the first update and kept for the engine's life")
+        self._inflight_memory = mode
+        return mode
+
+    def _inflight_update_memory(self) -> str:
+        return getattr(self, "_inflight_memory", "double")
+
+    def inflight_worker_pid(self) -> int:
+        """This worker's process id (benchmarks read its resident memory from /proc)."""
+        return os.getpid()
+
+    def inflight_parameter_storage(self) -> dict[str, int]:
+        """Parameter name → data_ptr of its storage, for every engine parameter (tests: which path keeps storage)."""
+        model = self.model_runner.get_model()
+        return {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters()}
+
     def inflight_expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
         """HF name → (dtype, shape) of every tensor in the served checkpoint: what an update must contain.
 
@@ -112,8 +143,16 @@ class InflightWorkerExtension:
         if current is not None and current.state == StageState.RECEIVING:
             raise ManifestError(f"update v{current.manifest.version} is still being received; wait for it first")
         key = getattr(self, "_inflight_weights_key", None)
-        self._inflight_stage = StagedUpdate(manifest, group, self._inflight_device(), key).start()
+        self._inflight_updates = getattr(self, "_inflight_updates", 0) + 1  # ordinal for fault injection
+        build = self._inflight_prepare if self._inflight_update_memory() == "double" else None
+        self._inflight_stage = StagedUpdate(manifest, group, self._inflight_device(), key, build).start()
         return self._inflight_stage.status()
+
+    def _inflight_prepare(self, tensors: dict[str, torch.Tensor]):
+        """On the staging thread: the update loaded and processed into a shadow of the model, ready to swap."""
+        version = self._inflight_stage.manifest.version
+        weights = faults.half_way(list(tensors.items()), "prepare", self._inflight_updates)
+        return prepare(self.model_runner.get_model(), weights, version)
 
     def _inflight_device(self) -> torch.device:
         return next(self.model_runner.get_model().parameters()).device
@@ -130,27 +169,41 @@ class InflightWorkerExtension:
         return self.inflight_update_status()
 
     def inflight_commit_staged(self, version: int) -> CommitApplied:
-        """Copy the verified staged tensors into the live model. All-or-nothing; raises if nothing valid is staged."""
+        """Put the verified staged update into the live model: swap in its prepared layers (`double`) or reload it in
+        place (`low`). All-or-nothing; raises if nothing valid is staged."""
         stage = getattr(self, "_inflight_stage", None)
         if stage is None or stage.state != StageState.STAGED or stage.manifest.version != version:
             got = "nothing" if stage is None else f"v{stage.manifest.version} in state {stage.state.value}"
             detail = f" ({stage.error})" if stage is not None and stage.error else ""
             raise ManifestError(f"cannot commit v{version}: {got} is staged{detail}")
         start = time.perf_counter()
-        stage.ready_on_current_stream()  # CUDA: the copies below queue behind the side stream's transfer
         try:
-            self._inflight_apply(iter(stage.tensors.items()))
+            swapped = self._inflight_swap(stage) if stage.prepared is not None else self._inflight_in_place(stage)
         except Exception:
-            self._inflight_apply(self._inflight_rollback_source())
             stage.state = StageState.FAILED
             raise
-        self._inflight_live = stage.tensors  # the rollback source for the next commit (the previous one is freed)
         stage.state = StageState.COMMITTED
         applied = time.perf_counter() - start
         # Freed weights and buckets go back to the OS every 30 s (INFLIGHT_TRIM_EVERY_S), off the engine's critical
         # path: a trim after every commit added ~20 ms to each stall (inflight.wire.memory).
         trim_after_update()
-        return CommitApplied(version, applied)
+        return CommitApplied(version, applied, swapped)
+
+    def _inflight_swap(self, stage: StagedUpdate) -> int:
+        layers = faults.half_way(stage.prepared.layers, "swap", self._inflight_updates)
+        swapped = stage.prepared.swap_in(layers)  # all-or-nothing by itself; the old weights go on return
+        self.model_runner.reset_encoder_cache()  # what reload_weights also invalidates (multimodal caches)
+        return swapped
+
+    def _inflight_in_place(self, stage: StagedUpdate) -> int:
+        stage.ready_on_current_stream()  # CUDA: the copies below queue behind the side stream's transfer
+        try:
+            self._inflight_apply(faults.half_way(list(stage.tensors.items()), "apply", self._inflight_updates))
+        except Exception:
+            self._inflight_apply(self._inflight_rollback_source())
+            raise
+        self._inflight_live = stage.tensors  # the rollback source for the next commit (the previous one is freed)
+        return 0
 
     def _inflight_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         model = self.model_runner.get_model()
@@ -161,7 +214,16 @@ class InflightWorkerExtension:
             self._inflight_log_filter = _ExpectedReloadWarnings(expected)
             logging.getLogger(_LAYERWISE_LOGGER).addFilter(self._inflight_log_filter)
         with _experts_set_up_afresh(model):
-            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            try:
+                self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            except Exception:
+                # vLLM's reload has no cleanup of its own: layers it had not reached are left on the meta device with
+                # deferred loaders, and the rollback's reload then fails on them ("no attribute 'weight_loader'").
+                # Finalising puts every layer back on real tensors (partly new), which the rollback then overwrites.
+                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+                finalize_layerwise_reload(model, self.model_config)
+                raise
         if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
             # reload_weights skips a tied lm_head; on CPU it keeps its own prepacked copy of the old matrix.
             lm_head.quant_method.process_weights_after_loading(lm_head)

@@ -47,7 +47,7 @@ async def serve(cfg: ServeConfig) -> int:
     engine = await InflightEngine.start(
         EngineConfig(model=str(model_path), max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                      seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, dtype=cfg.dtype,
-                     head_dtype=cfg.head_dtype), version=cfg.version)  # fmt: skip
+                     head_dtype=cfg.head_dtype, update_memory=cfg.update_memory), version=cfg.version)  # fmt: skip
     try:
         expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
         tensors = [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())]

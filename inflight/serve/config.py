@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from inflight.config import require
 from inflight.wire.contract import GROUP_SIZE, MIN_P, TEMPERATURE, TOP_P, RunContract
+from inflight.wire.weights import UPDATE_MEMORY
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
 
@@ -96,6 +97,14 @@ class ServeConfig:
                                                            "head's rounding was most of the bf16 lag-0 mismatch); "
                                                            "model = the engine dtype. A no-op for a float32 engine",
                                                            choices=("float32", "model")))  # fmt: skip
+    update_memory: str = field(default="double", metadata=_h("double = each update is loaded and processed into a "
+                                                             "second copy of the weights off the engine thread and "
+                                                             "swapped in by reference (the commit stalls generation "
+                                                             "O(layers), not O(bytes); one extra copy of the weights "
+                                                             "while staged); low = copied into the live weights on "
+                                                             "the engine thread (no copy; keeps storage addresses, "
+                                                             "as CUDA graphs need)",
+                                                             choices=UPDATE_MEMORY))  # fmt: skip
     seed: int = field(default=0, metadata=_h("engine sampling seed"))
     version: int = field(default=0, metadata=_h("weight version of the served checkpoint"))
     wait_for_learner: bool = field(default=True, metadata=_h("admit nothing until the learner reports its latest "

@@ -36,6 +36,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
+# How a serve's commit puts an update into its live model (vllm_patches/worker_extension.py), the serve's
+# --update-memory: "double" swaps in a copy prepared off the engine thread (O(layers) on it; one extra processed copy
+# of the weights while staged); "low" reloads into the live storage on the engine thread (O(bytes), no copy; storage
+# addresses kept, as CUDA graphs need). Defined here, below both the serve's flags and the engine.
+UPDATE_MEMORY = ("double", "low")
+
 
 class ManifestError(ValueError):
     """A manifest or a staged update does not match what it claims or what the receiver expects."""

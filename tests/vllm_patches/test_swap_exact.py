@@ -20,17 +20,27 @@ pytestmark = pytest.mark.engine
 # SmolLM2 is a Llama with a tied lm_head (the trap), tiny-qwen2 another architecture with an untied one, tiny-moe the
 # fused-experts path (the CPU backend prepacks experts; vLLM's reload skipped that repack, so a swapped MoE engine
 # matched neither checkpoint). (A tiny tied Llama added nothing SmolLM2 does not cover, for 100 s of suite time.)
-@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-moe", "smollm2"])
+# Each through both commit paths: "double" swaps in layers prepared off the engine thread (the default), "low" reloads
+# in place; tiny-qwen2's in-place path is the one SmolLM2's covers with an untied head (same loader, same repack).
+PARAMS = [("tiny-qwen2", "double"), ("tiny-moe", "double"), ("tiny-moe", "low"), ("smollm2", "double"),
+          ("smollm2", "low")]  # fmt: skip
+_FRESH_B: dict[str, tuple] = {}  # model -> (B's state, fresh B's outputs): one fresh engine per model, not per path
+
+
+@pytest.fixture(scope="module", params=PARAMS, ids=["-".join(p) for p in PARAMS])
 def swap_env(request, loop, model_dirs, tmp_path_factory):
-    name = request.param
+    name, update_memory = request.param
     a_dir = model_dirs[name]
-    b_dir = tmp_path_factory.mktemp("ckpt") / f"{name}-B"
-    env = {"name": name, "a": load_state(a_dir), "b": perturbed_checkpoint(a_dir, b_dir, seed=7)}
+    env = {"name": name, "update_memory": update_memory, "a": load_state(a_dir)}
     env["tok"] = AutoTokenizer.from_pretrained(a_dir)
-    fresh_b = start_engine(loop, b_dir)
-    env["fresh_b"] = loop.run_until_complete(greedy(fresh_b, env["tok"], tag="fresh"))
-    stop_engine(loop, fresh_b)
-    env["engine"] = engine = start_engine(loop, a_dir)
+    if name not in _FRESH_B:
+        b_dir = tmp_path_factory.mktemp("ckpt") / f"{name}-B"
+        b_state = perturbed_checkpoint(a_dir, b_dir, seed=7)
+        fresh_b = start_engine(loop, b_dir)
+        _FRESH_B[name] = (b_state, loop.run_until_complete(greedy(fresh_b, env["tok"], tag="fresh")))
+        stop_engine(loop, fresh_b)
+    env["b"], env["fresh_b"] = _FRESH_B[name]
+    env["engine"] = engine = start_engine(loop, a_dir, update_memory=update_memory)
     env["sender"] = sender = Sender()
     loop.run_until_complete(sender.connect(engine))
     env["before"] = loop.run_until_complete(greedy(engine, env["tok"], tag="a0"))
@@ -63,6 +73,8 @@ def test_prepared_smollm2_greedy_in_vllm_equals_transformers_greedy(swap_env, mo
     call between "The" and "L", which bf16 kernel differences legitimately flip."""
     if swap_env["name"] != "smollm2":
         pytest.skip("a randomly initialised model has no clear greedy choices to compare")
+    if swap_env["update_memory"] != "double":
+        pytest.skip("the checkpoint is the same whatever the commit path: checked once")
     tok = swap_env["tok"]
     model = AutoModelForCausalLM.from_pretrained(model_dirs["smollm2"], dtype=torch.bfloat16).eval()
     deltas, bounds = [], []
@@ -88,19 +100,38 @@ def test_prepared_smollm2_greedy_in_vllm_equals_transformers_greedy(swap_env, mo
     check_within(mean, sum(bounds) / len(bounds), "mean |logprob vLLM - transformers|")
 
 
+def storage(loop, engine) -> dict[str, int]:
+    return loop.run_until_complete(engine.llm.collective_rpc("inflight_parameter_storage"))[0]
+
+
 def test_swap_to_b_over_weights_group_matches_fresh_engine_from_b(swap_env, loop):
     engine, sender = swap_env["engine"], swap_env["sender"]
+    before = storage(loop, engine)
     report = loop.run_until_complete(sender.push(engine, swap_env["b"], engine.version + 1))
+    after_storage = storage(loop, engine)
+    # On CPU a packed linear layer's parameter is empty (address 0; its data is in the kernel handle): the addresses
+    # that say anything are those of the parameters that hold data (embeddings, norms, experts).
+    held = sorted(n for n, ptr in before.items() if ptr)
+    assert held, "no engine parameter holds data"
+    if swap_env["update_memory"] == "low":  # in place: what a kernel holding addresses (a CUDA graph) needs
+        assert after_storage == before, "the in-place commit moved parameter storage"
+        assert report.workers[0].swapped_layers == 0
+    else:  # a real swap: new tensors installed by reference, not copied into the old ones
+        assert report.workers[0].swapped_layers > 0
+        kept = [n for n in held if after_storage[n] == before[n]]
+        assert not kept, f"the swap left {kept} in their old storage"
     after = loop.run_until_complete(greedy(engine, swap_env["tok"], tag="b"))
     assert [set(o.versions) for o in after] == [{report.version}] * len(after)
     assert any(a.token_ids != b.token_ids for a, b in zip(after, swap_env["before"], strict=True)), (
         "B must differ from A"
     )
-    assert_same_outputs(after, swap_env["fresh_b"], f"{swap_env['name']} swapped to B vs fresh B engine")
+    what = f"{swap_env['name']} swapped to B ({swap_env['update_memory']}) vs fresh B engine"
+    assert_same_outputs(after, swap_env["fresh_b"], what)
 
 
 def test_swap_back_to_a_reproduces_a(swap_env, loop):
     engine, sender = swap_env["engine"], swap_env["sender"]
     loop.run_until_complete(sender.push(engine, swap_env["a"], engine.version + 1))
     again = loop.run_until_complete(greedy(engine, swap_env["tok"], tag="a1"))
-    assert_same_outputs(again, swap_env["before"], f"{swap_env['name']} swapped back to A vs A")
+    what = f"{swap_env['name']} swapped back to A ({swap_env['update_memory']}) vs A"
+    assert_same_outputs(again, swap_env["before"], what)

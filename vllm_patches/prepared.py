@@ -1,0 +1,202 @@
+"""Prepared weights: an update loaded and processed into vLLM's kernel layout off the engine thread, swapped in between
+two steps by reassigning references — the zero-stall commit (`--update-memory double`, the default).
+
+Why a copy at all: on CPU every linear layer keeps its weight only inside a packed kernel handle (`layer.cpu_linear`,
+a oneDNN or sgl-kernel closure built by `dispatch_cpu_unquantized_gemm`), fused MoE experts are prepacked into the
+grouped-gemm layout, and a GPU backend may re-layout in `process_weights_after_loading`. Loading + processing is
+O(bytes) of work — 0.3–1 s for SmolLM2 on 2 cores — and the in-place path (`reload_weights`) does all of it on the
+engine thread while generation waits. Here the same vLLM machinery runs on a *shadow* of the model instead:
+
+1. `shadow_tree` copies every module object shallowly (its own `_parameters`/`_buffers`/`_modules` dicts and
+   `quant_method`, the tensors still shared), so the shadow has the model's names and loaders and touches no live
+   tensor once its layers are put on the meta device;
+2. each shadow layer is restored to checkpoint format on meta and gets vLLM's online loader (`layerwise.py`), with
+   no kernel tensors to copy back into: a layer whose weights are all loaded is materialised into new memory, loaded
+   and processed exactly as at first load (CPU repack, MoE prepack, a tied head re-processed against the new
+   embedding), into the shadow only;
+3. `PreparedWeights.swap_in`, on the engine thread between two steps, moves each processed shadow layer's attributes
+   (parameter and buffer dicts, kernel handles, quant method) onto the live module object. Modules are swapped by
+   content, never replaced, so every holder of a live module (MoE runners, the attention registry) sees the new
+   weights; the work is O(number of layers). A failure part-way puts back what it changed.
+
+The cost is one processed copy of the weights while an update is staged (the staged checkpoint-format tensors are
+released once it is built), and the previous processed set until the swap returns. Where a kernel holds a parameter's
+address (CUDA graphs), references cannot be swapped: such engines use `--update-memory low`, the in-place path.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import MethodType
+
+import torch
+
+_MISSING = object()  # an attribute the live module did not have before a swap
+_OWN_STATE = ("_parameters", "_buffers", "_non_persistent_buffers_set")
+
+
+@dataclass
+class PreparedWeights:
+    """Processed shadow layers, ready to swap into the live model: `layers` pairs each live module with the
+    attributes it takes from its shadow. Built by `prepare`; consumed once by `swap_in`."""
+
+    version: int
+    layers: list[tuple[torch.nn.Module, dict[str, object]]] = field(default_factory=list)
+    prepare_s: float = 0.0
+
+    def swap_in(self, layers: Iterable | None = None) -> int:
+        """Install every prepared layer on its live module; returns how many. All-or-nothing: an exception part-way
+        (`layers`, the pairs to install, is a test's hook to inject one) restores the layers already swapped, then
+        re-raises. O(layers): no tensor data is touched."""
+        undo: list[tuple[torch.nn.Module, dict[str, object]]] = []
+        try:
+            for live, new in self.layers if layers is None else layers:
+                undo.append((live, {k: live.__dict__.get(k, _MISSING) for k in new}))
+                _set_attributes(live, new)
+        except BaseException:
+            for live, old in reversed(undo):
+                _set_attributes(live, old)
+            raise
+        swapped, self.layers = len(self.layers), []  # the old tensors go with `undo`, the new ones live on
+        return swapped
+
+
+def _set_attributes(module: torch.nn.Module, values: dict[str, object]) -> None:
+    for name, value in values.items():
+        if value is _MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = value
+
+
+def shadow_tree(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[torch.nn.Module, torch.nn.Module]]:
+    """A shallow copy of `model`'s module tree and the live → shadow map. A module that appears twice in the tree (a
+    tied head that *is* the embedding) is copied once, so the shadow keeps the aliasing."""
+    shadows: dict[int, torch.nn.Module] = {}
+    pairs: dict[torch.nn.Module, torch.nn.Module] = {}
+
+    def visit(module: torch.nn.Module) -> torch.nn.Module:
+        if id(module) in shadows:
+            return shadows[id(module)]
+        shadow = copy.copy(module)
+        shadows[id(module)], pairs[module] = shadow, shadow
+        shadow.__dict__.update({name: copy.copy(module.__dict__[name]) for name in _OWN_STATE})
+        if getattr(module, "quant_method", None) is not None:  # per-layer kernel state (moe_kernel) lives there
+            shadow.__dict__["quant_method"] = copy.copy(module.quant_method)
+        shadow.__dict__["_modules"] = {n: None if c is None else visit(c) for n, c in module._modules.items()}
+        return shadow
+
+    return visit(model), pairs
+
+
+def prepare(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PreparedWeights:
+    """Load and process `weights` (checkpoint names and format) into a shadow of `model`; the live model is not
+    touched. Runs on any thread. Raises if a layer that received weights could not be processed."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    start = time.perf_counter()
+    root, pairs = shadow_tree(model)
+    root.__dict__["_do_torchao_reload"] = False  # vLLM's torchao hook would re-enter a reload
+    armed = [(live, shadow) for live, shadow in pairs.items() if _arm(live, shadow, layerwise)]
+    with torch.no_grad():
+        root.load_weights(weights)
+        processed = [(live, shadow) for live, shadow in armed if _finish(shadow, layerwise)]
+        prepared = PreparedWeights(version, [(live, _changed(live, shadow)) for live, shadow in processed])
+        prepared.layers += _tied_layers(pairs, processed)
+    prepared.prepare_s = time.perf_counter() - start
+    return prepared
+
+
+def _arm(live: torch.nn.Module, shadow: torch.nn.Module, layerwise) -> bool:
+    """Put `shadow` in checkpoint format on meta with vLLM's deferred loader, as `initialize_layerwise_reload` does for
+    a live layer, but with no kernel tensors to copy back: processing ends in the shadow's own new tensors. Returns
+    whether the layer can load anything."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_size
+
+    if not (shadow._parameters or shadow._buffers) or type(shadow).__name__ in SKIP_MODULES:
+        return False
+    info, live_info = layerwise.get_layerwise_info(shadow), layerwise.get_layerwise_info(live)
+    info.restore_metadata, info.restore_device = _own_metadata(live_info.restore_metadata), live_info.restore_device
+    method = shadow.__dict__.get("quant_method")
+    if method is not None and hasattr(method, "moe_kernel"):
+        method.moe_kernel = None  # first-load path: pad and prepack (see worker_extension._experts_set_up_afresh)
+    restore_layer_on_meta(shadow, info)
+    _own_copies_of_the_rest(live, shadow)
+    if get_layer_size(shadow) == 0:
+        return False
+    layerwise.initialize_online_processing(shadow)
+    return True
+
+
+def _own_metadata(metadata):
+    """Copies of the layer's recorded checkpoint-format meta tensors. vLLM registers these very objects as the layer's
+    parameters on every reload and wraps their loaders in place, harmless when the layer is always the same one; with a
+    new shadow per update, the second update's loads would go through the first shadow's wrappers — into the layer
+    that update made live. Each shadow therefore gets tensors of its own (same class and attributes)."""
+    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+
+    params, buffers = metadata
+    return {n: to_meta_tensor(t) for n, t in params.items()}, {n: to_meta_tensor(t) for n, t in buffers.items()}
+
+
+def _own_copies_of_the_rest(live: torch.nn.Module, shadow: torch.nn.Module) -> None:
+    """vLLM never puts some tensors on meta (a bias, expert maps): their loaders write into the existing tensor, which
+    is still the live one in the shadow. Give the shadow copies, their loaders bound to the shadow."""
+    for table in (shadow._parameters, shadow._buffers):
+        for name, tensor in table.items():
+            if tensor is None or tensor.is_meta:
+                continue
+            own = tensor.detach().clone()
+            own.__class__, own.__dict__ = tensor.__class__, dict(tensor.__dict__)
+            for key, value in own.__dict__.items():
+                if isinstance(value, MethodType) and value.__self__ is live:
+                    own.__dict__[key] = value.__func__.__get__(shadow)
+            table[name] = own
+
+
+def _finish(shadow: torch.nn.Module, layerwise) -> bool:
+    """Process `shadow` if the online loader left it waiting (padding: fewer elements loaded than allocated); return
+    whether it now holds processed new weights. A layer that received nothing stays live."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    info = layerwise.get_layerwise_info(shadow)
+    if info.can_load() and info.load_numel > 0:  # processed layers were reset by the loader: can_load() is False
+        if is_deferred_attention_layer(shadow):
+            raise NotImplementedError(
+                f"{type(shadow).__name__} loads weights (quantisation scales), which the prepared update does not "
+                "support: serve with --update-memory low"
+            )
+        layerwise._layerwise_process(shadow, info)
+    info.reset()
+    return not any(t.is_meta for t in (*shadow._parameters.values(), *shadow._buffers.values()) if t is not None)
+
+
+def _changed(live: torch.nn.Module, shadow: torch.nn.Module) -> dict[str, object]:
+    """The attributes `live` must take from `shadow`: every one that processing replaced, added or removed; children
+    stay live (each is swapped as a layer of its own)."""
+    new = {k: v for k, v in shadow.__dict__.items() if k != "_modules" and live.__dict__.get(k, _MISSING) is not v}
+    new.update({k: _MISSING for k in live.__dict__ if k not in shadow.__dict__})
+    return new
+
+
+def _tied_layers(pairs: dict, processed: list) -> list[tuple[torch.nn.Module, dict[str, object]]]:
+    """A tied `lm_head` shares the embedding's parameter and receives no weight of its own, but on CPU it keeps its
+    own packed copy of it: every live layer whose weight *is* a processed layer's old weight gets a fresh shadow with
+    the new one, processed as a first load would."""
+    new_weight = {id(live._parameters["weight"]): shadow._parameters["weight"]
+                  for live, shadow in processed if live._parameters.get("weight") is not None}  # fmt: skip
+    done = {live for live, _ in processed}
+    layers = []
+    for live in pairs:
+        old = live._parameters.get("weight")
+        if live in done or old is None or id(old) not in new_weight or not hasattr(live, "quant_method"):
+            continue
+        shadow = shadow_tree(live)[0]
+        shadow._parameters["weight"] = new_weight[id(old)]
+        shadow.quant_method.process_weights_after_loading(shadow)
+        layers.append((live, _changed(live, shadow)))
+    return layers
