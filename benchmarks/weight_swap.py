@@ -1,8 +1,12 @@
 """Weight-swap benchmark: one run, side by side, on this machine.
 
 1. Transfer bandwidth over the gloo weights group vs bucket size, next to an in-process memcpy of the same bytes.
-2. Commit stall (the only pause never-stop imposes) for tiny-llama and SmolLM2.
-3. Generation tokens/s under an update every few seconds — never-stop vs keep-pause — as a ratio to no updates.
+2. Commit stall (the only pause never-stop imposes) of both commit paths — `--update-memory double` (prepared off the
+   engine thread, swapped in) and `low` (vLLM's layerwise reload in place) — next to keep-pause's whole pause, for
+   tiny-llama, SmolLM2 and a random model of SmolLM2's family at ~360M parameters (built once, cached); the worker's
+   extra resident memory during an update of each path.
+3. Generation tokens/s under an update every few seconds — never-stop (both paths) vs keep-pause — as a ratio to no
+   updates on the same engine, and the generated tokens each update costs (stall + slowdown while it is prepared).
    Tokens are counted as they stream out of the engine (finished requests or not) inside the window.
 
     python -m benchmarks.weight_swap [--duration 20] [--update-every 3] [--concurrency 16] [--dtype auto]
@@ -33,7 +37,6 @@ from pathlib import Path
 
 MiB = 1 << 20
 TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"  # support.Sender and the checkpoint helpers live there
-MODES = ("none", "never-stop", "keep-pause")
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,27 @@ def _transfer_row(rec: Recorder, table: Table, label: str, seconds: float, total
 
 
 def commit_table(dtype: str) -> Table:
-    return Table("commit", f"Commit stall (never-stop, {dtype} engine)", ("model", "mean ms", "max ms", "n"))
+    note = (
+        "never-stop stalls generation for the commit only; keep-pause for receive + commit (today's in-place path). "
+        "extra RSS = the engine worker's peak resident memory during an update minus before it (polled every 10 ms)."
+    )
+    columns = (
+        "model",
+        "params",
+        "path",
+        "commit mean ms",
+        "max ms",
+        "prepare s",
+        "keep-pause ms",
+        "extra RSS MiB",
+        "n",
+    )
+    return Table("commit", f"Commit stall ({dtype} engine)", columns, note)
+
+
+def ratio_table() -> Table:
+    return Table("commit-ratio", "Commit stall: prepared swap vs in-place, same run",
+                 ("model", "swap / in-place", "swap ms", "in-place ms"))  # fmt: skip
 
 
 def generation_table(args) -> Table:
@@ -178,26 +201,82 @@ def generation_table(args) -> Table:
              f"{args.concurrency} in flight, SmolLM2 {args.precision.dtype})")  # fmt: skip
     note = (
         "tokens/s = tokens streamed out of the engine inside the window, finished requests or not (requests "
-        "still running at the end are aborted). Stall = commit only for never-stop, whole pause for keep-pause."
+        "still running at the end are aborted). Stall = commit only for never-stop, whole pause for keep-pause. "
+        "Ratios and tokens lost are against the no-update run on the same engine."
     )
-    return Table("generation", title, ("mode", "tokens/s", "ratio to no updates", "updates", "mean stall ms"), note)
+    columns = ("mode (engine)", "tokens/s", "ratio to no updates", "updates", "mean stall ms", "tokens lost / update")
+    return Table("generation", title, columns, note)
 
 
-def commit_row(rec: Recorder, table: Table, name: str, stalls: list[float]) -> None:
-    if not stalls:
-        rec.not_measured(table, name, "no update was committed (--commits is 0)")
+@dataclass
+class Commits:
+    """One engine's commit-stall measurements."""
+
+    stalls: list[float] = field(default_factory=list)
+    prepare_s: list[float] = field(default_factory=list)
+    pauses: list[float] = field(default_factory=list)  # keep-pause whole stalls (in-place engines only)
+    extra_rss: list[int] = field(default_factory=list)
+
+
+def commit_row(rec: Recorder, table: Table, name: str, params: int, path: str, got: Commits) -> None:
+    label = f"{name} ({params / 1e6:.0f}M)"
+    if not got.stalls:
+        rec.not_measured(table, label, "no update was committed (--commits is 0)")
         return
-    mean_ms, max_ms = 1e3 * statistics.mean(stalls), 1e3 * max(stalls)
-    rec.row(table, name, [f"{mean_ms:.1f}", f"{max_ms:.1f}", str(len(stalls))],
-            {"mean_ms": mean_ms, "max_ms": max_ms, "n": len(stalls), "commit_s": stalls})  # fmt: skip
+    mean_ms, max_ms = 1e3 * statistics.mean(got.stalls), 1e3 * max(got.stalls)
+    prep = f"{statistics.mean(got.prepare_s):.2f}" if any(got.prepare_s) else "—"
+    pause = f"{1e3 * statistics.mean(got.pauses):.0f}" if got.pauses else "—"
+    rss = max(got.extra_rss) / MiB if got.extra_rss else 0.0
+    cells = [f"{params / 1e6:.0f}M", path, f"{mean_ms:.1f}", f"{max_ms:.1f}", prep, pause, f"{rss:.0f}",
+             str(len(got.stalls))]  # fmt: skip
+    rec.emit("| " + " | ".join([name, *cells]) + " |")
+    rec.record(table, f"{name}/{path}", {"params": params, "path": path, "mean_ms": mean_ms, "max_ms": max_ms,
+               "commit_s": got.stalls, "prepare_s": got.prepare_s, "keep_pause_s": got.pauses,
+               "extra_rss_bytes": got.extra_rss})  # fmt: skip
 
 
-async def bench_commits(engine, sender, states, n: int) -> list[float]:
-    stalls = []
+async def bench_commits(engine, sender, states, n: int, keep_pause: bool) -> Commits:
+    """`n` never-stop updates on an idle engine (and, if asked, `n` keep-pause ones), alternating A and B."""
+    got = Commits()
+    pid = (await engine.llm.collective_rpc("inflight_worker_pid"))[0]
     for i in range(n):
-        report = await sender.push(engine, states[(i + 1) % 2], engine.version + 1)
-        stalls.append(report.commit_s)
-    return stalls
+        with PeakRss(pid) as rss:
+            report = await sender.push(engine, states[(i + 1) % 2], engine.version + 1)
+        got.stalls.append(report.commit_s)
+        got.prepare_s.append(report.prepare_s)
+        got.extra_rss.append(rss.extra)
+    for i in range(n if keep_pause else 0):
+        report = await sender.push(engine, states[(i + 1) % 2], engine.version + 1, mode="keep-pause")
+        got.pauses.append(report.stall_s)
+    return got
+
+
+class PeakRss:
+    """The peak resident memory of process `pid` above its value at entry, polled every 10 ms on a thread."""
+
+    def __init__(self, pid: int):
+        self.pid, self.extra, self._stop = pid, 0, False
+
+    def _rss(self) -> int:
+        with open(f"/proc/{self.pid}/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def __enter__(self):
+        import threading
+
+        self.base = self._rss()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop:
+            self.extra = max(self.extra, self._rss() - self.base)
+            time.sleep(0.01)
+
+    def __exit__(self, *exc) -> None:
+        self._stop = True
+        self._thread.join()
 
 
 def _cast(state: dict, dtype: str) -> dict:
@@ -225,19 +304,46 @@ def _states(model_dir, tmp: Path, dtype: str):
     return _cast(load_state(model_dir), dtype), _cast(perturbed_checkpoint(model_dir, tmp / "B", seed=3), dtype)
 
 
+def model_path(name: str) -> Path:
+    """A prepared model, or RANDOM_360M: SmolLM2-360M's shape (32 layers, hidden 960, tied head) with random weights,
+    built once into the inflight cache (nothing comes from a hub)."""
+    from inflight.models import model_dir, prepare
+
+    if name != RANDOM_360M:
+        return prepare(name)
+    out = model_dir("smollm2").parent / RANDOM_360M
+    if not (out / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+        base = prepare("smollm2")
+        config = LlamaConfig.from_pretrained(base)
+        config.update(dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+                           num_key_value_heads=5, tie_word_embeddings=True))  # fmt: skip
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        tmp = out.with_name(out.name + ".tmp")
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+        tmp.rename(out)
+    return out
+
+
+RANDOM_360M = "random-360m"
+
+
 @contextlib.asynccontextmanager
-async def running_engine(name: str, args, tmp: Path):
+async def running_engine(name: str, args, tmp: Path, update_memory: str):
     """(engine, sender, states, model dir) for `name`, the sender's group joined; the engine is shut down after."""
     sys.path.insert(0, str(TESTS_DIR))
     from support import Sender
 
-    from inflight.models import prepare
     from vllm_patches.engine import EngineConfig, InflightEngine
 
-    model_dir = prepare(name)
+    model_dir = model_path(name)
     states = _states(model_dir, tmp, args.precision.dtype)
     cfg = EngineConfig(model=str(model_dir), max_model_len=512, dtype=args.precision.dtype,
-                       kv_cache_gib=args.kv_cache_gib)  # fmt: skip
+                       kv_cache_gib=args.kv_cache_gib, update_memory=update_memory)  # fmt: skip
     engine = await InflightEngine.start(cfg)
     try:
         sender = Sender(timeout_s=120)
@@ -247,20 +353,18 @@ async def running_engine(name: str, args, tmp: Path):
         engine.shutdown()
 
 
-async def model_benches(rec: Recorder, name: str, args, with_generation: bool) -> None:
-    """The commit-stall row of `name` and, on SmolLM2, the generation table: one engine start for both."""
-    table, gen = commit_table(args.precision.dtype), generation_table(args)
-    started = False
-    with tempfile.TemporaryDirectory() as tmp, rec.guard(table, name):
-        async with running_engine(name, args, Path(tmp)) as (engine, sender, states, model_dir):
-            started = True
-            commit_row(rec, table, name, await bench_commits(engine, sender, states, args.commits))
-            if with_generation:
-                await bench_generation(rec, gen, engine, sender, states, model_dir, args)
-    if with_generation and not started:
-        rec.open(gen)
-        for mode in MODES:
-            rec.not_measured(gen, mode, f"the {name} engine did not start (see the commit-stall row)")
+async def model_benches(rec: Recorder, name: str, args, update_memory: str, gen_rows: list | None) -> Commits:
+    """The commit-stall row of `name` on an engine with `update_memory` and, when `gen_rows` is a list, the generation
+    measurements of that engine appended to it (one engine start for both)."""
+    table, got = commit_table(args.precision.dtype), Commits()
+    with tempfile.TemporaryDirectory() as tmp, rec.guard(table, f"{name} {update_memory}"):
+        async with running_engine(name, args, Path(tmp), update_memory) as (engine, sender, states, model_dir):
+            params = sum(t.numel() for t in states[0].values())
+            got = await bench_commits(engine, sender, states, args.commits, keep_pause=update_memory == "low")
+            commit_row(rec, table, name, params, update_memory, got)
+            if gen_rows is not None:
+                gen_rows += await measure_generation(engine, sender, states, model_dir, args, update_memory)
+    return got
 
 
 async def _warm_up(engine, prompts, params, concurrency: int) -> None:
@@ -303,24 +407,26 @@ async def _workload(engine, prompts, params, duration: float, concurrency: int, 
     return tokens, window
 
 
-async def bench_generation(rec: Recorder, table: Table, engine, sender, states, model_dir, args) -> None:
+async def measure_generation(engine, sender, states, model_dir, args, update_memory: str) -> list[tuple]:
+    """(label, tokens/s, reports, window s, baseline tokens/s) per mode on this engine: no updates first (the baseline),
+    never-stop, and keep-pause on the in-place engine (today's keep-pause)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=64, temperature=1.0)
+    prompts = _prompts(model_dir)
+    await _warm_up(engine, prompts, params, args.concurrency)
+    rows, base = [], None
+    for mode in ("none", "never-stop", *(("keep-pause",) if update_memory == "low" else ())):
+        tok_s, reports, window = await _measure_mode(engine, sender, states, prompts, params, args, mode)
+        base = tok_s if mode == "none" else base
+        rows.append((f"{mode} ({update_memory})", tok_s, reports, window, base))
+    return rows
+
+
+def emit_generation(rec: Recorder, table: Table, rows: list[tuple]) -> None:
     rec.open(table)
-    prompts = None
-    with rec.guard(table, "prompts + warm-up"):
-        prompts = _prompts(model_dir)
-        await _warm_up(engine, prompts, params, args.concurrency)
-    if prompts is None:
-        for mode in MODES:
-            rec.not_measured(table, mode, "no prompts (see the row above)")
-        return
-    base = None
-    for mode in MODES:
-        with rec.guard(table, mode):
-            tok_s, reports = await _measure_mode(engine, sender, states, prompts, params, args, mode)
-            base = _generation_row(rec, table, mode, tok_s, reports, base)
+    for label, tok_s, reports, window, base in rows:
+        _generation_row(rec, table, label, tok_s, reports, base, window)
 
 
 async def _measure_mode(engine, sender, states, prompts, params, args, mode: str) -> tuple[float, list]:
@@ -333,26 +439,30 @@ async def _measure_mode(engine, sender, states, prompts, params, args, mode: str
 
     tick = None if mode == "none" else updates
     tokens, window = await _workload(engine, prompts, params, args.duration, args.concurrency, tick)
-    return tokens / window, reports
+    return tokens / window, reports, window
 
 
-def _generation_row(rec: Recorder, table: Table, mode: str, tok_s: float, reports: list, base: float | None):
-    """Write one mode's row; returns the no-update baseline tokens/s for the rows after it (None if unmeasured)."""
+def _generation_row(rec: Recorder, table: Table, label: str, tok_s: float, reports: list, base: float | None,
+                    window: float) -> None:  # fmt: skip
+    """One mode's row. Tokens lost per update = (baseline − this) tokens/s × window / updates: the stall and the
+    slowdown while an update is received and prepared, both."""
     if tok_s <= 0:
-        rec.not_measured(table, mode, "0 tokens streamed in the window (engine too slow here? raise --duration)")
-        return base
-    if mode != "none" and not reports:
-        rec.not_measured(table, mode, "no update committed in the window (--update-every must be < --duration)")
-        return base
+        rec.not_measured(table, label, "0 tokens streamed in the window (engine too slow here? raise --duration)")
+        return
+    if not label.startswith("none") and not reports:
+        rec.not_measured(table, label, "no update committed in the window (--update-every must be < --duration)")
+        return
     stall_ms = 1e3 * statistics.mean(r.stall_s for r in reports) if reports else 0.0
-    ratio = 1.0 if mode == "none" else tok_s / base if base else None
-    ratio_cell = f"{ratio:.3f}" if ratio is not None else "not measured: no baseline"
+    ratio = tok_s / base if base else None
+    lost = (base - tok_s) * window / len(reports) if base and reports else 0.0
+    cells = [f"{tok_s:.1f}", f"{ratio:.3f}" if ratio is not None else "not measured: no baseline", str(len(reports)),
+             f"{stall_ms:.1f}", f"{lost:.0f}" if reports else "—"]  # fmt: skip
     if ratio is None:
         rec.not_measured_count += 1
-    rec.row(table, mode, [f"{tok_s:.1f}", ratio_cell, str(len(reports)), f"{stall_ms:.1f}"],
+    rec.row(table, label, cells,
             {"tok_s": tok_s, "ratio": ratio, "updates": len(reports), "mean_stall_ms": stall_ms,
-             "stall_s": [r.stall_s for r in reports], "commit_s": [r.commit_s for r in reports]})  # fmt: skip
-    return tok_s if mode == "none" else base
+             "tokens_lost_per_update": lost, "window_s": window, "stall_s": [r.stall_s for r in reports],
+             "commit_s": [r.commit_s for r in reports]})  # fmt: skip
 
 
 def _prompts(model_dir, n: int = 32) -> list[list[int]]:
@@ -370,10 +480,12 @@ def _prompts(model_dir, n: int = 32) -> list[list[int]]:
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.weight_swap", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds per generation mode")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds per generation mode; 0 = no generation")
     parser.add_argument("--update-every", type=float, default=3.0, help="seconds between updates")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--commits", type=int, default=5, help="updates per model for the commit-stall figure")
+    models_help = f"models for the commit-stall table; {RANDOM_360M} is built on first use (~1.4 GB, a minute)"
+    parser.add_argument("--models", nargs="+", default=["tiny-llama", "smollm2", RANDOM_360M], help=models_help)
     parser.add_argument("--buckets-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     dtype_help = "engine precision; auto = bf16 only where this machine computes it natively"
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help=dtype_help)
@@ -382,7 +494,7 @@ def parse_args(argv: list[str] | None):
     out_help = "markdown file the tables are appended to; one JSON line per figure goes to the same name .jsonl"
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_swap.md"), help=out_help)
     args = parser.parse_args(argv)
-    if args.duration <= 0 or args.update_every <= 0 or args.concurrency < 1:
+    if args.duration < 0 or args.update_every <= 0 or args.concurrency < 1:
         given = f"--duration {args.duration}, --update-every {args.update_every}, --concurrency {args.concurrency}"
         parser.error(f"{given}: all must be positive, e.g. --duration 20 --update-every 3 --concurrency 16")
     return args
@@ -415,12 +527,40 @@ def run(args, argv: list[str]) -> Recorder:
     with rec.guard(transfer_table(args.precision.dtype), "transfer"):
         bench_transfer(rec, _served_state("smollm2", args.precision.dtype), args.buckets_mib, args.precision.dtype)
     rec.open(commit_table(args.precision.dtype))
-    for name in ("tiny-llama", "smollm2"):
-        asyncio.run(model_benches(rec, name, args, with_generation=name == "smollm2"))
-        # Collected now, while modules are intact: left to interpreter teardown, AsyncLLM.__del__ shuts the engine
-        # down again on half-torn-down globals and prints a TypeError traceback.
-        gc.collect()
+    stalls, gen_rows = {}, []
+    for name in args.models:
+        for update_memory in ("double", "low"):
+            rows = gen_rows if name == "smollm2" and args.duration > 0 else None
+            got = asyncio.run(model_benches(rec, name, args, update_memory, rows))
+            stalls[name, update_memory] = got.stalls
+            # Collected now, while modules are intact: left to interpreter teardown, AsyncLLM.__del__ shuts the
+            # engine down again on half-torn-down globals and prints a TypeError traceback.
+            gc.collect()
+    emit_ratios(rec, stalls)
+    if gen_rows:
+        emit_generation(rec, generation_table(args), gen_rows)
     return rec
+
+
+def emit_ratios(rec: Recorder, stalls: dict) -> None:
+    """Swap / in-place per model, then the swap's flatness across model sizes (largest / smallest mean stall)."""
+    table = ratio_table()
+    rec.open(table)
+    swaps = {}
+    for name in dict.fromkeys(n for n, _ in stalls):
+        swap, inplace = stalls.get((name, "double")), stalls.get((name, "low"))
+        if not swap or not inplace:
+            rec.not_measured(table, name, "a path has no commit (see the commit-stall rows)")
+            continue
+        swaps[name] = statistics.mean(swap)
+        ratio = swaps[name] / statistics.mean(inplace)
+        rec.row(table, name, [f"{ratio:.3f}", f"{1e3 * swaps[name]:.1f}", f"{1e3 * statistics.mean(inplace):.1f}"],
+                {"ratio": ratio, "swap_s": swaps[name], "in_place_s": statistics.mean(inplace)})  # fmt: skip
+    if len(swaps) > 1:
+        flat = max(swaps.values()) / min(swaps.values())
+        rec.emit()
+        rec.emit(f"Prepared swap, largest / smallest mean commit stall across {len(swaps)} models: {flat:.2f}")
+        rec.record(table, "flatness", {"largest_over_smallest": flat})
 
 
 def main(argv: list[str] | None = None) -> int:
