@@ -1,0 +1,83 @@
+"""Narrow unit tests of the prepared swap's bookkeeping on plain torch modules (the real-engine proofs are in
+test_swap_exact.py and test_update_faults.py): what a swap installs, removes and puts back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_patches import faults
+from vllm_patches.prepared import _MISSING, PreparedWeights, _changed, shadow_tree
+
+
+def two_layers() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+
+
+def test_a_shadow_tree_shares_tensors_but_owns_its_dicts_and_keeps_a_module_used_twice_as_one():
+    model = two_layers()
+    model.add_module("again", model[0])  # a tied layer: the same module object twice in the tree
+    root, pairs = shadow_tree(model)
+    assert root[0] is not model[0] and root.again is root[0], "aliasing must survive the copy"
+    assert root[0].weight is model[0].weight, "tensors are shared until the shadow loads new ones"
+    root[0]._parameters["weight"] = torch.nn.Parameter(torch.zeros(3, 3))
+    assert model[0].weight.abs().sum() > 0, "the live module's parameter dict must not change with the shadow's"
+    assert set(pairs) == {model, model[0], model[1]}
+
+
+def test_a_swap_installs_new_attributes_removes_dropped_ones_and_leaves_children_live():
+    model = two_layers()
+    live = model[0]
+    live.kernel = "old packed handle"
+    live.stale = 1
+    shadow = shadow_tree(live)[0]
+    shadow._parameters["weight"] = torch.nn.Parameter(torch.ones(3, 3))
+    shadow.kernel = "new packed handle"
+    del shadow.stale
+    prepared = PreparedWeights(1, [(live, _changed(live, shadow))])
+    assert prepared.swap_in() == 1
+    assert torch.equal(live.weight, torch.ones(3, 3)) and live.kernel == "new packed handle"
+    assert not hasattr(live, "stale")
+    assert model(torch.ones(1, 3)).shape == (1, 2), "the swapped module still runs in its parent"
+
+
+def test_a_failure_part_way_through_a_swap_puts_back_every_layer_already_swapped():
+    model = two_layers()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    layers = []
+    for live in model:
+        shadow = shadow_tree(live)[0]
+        shadow._parameters["weight"] = torch.nn.Parameter(torch.full_like(live.weight, 7.0))
+        layers.append((live, _changed(live, shadow)))
+    with pytest.raises(faults.InjectedFault):
+        PreparedWeights(1, layers).swap_in(_fail_after_first(layers))
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} was left swapped after the failure"
+
+
+def _fail_after_first(layers):
+    yield layers[0]
+    raise faults.InjectedFault("injected fault: after the first layer")
+
+
+def test_a_changed_attribute_set_marks_what_the_live_module_had_and_the_shadow_dropped():
+    live = torch.nn.Linear(2, 2)
+    live.extra = object()
+    shadow = shadow_tree(live)[0]
+    del shadow.extra
+    changed = _changed(live, shadow)
+    assert changed["extra"] is _MISSING and "_modules" not in changed
+
+
+@pytest.mark.parametrize("spec", ["prepare", "swap@0", "load@1", "prepare@x"])
+def test_a_malformed_fault_plan_is_refused_naming_the_item_and_the_form(spec):
+    with pytest.raises(ValueError, match=r"INFLIGHT_FAULT_UPDATE has .*expected <phase>@<n>"):
+        faults._parse(spec)
+
+
+def test_a_fault_plan_fails_exactly_the_planned_updates_half_way():
+    plan = faults._parse("prepare@1,swap@2, swap@3")
+    assert plan == {"prepare": frozenset({1}), "swap": frozenset({2, 3})}
+    items = list(range(10))
+    assert list(faults.half_way(items, "prepare", 2)) == items  # not planned (PLANNED is empty here): all of them
