@@ -75,7 +75,10 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
         Learner._log(learner, gate, Learner._train(learner, samples), {}, 0.5, 2.0, [3, 3])
     published, quiet = read_steps(tmp_path / "metrics.jsonl")
     written = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert set(written) == set(StepMetrics.__struct_fields__)  # a publishing step with lag-0 tokens: every field
+    # a publishing step with lag-0 tokens: every field but the episode ones, written only for batches with environment
+    # tokens (tests/inflight/test_run.py's calculator run reads them)
+    episode_fields = {"env_tokens", "turns_mean", "turns", "env_lengths"}
+    assert set(written) == set(StepMetrics.__struct_fields__) - episode_fields
     assert published.lag_histogram == {0: 6} and published.tokens == published.probe_tokens == 6
     assert published.rejected == {"duplicate": 2, "wire:size": 1} and published.publish_bytes_per_s == 128
     assert published.time <= time.time() and published.mismatch_lag0 >= 0
@@ -90,7 +93,8 @@ def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
                              recomputed_tokens=7)  # fmt: skip
     stream = SimpleNamespace(outbox=[b"r"], retained_records=4, resent=0, sent=12)
     stats = SimpleNamespace(rollouts_made=8, requests_inflight=2, groups_admitted=3, rewards_sum=2.0, reward_errors=1,
-                            reward_means=RewardMeans())  # fmt: skip
+                            reward_means=RewardMeans(), turns=11, env_s=2.5, env_errors=1, tool_errors=2,
+                            env_tokens=30, policy_tokens=90)  # fmt: skip
     driver = SimpleNamespace(engine=engine, server_id="s@1", groups_consumed=2, stream=stream, stats=stats)
     reporter = ProgressReporter(driver, str(tmp_path / "serve.jsonl"), 5.0)
     reporter.write(reporter.snapshot())
@@ -98,6 +102,7 @@ def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
     progress, update = read_serve_events(tmp_path / "serve.jsonl")
     assert isinstance(progress, ServeProgress) and isinstance(update, UpdateEvent)
     assert progress.tokens == 40 and progress.outbox == 1 and progress.mean_reward == 0.25 and progress.version == 3
+    assert (progress.turns, progress.env_tokens, progress.env_errors, progress.tool_errors) == (11, 30, 1, 2)
     assert update == an_update(time=update.time, server_id="s@1", version=4, receive_s=0.0)
     events = [json.loads(line)["event"] for line in (tmp_path / "serve.jsonl").read_text().splitlines()]
     assert events == ["progress", "update"]  # the tag is the `event` key the lines always had
