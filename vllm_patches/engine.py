@@ -26,7 +26,7 @@ from vllm_patches.rpc import CommitApplied, CommitResult, GroupJoined, StageStat
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
 HEAD_DTYPES = ("model", "float32")
 WORKER_EXTENSION = "vllm_patches.worker_extension.InflightWorkerExtension"
-STAGE_POLL_S = 0.1  # never-stop: seconds between two "staged yet?" polls (the commit waits up to this long after)
+STAGE_POLL_S = 0.1  # never-stop: the longest wait between two "staged yet?" polls (polls back off from 10 ms to it)
 
 
 @dataclass
@@ -289,7 +289,7 @@ class InflightEngine:
         return rpc_result(statuses, list[StageStatus], "inflight_begin_update")[0]
 
     async def _wait_staged(self, timeout_s: float, block: bool = False) -> StageStatus:
-        deadline = time.monotonic() + timeout_s
+        deadline, poll_s = time.monotonic() + timeout_s, 0.01
         while True:
             if block:
                 remaining = max(0.0, deadline - time.monotonic())
@@ -305,8 +305,10 @@ class InflightEngine:
             if time.monotonic() > deadline:
                 raise UpdateError(f"update not staged within {timeout_s:.0f}s: {statuses[0]}")
             # Each poll is an RPC the worker answers between two steps, so polling costs decoding time for as long as
-            # an update stages; 10 ms polls cost a prepared update (longer to stage) more tokens than its commit saved.
-            await asyncio.sleep(STAGE_POLL_S)
+            # an update stages: 10 ms polls cost a prepared SmolLM2 update (~1 s to stage) more tokens than its commit
+            # saved. Back off from 10 ms (a small model stages in tens of ms and commits at once) to STAGE_POLL_S.
+            await asyncio.sleep(poll_s)
+            poll_s = min(STAGE_POLL_S, poll_s * 1.5)
 
     async def _commit(self, report: UpdateReport, kv: str) -> None:
         try:

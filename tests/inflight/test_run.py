@@ -16,7 +16,7 @@ import pytest
 from serve_support import TEST_KV_GIB, ServeProcess
 
 pytestmark = pytest.mark.engine
-STEPS = 4
+STEPS = 6  # enough that the last steps train on rollouts sampled after a commit, however late it lands
 
 # A continuous reward (text length) so that a random tiny model's groups have non-zero advantages and real gradients.
 SERVE_ARGS = f"--progress-s 1 --max-inflight 16 --kv-cache-gib {TEST_KV_GIB} --reward serve_rewards:text_length"
