@@ -117,8 +117,10 @@ class PolicyModel(torch.nn.Module):
         return logp if fused is None else (logp, loss, metrics)
 
 
-def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PolicyModel:
-    """The HF checkpoint in `model_dir` as a PolicyModel in `dtype` on `device`, dropout off, no KV cache."""
+def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> PolicyModel:  # fmt: skip
+    """The HF checkpoint in `model_dir` as a PolicyModel in `dtype` on `device` (the learner passes its
+    `learner/world.py:World.device`), dropout off, no KV cache."""
     from transformers import AutoModelForCausalLM  # heavy import, kept off the module import path
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
@@ -128,16 +130,24 @@ def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, devic
     return model
 
 
-def shard_policy(model: PolicyModel, mesh: torch.distributed.DeviceMesh) -> PolicyModel:
+def shard_policy(model: PolicyModel, mesh: torch.distributed.DeviceMesh,
+                 compute_dtype: torch.dtype | None = None) -> PolicyModel:  # fmt: skip
     """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, final norm, LM head).
 
     Sharding the root last gives it every parameter no layer took; tied embeddings stay one parameter there.
     Works for a mesh of size 1. Gradients are averaged over the mesh (FSDP2's default); see learner/step.py.
+    `compute_dtype` (bf16 on CUDA, `learner/world.py:World.layer_compute_dtype`): the decoder layers are gathered and
+    run in it while their master weights and gradient reductions stay in the parameter dtype; the root never gets it,
+    so the LM head and the logprobs keep the parameter dtype (they feed importance ratios).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    layers = {}
+    if compute_dtype is not None:
+        reduce_dtype = next(model.parameters()).dtype
+        layers["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     for layer in model.hf.model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **layers)
     fully_shard(model, mesh=mesh)
     return model
 

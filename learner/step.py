@@ -175,8 +175,13 @@ def train_step(
     `policy_loss` metrics (tokens, clip_fraction, ess, mean_abs_logratio).
     `probe_mask` ([B, L] bool, optional): also report `probe_abs_logratio_sum` and `probe_tokens` (rank-local) — the
     learner uses it for |logπθ − logμ| on lag-0 tokens, the mismatch floor between trainer and sampler.
+    `batch` and `probe_mask` may be built on the CPU (`make_batch`): they are moved to the model's device (the
+    learner's `learner/world.py:World.device`), a no-op where they already are.
     """
     _check_world_size(model, world_size)
+    device = _model_device(model)
+    batch = batch.to(device)
+    probe_mask = probe_mask.to(device) if probe_mask is not None else None
     given = global_tokens if cfg.loss.aggregation == "token" else global_sequences
     normalizer = float(given) if given is not None else _global_count(batch, cfg.loss.aggregation, model)
     normalizer = max(normalizer, 1.0)  # nothing trains anywhere: a zero loss, not 0 / 0
@@ -201,6 +206,12 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": _sum_over_ranks(loss.detach(), model), "grad_norm": grad_norm, "normalizer": normalizer, **metrics}
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """The device of this rank's share of the model's parameters (of the local shard under FSDP2)."""
+    param = next(model.parameters())
+    return (param.to_local() if isinstance(param, DTensor) else param).device
 
 
 def _mesh_group(model: torch.nn.Module) -> dist.ProcessGroup | None:

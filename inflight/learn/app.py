@@ -1,7 +1,8 @@
 """`python -m inflight.learn`: consume rollouts, train with FSDP2, push weights back to every serve.
 
-Runs as one process or under torchrun (gloo on CPU, NCCL on GPU). This module is what every rank runs: the model,
-the optimizer, the step loop, checkpoints, the final export. Rank 0's network side (sockets, rollout buffer, journal,
+Runs as one process or under torchrun (gloo on CPU, NCCL on GPU), on the device `--device` names; where each rank
+runs is one `learner/world.py:World`, built once in `main`. This module is what every rank runs: the model, the
+optimizer, the step loop, checkpoints, the final export. Rank 0's network side (sockets, rollout buffer, journal,
 weight publisher, metrics file) is `LearnerService` (inflight/learn/service.py): every step rank 0 asks it for
 `groups_per_step` complete groups, staleness-gated (`next_groups`), and broadcasts the samples; all ranks train on
 their slice; the new full weights go out as `version + 1` (`publish`). The loop is visible in `Learner.run`.
@@ -24,30 +25,30 @@ from inflight.learn.config import LearnConfig
 from inflight.learn.service import LearnerService
 from inflight.learn.tracking import Reporting
 from inflight.wire.records import StepMetrics
+from learner.world import World
 
 log = logging.getLogger("inflight.learn")
 
 
 class Learner:
-    """One learner rank: loads the policy (FSDP2-sharded when `world` > 1) and AdamW, restored from the latest
-    checkpoint with `--resume`; rank 0 also starts the `LearnerService` (it binds), the other ranks touch no socket."""
+    """One learner rank: loads the policy on `world.device` (FSDP2-sharded over `world.mesh` when there are several
+    ranks) and AdamW, restored from the latest checkpoint with `--resume`; rank 0 also starts the `LearnerService` (it
+    binds), the other ranks touch no socket."""
 
-    def __init__(self, cfg: LearnConfig, rank: int, world: int):
+    def __init__(self, cfg: LearnConfig, world: World):
         from inflight.models import resolve_model
         from learner.losses import LossConfig
         from learner.model import full_hf_state, load_policy, shard_policy
-        from learner.step import TrainConfig, make_optimizer
+        from learner.step import AUTOCAST, TrainConfig, make_optimizer
         from learner.truncation import Truncation
 
         torch.manual_seed(cfg.seed)
-        self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, Path(cfg.run_dir)
+        self.cfg, self.placement, self.run_dir = cfg, world, Path(cfg.run_dir)
+        self.rank, self.world = world.rank, world.size  # which slice of each step's samples this rank trains
         self.model_path = resolve_model(cfg.model)
-        self.model = load_policy(self.model_path, dtype=getattr(torch, cfg.dtype))
-        if world > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self.mesh = init_device_mesh("cpu", (world,))
-            shard_policy(self.model, self.mesh)
+        self.model = load_policy(self.model_path, dtype=getattr(torch, cfg.dtype), device=world.device)
+        if world.mesh is not None:
+            shard_policy(self.model, world.mesh, world.layer_compute_dtype(AUTOCAST[cfg.autocast]))
         loss = LossConfig(kind=cfg.loss, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation)
         truncation = Truncation(top_k=max(cfg.top_k, 0), top_p=cfg.top_p, min_p=cfg.min_p)
         self.train_cfg = TrainConfig(lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
@@ -61,9 +62,10 @@ class Learner:
         # Rank 0's tracker (--report-to), opened before the service binds: a serve started on its ready line is
         # followed from its first progress line on.
         self.reporting = Reporting(cfg.report_to, self.run_dir, dataclasses.asdict(cfg), cfg.model,
-                                   cfg.log_samples_every) if rank == 0 else None  # fmt: skip
+                                   cfg.log_samples_every) if world.rank == 0 else None  # fmt: skip
         state = full_hf_state(self.model)  # collective: every rank gathers
-        self.service = LearnerService(cfg, state, self.version, consumed, by_server) if rank == 0 else None
+        self.service = (LearnerService(cfg, state, self.version, consumed, by_server, world.weights_device)
+                        if world.rank == 0 else None)  # fmt: skip
 
     def _resume(self):
         from learner.checkpoint import latest_checkpoint, load_checkpoint
@@ -84,7 +86,7 @@ class Learner:
             started = time.perf_counter()
             batch = self.service.next_groups(self.version, lambda: self.stop_requested) if self.rank == 0 else None
             waited = time.perf_counter() - started
-            samples = broadcast_samples(batch[0] if batch else None, self.rank, self.world)
+            samples = broadcast_samples(batch[0] if batch else None, self.placement)
             if not samples:
                 break
             metrics = self._train(samples)
@@ -111,7 +113,7 @@ class Learner:
         as_train = [Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.token_mask)
                     for s in mine]  # fmt: skip
         tokens = sum(sum(s.token_mask) for s in samples)
-        batch = make_batch(as_train, pad_id=0)
+        batch = make_batch(as_train, pad_id=0)  # on the CPU: train_step moves it to the model's device
         fresh = [t._replace(token_mask=s.on_policy_prefix) for t, s in zip(as_train, mine, strict=True)]
         lag0 = make_batch(fresh, pad_id=0).mask
         start = time.perf_counter()
@@ -188,23 +190,22 @@ class Learner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the flags, resolve the precision, join the torch world, train until done or SIGTERM/SIGINT (a clean stop
-    still checkpoints and exports); the exit code."""
+    """Parse the flags, place this rank (`--device`, torchrun's environment: `learner/world.py:start_world`), resolve
+    the precision, train until done or SIGTERM/SIGINT (a clean stop still checkpoints and exports); the exit code."""
     about = "Consume rollouts, train with FSDP2 (token-level IS, staleness gate), push weights to every serve."
     cfg = parse_dataclass(LearnConfig, argv, "python -m inflight.learn", about)
     setup_logging()
-    from inflight.machine import resolve_precision
+    from learner.world import WorldError, start_world
 
-    precision = resolve_precision(cfg.autocast, "cpu")  # the learner runs on CPU (issue 16 moves it to CUDA)
-    cfg.autocast = "bfloat16" if precision.is_bf16 and cfg.autocast != "none" else "none"
-    log.info("learner precision: decoder %s, LM head/logprobs/optimizer %s (%s)",
-             "bfloat16 autocast" if cfg.autocast == "bfloat16" else cfg.dtype, cfg.dtype, precision.reason)  # fmt: skip
-    from inflight.learn.dist import close_world, init_world
-
-    rank, world = init_world("nccl" if cfg.backend == "nccl" else "gloo")
-    if rank == 0:
+    try:
+        world = start_world(cfg.device, cfg.backend)
+    except WorldError as exc:  # before any model or socket: the message names the flag and the fix
+        raise SystemExit(f"inflight.learn: {exc}") from None
+    cfg.device = world.device_type  # the resolved config says where the run trained
+    _resolve_precision(cfg, world)
+    if world.rank == 0:
         write_resolved(cfg, Path(cfg.run_dir) / "learn-config.json")
-    learner = Learner(cfg, rank, world)
+    learner = Learner(cfg, world)
 
     for stop in (signal.SIGTERM, signal.SIGINT):  # stop after the step in progress, checkpointed and exported
         signal.signal(stop, lambda *_: setattr(learner, "stop_requested", True))
@@ -215,7 +216,19 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         learner.close()
-        close_world(clean)
+        world.close(clean)
+
+
+def _resolve_precision(cfg: LearnConfig, world: World) -> None:
+    """`--autocast auto` becomes bfloat16 or none for the world's device (inflight/machine.py), logged with why."""
+    from inflight.machine import resolve_precision
+
+    precision = resolve_precision(cfg.autocast, world.device_type)
+    cfg.autocast = "bfloat16" if precision.is_bf16 and cfg.autocast != "none" else "none"
+    log.info("learner rank %d/%d on %s (default group %s, weights over %s); precision: decoder %s, "
+             "LM head/logprobs/optimizer %s (%s)", world.rank, world.size, world.device, world.backend,
+             world.weights_backend, "bfloat16" if cfg.autocast == "bfloat16" else cfg.dtype, cfg.dtype,
+             precision.reason)  # fmt: skip
 
 
 def _episodes(gate) -> dict:

@@ -20,7 +20,13 @@ class LearnConfig:
     rollouts_port: int = field(default=5555, metadata=_h("PULL port serves push rollouts to"))
     control_port: int = field(default=5556, metadata=_h("ROUTER port serves connect their control DEALER to"))
     weights_port: int = field(default=5557, metadata=_h("TCPStore port of the weights group"))
-    backend: str = field(default="gloo", metadata=_h("weights-group backend", choices=("gloo", "nccl")))
+    backend: str = field(default="gloo", metadata=_h("weights-group backend; nccl needs the learner on CUDA",
+                                                     choices=("gloo", "nccl")))  # fmt: skip
+    device: str = field(default="auto", metadata=_h("where every rank trains (learner/world.py): cuda = "
+                                                    "cuda:LOCAL_RANK, NCCL between ranks, FSDP2 gathering the decoder "
+                                                    "layers in the --autocast dtype; cpu = gloo; auto = cuda where "
+                                                    "torch sees a GPU, else cpu",
+                                                    choices=("auto", "cpu", "cuda")))  # fmt: skip
     groups_per_step: int = field(default=4, metadata=_h("whole groups per optimizer step"))
     group_size: int = field(default=GROUP_SIZE, metadata=_h("completions per prompt the serves sample: a serve of "
                                                             "another --group-size is refused at Hello"))  # fmt: skip
@@ -68,7 +74,16 @@ class LearnConfig:
     checkpoint_every: int = field(default=0, metadata=_h("checkpoint every N steps; 0 = only at the end"))
     keep_checkpoints: int = field(default=2, metadata=_h("keep the N newest checkpoints; 0 = all"))
     resume: bool = field(default=False, metadata=_h("continue from the latest checkpoint in run_dir"))
-    wait_for_serves: int = field(default=1, metadata=_h("serves to wait for before the first step"))
+    wait_for_serves: int = field(default=-1, metadata=_h("serves to wait for before the first step; -1 = 1, or 0 "
+                                                         "with --replay"))  # fmt: skip
+    replay: str = field(default="", metadata=_h("train on the rollouts of a recorded journal instead of serves: a run "
+                                                "directory recorded with --keep-journal (or its journal/); no "
+                                                "rollout socket is bound, serves may still join for the weights; "
+                                                "the run stops when the journal's complete groups run out or at "
+                                                "--steps"))  # fmt: skip
+    keep_journal: bool = field(default=False, metadata=_h("keep every journal segment (checkpoints delete none), so "
+                                                          "the run directory holds every rollout it trained on, for "
+                                                          "--replay; the journal then grows with the run"))  # fmt: skip
     seed: int = field(default=0, metadata=_h("torch seed"))
     report_to: str = field(default="none", metadata=_h("mirror every metrics.jsonl line, the serve's progress and "
                                                        "sample completions to an experiment tracker (inflight/learn/"
@@ -99,6 +114,11 @@ class LearnConfig:
                 "'auto' or 'off' with top-k/top-p/min-p sampling (the fused loss is full-softmax only)")  # fmt: skip
         require(self.steps >= 0, "steps", self.steps, ">= 0")
         require(self.keep_checkpoints >= 0, "keep_checkpoints", self.keep_checkpoints, ">= 0 (0 keeps all)")
+        require(self.wait_for_serves >= -1, "wait_for_serves", self.wait_for_serves, ">= 0, or -1 = auto")
+        if self.replay:
+            from inflight.learn.replay import check_replay
+
+            check_replay(self.replay, self.run_dir)
         from inflight.wire.memory import trim_every_s
 
         trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update
@@ -108,6 +128,12 @@ class LearnConfig:
             from inflight.wire.secure import read_secret
 
             read_secret(self.secret_file)
+
+    def serves_to_wait_for(self) -> int:
+        """`--wait-for-serves` resolved: -1 is 1 for a live run and 0 for a replay (no serve needed to train)."""
+        if self.wait_for_serves >= 0:
+            return self.wait_for_serves
+        return 0 if self.replay else 1
 
     def contract(self) -> RunContract:
         """What a serve must agree on (inflight/wire/contract.py); after `main` resolved `--autocast auto`. The compute

@@ -56,10 +56,11 @@ class WeightPublisher:
 
     def __init__(self, control: ControlServer, host: str = "127.0.0.1", store_port: int = 0, backend: str = "gloo",
                  timeout_s: float = 60.0, bucket_bytes: int = 64 << 20, quiet_after_s: float = 3.0,
-                 weights_key: bytes | None = None):  # fmt: skip
+                 weights_key: bytes | None = None, device: torch.device | str = "cpu"):  # fmt: skip
         """`weights_key` (from --secret-file, inflight/wire/secure.py:weights_key): tag every tensor of every update
-        with it instead of a CRC32."""
-        self.control, self.host, self.backend = control, host, backend
+        with it instead of a CRC32. `device`: where the buckets are packed and sent from — the learner's GPU for
+        NCCL, host memory for gloo (`learner/world.py:World.weights_device`)."""
+        self.control, self.host, self.backend, self.device = control, host, backend, torch.device(device)
         self.weights_key = weights_key
         self.timeout_s, self.bucket_bytes, self.quiet_after_s = timeout_s, bucket_bytes, quiet_after_s
         self.store = open_store(GroupAddress(host, store_port, 1, timeout_s=timeout_s), is_host=True)
@@ -226,7 +227,8 @@ class WeightPublisher:
                 return report
             members = self.membership.members()
             served = {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
-            cast = {name: state[name].to(DTYPES[dtype]).contiguous() for name, (dtype, _) in served.items()}
+            cast = {name: state[name].to(self.device, DTYPES[dtype]).contiguous()
+                    for name, (dtype, _) in served.items()}  # fmt: skip
             manifest = plan_manifest(cast, version, self.bucket_bytes, weights_key=self.weights_key)
             check_against(manifest, served)
             for serve in members:

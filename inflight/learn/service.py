@@ -5,12 +5,15 @@ here), `publish` (send a version to every serve), `write_step` (one metrics line
 `rotate_journal` (for a checkpoint); `close` at the end. Everything else happens inside, on the learner's main thread
 while it waits: rollouts are received, validated by the buffer, journaled with fsync and only then acknowledged;
 control messages are served (inflight/learn/publisher.py:WeightPublisher and its membership state machine); late
-joiners are caught up; `Progress` goes out (docs/ARCHITECTURE.md "Learner control plane").
+joiners are caught up; `Progress` goes out (docs/ARCHITECTURE.md "Learner control plane"). With `--replay` the
+rollouts come from a recorded journal (inflight/learn/replay.py:JournalReplay) instead: no rollout socket, no journal
+of its own, no acknowledgements; the control socket and the publisher work as in a live run.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import shutil
 import sys
@@ -24,6 +27,7 @@ from inflight.learn.buffer import RolloutBuffer
 from inflight.learn.config import LearnConfig
 from inflight.learn.journal import RolloutJournal
 from inflight.learn.publisher import PublishReport, WeightPublisher
+from inflight.learn.replay import JournalReplay
 from inflight.learn.samples import GatedSample, GateStats, build_samples
 from inflight.wire.endpoints import ControlServer, RolloutReceiver
 from inflight.wire.memory import trim_after_update
@@ -36,12 +40,15 @@ PROGRESS_EVERY_S = 1.0  # Progress while waiting, even with nothing to acknowled
 
 class LearnerService:
     """Binds the rollout and control sockets and the weights store on `cfg.host` (ready when this returns, which it
-    prints as `inflight.learn ready: ...`), and opens the journal: replayed on `--resume`, else emptied. `state` is
-    the learner's full weights (what serves must serve, and what a serve joining a resumed learner at `version` > 0
-    gets); `consumed`/`by_server` come from the checkpoint. Rank 0 only; not thread-safe."""
+    prints as `inflight.learn ready: ...`), and opens the journal: replayed on `--resume`, else emptied. With
+    `--replay` it binds no rollout socket and opens no journal: the rollouts come from the recording. `state` is the
+    learner's full weights (what serves must serve, and what a serve joining a resumed learner at `version` > 0 gets);
+    `consumed`/`by_server` come from the checkpoint; `weights_device` is where published tensors must be for the
+    weights group's backend (`learner/world.py:World.weights_device`). Rank 0 only; not thread-safe."""
 
     def __init__(self, cfg: LearnConfig, state: dict[str, torch.Tensor], version: int,
-                 consumed: Iterable[str] | dict, by_server: dict[str, int]):  # fmt: skip
+                 consumed: Iterable[str] | dict, by_server: dict[str, int],
+                 weights_device: torch.device | str = "cpu"):  # fmt: skip
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         keys = tags = None
         if cfg.secret_file:
@@ -49,33 +56,44 @@ class LearnerService:
 
             secret = read_secret(cfg.secret_file)
             keys, tags = derive_keys(secret), weights_key(secret)
-        self.receiver = RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)
+        self.replay = JournalReplay(cfg.replay) if cfg.replay else None
+        self.receiver = None if self.replay else RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)
         self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
         self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
-                                         cfg.bucket_mb << 20, weights_key=tags)  # fmt: skip
+                                         cfg.bucket_mb << 20, weights_key=tags, device=weights_device)  # fmt: skip
         self.publisher.set_model(state, cfg.contract())  # serves that differ are refused at Hello
         if version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
             self.publisher.latest = (version, state)
         self.buffer = RolloutBuffer(cfg.model, consumed, cfg.temperature)
         self.buffer.consumed_by_server.update(by_server)
         self.stepped = False  # whether next_groups returned groups yet (--wait-for-serves holds only the first step)
-        self._open_journal()
+        self.raw: dict[str, bytes] = {}  # rollout id -> record, for records of groups not trained yet
+        self.acks: dict[str, set[str]] = collections.defaultdict(set)  # server id -> group ids to acknowledge
+        self.journal = None if self.replay else self._open_journal()
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        log.info("learner listening: rollouts %s, control %s, weights store port %d", self.receiver.address,
-                 self.control.address, self.publisher.store_port)  # fmt: skip
-        print(f"inflight.learn ready: rollouts {self.receiver.address} control {self.control.address} weights "
-              f"{cfg.host}:{self.publisher.store_port}", file=sys.stderr, flush=True)  # fmt: skip
+        self._announce()
 
-    def _open_journal(self) -> None:
+    def _announce(self) -> None:
+        """Log and print the ready line (`inflight.learn ready: ...`) launchers and tests wait for."""
+        source = f"replaying {self.replay.dir}" if self.replay else f"rollouts {self.receiver.address}"
+        log.info("learner listening: %s, control %s, weights store port %d", source, self.control.address,
+                 self.publisher.store_port)  # fmt: skip
+        print(f"inflight.learn ready: {source} control {self.control.address} weights "
+              f"{self.cfg.host}:{self.publisher.store_port}", file=sys.stderr, flush=True)  # fmt: skip
+        if self.replay:
+            resolved = dataclasses.asdict(self.cfg)
+            for difference in self.replay.recorded_differences(resolved):
+                log.warning("--replay: %s differs from the recording (the weights will differ from its run)",
+                            difference)  # fmt: skip
+
+    def _open_journal(self) -> RolloutJournal:
         """The write-ahead log of accepted rollouts (inflight/learn/journal.py): replayed on --resume, else emptied."""
         directory = self.run_dir / "journal"
         if not self.cfg.resume and directory.exists():
             shutil.rmtree(directory)
-        self.journal = RolloutJournal(directory)
-        self.raw: dict[str, bytes] = {}  # rollout id -> record, for records of groups not trained yet
-        self.acks: dict[str, set[str]] = collections.defaultdict(set)  # server id -> group ids to acknowledge
+        journal = RolloutJournal(directory, keep_segments=self.cfg.keep_journal)
         replayed = 0
-        for record in self.journal.replay():
+        for record in journal.replay():
             try:
                 rollout = decode_rollout(record)
             except RolloutError as exc:  # our own fsynced file: only a bug or a disk fault gets here
@@ -87,19 +105,21 @@ class LearnerService:
         if replayed:
             log.info("journal: replayed %d rollouts of untrained groups (%d groups complete)", replayed,
                      len(self.buffer.ready))  # fmt: skip
+        return journal
 
     # -- rollouts in ----------------------------------------------------------------------------------------------
     def next_groups(self, version: int, stop: Callable[[], bool]) -> tuple[list[GatedSample], GateStats] | None:
         """Block until `groups_per_step` complete groups are here; mark them consumed, acknowledge and return them as
         samples gated at the learner's `version` (inflight/learn/samples.py:build_samples). None once `stop()` is
-        true. Until the first groups are returned, also wait for `--wait-for-serves` serves to have said Hello."""
+        true, or once a replayed journal has no step's worth of groups left. Until the first groups are returned, also
+        wait for `--wait-for-serves` serves to have said Hello."""
         last_progress = 0.0
         while not stop():
-            self._receive()
+            if not self._collect():
+                return None  # the replayed recording is used up: the run ends as at --steps
             self.publisher.pump(0)
             self.publisher.catch_up(dict(self.buffer.consumed_by_server))
-            waiting = not self.stepped and len(self.publisher.serves) < self.cfg.wait_for_serves
-            groups = None if waiting else self.buffer.take(self.cfg.groups_per_step)
+            groups = None if self._waiting_for_serves() else self.buffer.take(self.cfg.groups_per_step)
             if groups is not None:
                 self.stepped = True
                 for group in groups:
@@ -111,6 +131,22 @@ class LearnerService:
                 self._send_progress(version)
                 last_progress = time.monotonic()
         return None
+
+    def _waiting_for_serves(self) -> bool:
+        """Before the first step: fewer than `--wait-for-serves` serves have said Hello."""
+        return not self.stepped and len(self.publisher.serves) < self.cfg.serves_to_wait_for()
+
+    def _collect(self) -> bool:
+        """Rollouts in: from the socket (journaled, then acknowledged), or from the replayed recording. False once a
+        replay has no step's worth of groups left (and no serve is awaited)."""
+        if self.replay is None:
+            self._receive()  # blocks up to 50 ms on the socket
+            return True
+        self.replay.fill(self.buffer, self.cfg.groups_per_step)
+        if self._waiting_for_serves():
+            self.publisher.pump(0.05)  # a replay has no socket to block on: wait on the control socket instead
+            return True
+        return not self.replay.done or len(self.buffer.ready) >= self.cfg.groups_per_step
 
     def _receive(self) -> None:
         """Take what arrived, journal the accepted records (fsync), then queue acknowledgements of held groups."""
@@ -142,7 +178,8 @@ class LearnerService:
     def write_step(self, values: dict) -> StepMetrics:
         """Append one StepMetrics line (inflight/wire/records.py) to `<run_dir>/metrics.jsonl`: `values` plus the
         rollouts refused so far (`rejected`). A value StepMetrics does not know raises RecordError naming it."""
-        rejected = dict(self.buffer.rejected) | {"wire:" + k: v for k, v in self.receiver.rejected.items()}
+        wire = self.receiver.rejected if self.receiver is not None else {}
+        rejected = dict(self.buffer.rejected) | {"wire:" + k: v for k, v in wire.items()}
         record = to_record({**values, "rejected": rejected}, StepMetrics)
         self.metrics_file.write(encode_line(record))
         self.metrics_file.flush()
@@ -154,16 +191,20 @@ class LearnerService:
         return {"consumed": self.buffer.consumed.to_json(), "consumed_by_server": dict(self.buffer.consumed_by_server)}
 
     def rotate_journal(self) -> None:
-        """After a checkpoint (which holds the trained groups): the journal keeps only the untrained groups' records."""
-        self.journal.rotate(self.raw.values())
+        """After a checkpoint (which holds the trained groups): the journal keeps only the untrained groups' records
+        (a replay has no journal of its own: its recording is never touched)."""
+        if self.journal is not None:
+            self.journal.rotate(self.raw.values())
 
     def close(self) -> None:
         """Let the serves commit the last update, close the weights group and the sockets, then the files."""
         self.publisher.close()
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()
         self.control.close()
         self.metrics_file.close()
-        self.journal.close()
+        if self.journal is not None:
+            self.journal.close()
 
 
 def publish_fields(report: PublishReport, seconds: float) -> dict:
