@@ -8,7 +8,15 @@ import msgspec
 import pytest
 
 from inflight.wire.control import ControlError, Hello, Progress, TensorSpec, decode_control, encode_control
-from inflight.wire.rollouts import RolloutError, Sampling, Times, decode_rollout, encode_rollout, make_rollout
+from inflight.wire.rollouts import (
+    ROLLOUT_SCHEMA,
+    RolloutError,
+    Sampling,
+    Times,
+    decode_rollout,
+    encode_rollout,
+    make_rollout,
+)
 
 
 def record(**over):
@@ -43,9 +51,10 @@ def test_inconsistent_rollouts_are_refused_naming_the_field(over, field):
 
 def test_unknown_schema_pickle_and_garbage_rollouts_are_refused():
     raw = msgspec.msgpack.decode(encode_rollout(record()))
-    with pytest.raises(RolloutError, match="schema is 2"):
-        decode_rollout(msgspec.msgpack.encode({**raw, "schema": 2}))
-    for data in (pickle.dumps({"schema": 1}), b"\xff\x00garbage", msgspec.msgpack.encode([1, 2])):
+    newer = ROLLOUT_SCHEMA + 1  # a rollout from a newer inflight than this learner
+    with pytest.raises(RolloutError, match=f"schema is {newer}"):
+        decode_rollout(msgspec.msgpack.encode({**raw, "schema": newer}))
+    for data in (pickle.dumps({"schema": ROLLOUT_SCHEMA}), b"\xff\x00garbage", msgspec.msgpack.encode([1, 2])):
         with pytest.raises(RolloutError):
             decode_rollout(data)
 
