@@ -98,164 +98,174 @@ def _episodes(spec: str, cal: Calibration, rng: random.Random):
     return measured
 
 
-def simulate(cal: Calibration, mode: str, sc: Scenario, steps: int = 60, seed: int = 0) -> dict:  # noqa: C901 (one event loop)
+def simulate(cal: Calibration, mode: str, sc: Scenario, steps: int = 60, seed: int = 0) -> dict:
     """Learner steps/s, samples/s and idle fractions of one mode in one scenario (event-driven). A sample is one or
     more turns; after each turn its tool latency (if any) passes without a batch slot, then its next turn queues."""
-    rng = random.Random(seed)
-    turns_of = _episodes(sc.lengths, cal, rng)
-    tool_of = _sampler(sc.tool, [], rng) if sc.tool else (lambda: 0.0)
-    group_size = cal.group_size
-    groups_per_step = max(1, sc.workers * sc.samples_per_worker // group_size)
-    sync = mode == "blocking"
-    max_inflight = max(cal.max_inflight, sc.samples_per_worker)
+    return _Simulation(cal, mode, sc, seed).run(steps)
 
-    # state
-    t = 0.0
-    events: list = []  # (time, seq, kind, payload)
-    seq = 0
 
-    def push(at, kind, payload=None):
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (at, seq, kind, payload))
+class _Simulation:
+    """The state of one simulated run and a handler per event kind (see the module docstring for the model)."""
 
-    running = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: [remaining tokens, group, later turns]}
-    produced = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: tokens produced so far}
-    queue: list = []  # turns waiting for a worker slot: (sample_id, group, [this turn's length, later turns' ...])
-    made: dict[int, int] = {}  # sample_id -> tokens of its finished turns
-    group_left: dict[int, int] = {}
-    complete_groups: list[tuple[int, int]] = []  # (group, tokens)
-    group_tokens: dict[int, int] = {}
-    admitted = consumed = 0
-    next_group = 0
-    stepping = [False] * sc.workers
-    paused_until = [0.0] * sc.workers
-    draining = [False] * sc.workers
-    busy = [0.0] * sc.workers
-    learner_busy_until = 0.0
-    learner_wait = 0.0
-    learner_idle_since = 0.0
-    steps_done = 0
-    step_times = []
-    allowed_version_groups = groups_per_step if sync else math.inf
-    learner_training = False
+    def __init__(self, cal: Calibration, mode: str, sc: Scenario, seed: int):
+        rng = random.Random(seed)
+        self.cal, self.mode, self.sc = cal, mode, sc
+        self.turns_of = _episodes(sc.lengths, cal, rng)
+        self.tool_of = _sampler(sc.tool, [], rng) if sc.tool else (lambda: 0.0)
+        self.group_size = cal.group_size
+        self.groups_per_step = max(1, sc.workers * sc.samples_per_worker // self.group_size)
+        self.sync = mode == "blocking"
+        self.max_inflight = max(cal.max_inflight, sc.samples_per_worker)
+        self.t, self.seq = 0.0, 0
+        self.events: list = []  # (time, seq, kind, payload)
+        self.running = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: [remaining, group, later turns]}
+        self.produced = [dict() for _ in range(sc.workers)]  # worker -> {sample_id: tokens produced so far}
+        self.queue: list = []  # turns waiting for a worker slot: (sample_id, group, [this turn's length, later ...])
+        self.made: dict[int, int] = {}  # sample_id -> tokens of its finished turns
+        self.group_left: dict[int, int] = {}
+        self.complete_groups: list[tuple[int, int]] = []  # (group, tokens)
+        self.group_tokens: dict[int, int] = {}
+        self.admitted = self.consumed = self.next_group = 0
+        self.stepping = [False] * sc.workers
+        self.paused_until = [0.0] * sc.workers
+        self.draining = [False] * sc.workers
+        self.busy = [0.0] * sc.workers
+        self.learner_wait = self.learner_idle_since = 0.0
+        self.steps_done = 0
+        self.step_times: list[float] = []
+        self.allowed_version_groups = self.groups_per_step if self.sync else math.inf
+        self.learner_training = False
 
-    def admit():
-        nonlocal admitted, next_group
+    def push(self, at, kind, payload=None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, payload))
+
+    def run(self, steps: int) -> dict:
+        self.admit()
+        self.fill_all()
+        handlers = {"decode": self.on_decode, "next_turn": self.on_next_turn, "tool_done": self.on_tool_done,
+                    "published": self.on_published, "drained": self.on_drained}  # fmt: skip
+        while self.events and self.steps_done < steps:
+            self.t, _, kind, payload = heapq.heappop(self.events)
+            handlers[kind](payload)
+        return self.result()
+
+    def admit(self) -> None:
         while True:
-            if sync:
-                if admitted >= allowed_version_groups:
+            if self.sync:
+                if self.admitted >= self.allowed_version_groups:
                     return
-            elif admitted - consumed >= (cal.admit_lag + 1) * groups_per_step:
+            elif self.admitted - self.consumed >= (self.cal.admit_lag + 1) * self.groups_per_step:
                 return
-            g = next_group
-            next_group += 1
-            admitted += 1
-            group_left[g], group_tokens[g] = group_size, 0
-            for k in range(group_size):
-                queue.append((g * group_size + k, g, turns_of()))
+            g = self.next_group
+            self.next_group += 1
+            self.admitted += 1
+            self.group_left[g], self.group_tokens[g] = self.group_size, 0
+            for k in range(self.group_size):
+                self.queue.append((g * self.group_size + k, g, self.turns_of()))
 
-    def fill(w):
-        while queue and len(running[w]) < max_inflight and not draining[w]:
-            sid, g, turn_lengths = queue.pop(0)
-            running[w][sid] = [turn_lengths[0], g, turn_lengths[1:]]
-            produced[w][sid] = made.pop(sid, 0)
-        if running[w] and not stepping[w]:
-            stepping[w] = True
-            start = max(t, paused_until[w])
-            push(start + cal.d0 + cal.d1 * len(running[w]), "decode", (w, start))
+    def fill(self, w: int) -> None:
+        running = self.running[w]
+        while self.queue and len(running) < self.max_inflight and not self.draining[w]:
+            sid, g, turn_lengths = self.queue.pop(0)
+            running[sid] = [turn_lengths[0], g, turn_lengths[1:]]
+            self.produced[w][sid] = self.made.pop(sid, 0)
+        if running and not self.stepping[w]:
+            self.stepping[w] = True
+            start = max(self.t, self.paused_until[w])
+            self.push(start + self.cal.d0 + self.cal.d1 * len(running), "decode", (w, start))
 
-    def finish(sid, g, n):
-        group_tokens[g] += n
-        group_left[g] -= 1
-        if group_left[g] == 0:
-            complete_groups.append((g, group_tokens[g]))
-            try_train()
+    def fill_all(self) -> None:
+        for w in range(self.sc.workers):
+            self.fill(w)
 
-    def try_train():
-        nonlocal consumed, learner_training, learner_wait, learner_busy_until
-        if learner_training or len(complete_groups) < groups_per_step:
+    def finish(self, g: int, n: int) -> None:
+        self.group_tokens[g] += n
+        self.group_left[g] -= 1
+        if self.group_left[g] == 0:
+            self.complete_groups.append((g, self.group_tokens[g]))
+            self.try_train()
+
+    def try_train(self) -> None:
+        if self.learner_training or len(self.complete_groups) < self.groups_per_step:
             return
-        take = [complete_groups.pop(0) for _ in range(groups_per_step)]
-        consumed += groups_per_step
+        take = [self.complete_groups.pop(0) for _ in range(self.groups_per_step)]
+        self.consumed += self.groups_per_step
         tokens = sum(n for _, n in take)
-        learner_training = True
-        learner_wait += max(0.0, t - learner_idle_since)
-        dur = cal.train_t0 + cal.train_t1 * tokens / sc.learners + cal.publish_s
-        push(t + dur, "published", None)
-        if not sync:
-            admit()
-            for w in range(sc.workers):
-                fill(w)
+        self.learner_training = True
+        self.learner_wait += max(0.0, self.t - self.learner_idle_since)
+        cal = self.cal
+        self.push(self.t + cal.train_t0 + cal.train_t1 * tokens / self.sc.learners + cal.publish_s, "published")
+        if not self.sync:
+            self.admit()
+            self.fill_all()
 
-    admit()
-    for w in range(sc.workers):
-        fill(w)
-    while events and steps_done < steps:
-        t, _, kind, payload = heapq.heappop(events)
-        if kind == "decode":
-            w, started = payload
-            stepping[w] = False
-            busy[w] += t - started
-            done = []
-            for sid, entry in running[w].items():
-                entry[0] -= 1
-                produced[w][sid] += 1
-                if entry[0] <= 0:
-                    done.append(sid)
-            for sid in done:
-                _, g, later = running[w].pop(sid)
-                tokens = produced[w].pop(sid)
-                latency = tool_of()
-                if later:  # the tool answers, then the next turn queues (holding no slot meanwhile)
-                    made[sid] = tokens
-                    push(t + latency, "next_turn", (sid, g, later))
-                elif latency > 0:
-                    push(t + latency, "tool_done", (sid, g, tokens))
-                else:
-                    finish(sid, g, tokens)
-            if draining[w] and not running[w]:
-                push(t, "drained", w)
-            fill(w)
-        elif kind == "next_turn":
-            queue.append(payload)
-            for w in range(sc.workers):
-                fill(w)
-        elif kind == "tool_done":
-            sid, g, tokens = payload
-            finish(sid, g, tokens)
-            for w in range(sc.workers):
-                fill(w)
-        elif kind == "published":
-            steps_done += 1
-            step_times.append(t)
-            learner_training = False
-            learner_idle_since = t
-            for w in range(sc.workers):
-                _update(cal, mode, w, t, running, produced, paused_until, draining, push)
-            if sync:
-                allowed_version_groups += groups_per_step
-            admit()
-            try_train()
-            for w in range(sc.workers):
-                fill(w)
-        elif kind == "drained":
-            w = payload
-            if draining[w]:
-                draining[w] = False
-                paused_until[w] = t + cal.receive_s + cal.commit_s["drain"]
-                fill(w)
-    span = step_times[-1] - step_times[min(4, len(step_times) - 1)] if len(step_times) > 5 else float("nan")
-    n = len(step_times) - 1 - min(4, len(step_times) - 1)
-    rate = n / span if span and span == span and span > 0 else float("nan")
-    samples = rate * groups_per_step * group_size
-    return {
-        "mode": mode,
-        "steps_per_s": rate,
-        "samples_per_s": samples,
-        "worker_busy": sum(busy) / (sc.workers * t) if t else 0.0,
-        "learner_wait": learner_wait / t if t else 0.0,
-    }
+    def on_decode(self, payload) -> None:
+        w, started = payload
+        self.stepping[w] = False
+        self.busy[w] += self.t - started
+        done = []
+        for sid, entry in self.running[w].items():
+            entry[0] -= 1
+            self.produced[w][sid] += 1
+            if entry[0] <= 0:
+                done.append(sid)
+        for sid in done:
+            _, g, later = self.running[w].pop(sid)
+            tokens = self.produced[w].pop(sid)
+            latency = self.tool_of()
+            if later:  # the tool answers, then the next turn queues (holding no slot meanwhile)
+                self.made[sid] = tokens
+                self.push(self.t + latency, "next_turn", (sid, g, later))
+            elif latency > 0:
+                self.push(self.t + latency, "tool_done", (sid, g, tokens))
+            else:
+                self.finish(g, tokens)
+        if self.draining[w] and not self.running[w]:
+            self.push(self.t, "drained", w)
+        self.fill(w)
+
+    def on_next_turn(self, payload) -> None:
+        self.queue.append(payload)
+        self.fill_all()
+
+    def on_tool_done(self, payload) -> None:
+        _, g, tokens = payload
+        self.finish(g, tokens)
+        self.fill_all()
+
+    def on_published(self, _payload) -> None:
+        self.steps_done += 1
+        self.step_times.append(self.t)
+        self.learner_training = False
+        self.learner_idle_since = self.t
+        for w in range(self.sc.workers):
+            _update(self.cal, self.mode, w, self.t, self.running, self.produced, self.paused_until, self.draining,
+                    self.push)  # fmt: skip
+        if self.sync:
+            self.allowed_version_groups += self.groups_per_step
+        self.admit()
+        self.try_train()
+        self.fill_all()
+
+    def on_drained(self, w: int) -> None:
+        if self.draining[w]:
+            self.draining[w] = False
+            self.paused_until[w] = self.t + self.cal.receive_s + self.cal.commit_s["drain"]
+            self.fill(w)
+
+    def result(self) -> dict:
+        times, t = self.step_times, self.t
+        span = times[-1] - times[min(4, len(times) - 1)] if len(times) > 5 else float("nan")
+        n = len(times) - 1 - min(4, len(times) - 1)
+        rate = n / span if span and span == span and span > 0 else float("nan")
+        return {
+            "mode": self.mode,
+            "steps_per_s": rate,
+            "samples_per_s": rate * self.groups_per_step * self.group_size,
+            "worker_busy": sum(self.busy) / (self.sc.workers * t) if t else 0.0,
+            "learner_wait": self.learner_wait / t if t else 0.0,
+        }
 
 
 def _update(cal, mode, w, t, running, produced, paused_until, draining, push):
