@@ -13,7 +13,7 @@ from serve_support import TEST_KV_GIB
 
 from inflight.wire.group import GroupAddress, WeightsGroup, open_store
 from inflight.wire.transfer import send_update
-from inflight.wire.weights import UpdateManifest, plan_manifest
+from inflight.wire.weights import UpdateManifest, plan_manifest, plan_update
 
 # SmolLM2's greedy choice is clear on these (top-2 margin >= 0.5 nats): bf16 kernel differences do not flip it.
 CONFIDENT_PROMPTS = ["What is 2 + 3? Reply with only the number.", "Count from 1 to 10."]
@@ -86,8 +86,11 @@ class Sender:
         return thread, result
 
     async def push(self, engine, state, version: int, mode: str = "never-stop", kv: str = "keep", **kw):
-        manifest = self.manifest(state, version, kw.pop("bucket_bytes", 1 << 20))
-        thread, result = self.send_in_thread(manifest, state)
+        """Send `state` as `version` and update the engine; `base=(version, tensors)` sends it as a delta on that
+        version, `keep_base=True` asks the engine to keep it as the next delta's base."""
+        base, keep = kw.pop("base", None), kw.pop("keep_base", False)
+        manifest, payloads = plan_update(state, version, kw.pop("bucket_bytes", 1 << 20), base=base, keep_base=keep)
+        thread, result = self.send_in_thread(manifest, payloads)
         report = await engine.update(manifest.encode(), mode=mode, kv=kv, **kw)
         await asyncio.to_thread(thread.join, self.timeout_s)
         if "error" in result:

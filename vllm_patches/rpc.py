@@ -52,6 +52,14 @@ class CommitApplied(msgspec.Struct, forbid_unknown_fields=True):
     swapped_layers: int = 0
 
 
+class HeldWeights(msgspec.Struct, forbid_unknown_fields=True):
+    """`inflight_held_weights`: the whole tensors this worker keeps of its live version (the in-place path's rollback
+    source and the base of a delta update): `version` (-1 when none is kept) and the CRC32 of every tensor's bytes."""
+
+    version: int
+    crc32: dict[str, int]
+
+
 class CommitResult(msgspec.Struct, forbid_unknown_fields=True):
     """The EngineCore utility `inflight_commit`: every worker committed `version` and EngineCore serves it now.
     `stall_s` is the engine-step gap the commit took (seconds, measured in EngineCore)."""

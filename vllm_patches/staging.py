@@ -41,11 +41,15 @@ class StagedUpdate:
     """Receives `manifest`'s buckets from `group` on a background thread and holds the verified tensors."""
 
     def __init__(self, manifest: UpdateManifest, group: WeightsGroup, device: torch.device | str = "cpu",
-                 weights_key: bytes | None = None, prepare: Callable[[dict], object] | None = None):  # fmt: skip
+                 weights_key: bytes | None = None, prepare: Callable[[dict], object] | None = None,
+                 base: tuple[int, dict[str, torch.Tensor]] | None = None):  # fmt: skip
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`, e.g.
-        vllm_patches/prepared.py:prepare), then release the tensors; the update is staged only once that is done."""
+        vllm_patches/prepared.py:prepare), then release the tensors unless the manifest says `keep_base`; the update is
+        staged only once that is done. `base`: (version, whole tensors) the receiver holds, what a delta update
+        (`manifest.base_version`) is applied to; a delta on anything else fails the stage, naming both versions."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
+        self.base = base
         self.prepare, self.prepared, self.prepare_s = prepare, None, 0.0
         self.state = StageState.RECEIVING
         self.error: str | None = None
@@ -81,11 +85,14 @@ class StagedUpdate:
                     self._ready.synchronize()  # receive_s is the transfer's, not the time to queue it
                 self.receive_s = time.perf_counter() - self.started
                 # CUDA: host copies, side stream
-                self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=self.weights_key)
+                self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=self.weights_key,
+                                              base=self.base)  # fmt: skip
+            self.base = None  # a delta's new tensors are copies: the base is no longer needed here
             self.verify_s = time.perf_counter() - self.started - self.receive_s
             if self.prepare is not None:
-                del buckets  # the tensors are views of them: they go together, once prepared
-                self.prepared, self.tensors = self.prepare(self.tensors), {}
+                del buckets  # the tensors are views of them: they go together, once prepared (and not kept)
+                self.prepared = self.prepare(self.tensors)
+                self.tensors = self.tensors if self.manifest.keep_base else {}
                 self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
             self.staged_at = time.time()
             self.state = StageState.STAGED

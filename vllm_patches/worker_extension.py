@@ -9,6 +9,11 @@ Worker and they are reached with `collective_rpc`. Flow for one update:
 3. `inflight_commit_staged(version)` — called by the EngineCore utility `inflight_commit` between two steps — puts
    the update into the live model. All-or-nothing: a failure restores the previous weights and re-raises.
 
+A delta update (the manifest's `base_version`, inflight/wire/delta.py) is applied by the staging thread to the whole
+tensors this worker kept of its live version (`_inflight_held`: kept by the in-place path always, as its rollback
+source, and by the swap path when the manifest says `keep_base`); the result must match every whole tensor's checksum
+or tag, so a delta commits bitwise the tensors a full update would, or fails like a corrupt one.
+
 Two commit paths, chosen once per engine with `inflight_set_update_memory` (the serve's `--update-memory`):
 - `double` (default): the staging thread also loads and processes the update into a shadow copy of the changed
   layers (vllm_patches/prepared.py); the commit swaps references, O(layers), whatever the model size. Costs one
@@ -36,10 +41,10 @@ import torch
 
 from inflight.wire.group import GroupAddress, WeightsGroup
 from inflight.wire.memory import trim_after_update
-from inflight.wire.weights import UPDATE_MEMORY, ManifestError, UpdateManifest, check_against
+from inflight.wire.weights import UPDATE_MEMORY, ManifestError, UpdateManifest, check_against, tensor_crc32
 from vllm_patches import faults
 from vllm_patches.prepared import prepare
-from vllm_patches.rpc import CommitApplied, GroupJoined, StageStatus
+from vllm_patches.rpc import CommitApplied, GroupJoined, HeldWeights, StageStatus
 from vllm_patches.staging import StagedUpdate, StageState
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
@@ -105,6 +110,13 @@ class InflightWorkerExtension:
         model = self.model_runner.get_model()
         return {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters()}
 
+    def inflight_held_weights(self) -> HeldWeights:
+        """What this worker keeps of its live version for a delta to apply to (tests: bitwise the learner's)."""
+        held = getattr(self, "_inflight_held", None)
+        if held is None:
+            return HeldWeights(-1, {})
+        return HeldWeights(held[0], {name: tensor_crc32(t) for name, t in held[1].items()})
+
     def inflight_expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
         """HF name → (dtype, shape) of every tensor in the served checkpoint: what an update must contain.
 
@@ -145,7 +157,8 @@ class InflightWorkerExtension:
         key = getattr(self, "_inflight_weights_key", None)
         self._inflight_updates = getattr(self, "_inflight_updates", 0) + 1  # ordinal for fault injection
         build = self._inflight_prepare if self._inflight_update_memory() == "double" else None
-        self._inflight_stage = StagedUpdate(manifest, group, self._inflight_device(), key, build).start()
+        held = getattr(self, "_inflight_held", None) if manifest.is_delta else None
+        self._inflight_stage = StagedUpdate(manifest, group, self._inflight_device(), key, build, held).start()
         return self._inflight_stage.status()
 
     def _inflight_prepare(self, tensors: dict[str, torch.Tensor]):
@@ -183,6 +196,10 @@ class InflightWorkerExtension:
             stage.state = StageState.FAILED
             raise
         stage.state = StageState.COMMITTED
+        # The whole tensors of what is now live: the in-place path's rollback source and the next delta's base. The
+        # swap path keeps them only when the learner may send a delta next (manifest.keep_base): a copy of the model.
+        keep = stage.prepared is None or stage.manifest.keep_base
+        self._inflight_held = (version, stage.tensors) if keep else None
         applied = time.perf_counter() - start
         # Freed weights and buckets go back to the OS every 30 s (INFLIGHT_TRIM_EVERY_S), off the engine's critical
         # path: a trim after every commit added ~20 ms to each stall (inflight.wire.memory).
@@ -202,7 +219,6 @@ class InflightWorkerExtension:
         except Exception:
             self._inflight_apply(self._inflight_rollback_source())
             raise
-        self._inflight_live = stage.tensors  # the rollback source for the next commit (the previous one is freed)
         return 0
 
     def _inflight_apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -229,9 +245,9 @@ class InflightWorkerExtension:
             lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def _inflight_rollback_source(self) -> Iterator[tuple[str, torch.Tensor]]:
-        live = getattr(self, "_inflight_live", None)
-        if live is not None:
-            yield from live.items()
+        held = getattr(self, "_inflight_held", None)
+        if held is not None:
+            yield from held[1].items()
             return
         from safetensors import safe_open
 

@@ -69,6 +69,11 @@ class LearnConfig:
                                                         "off", choices=("auto", "on", "off")))  # fmt: skip
     publish_every: int = field(default=1, metadata=_h("send weights every K steps"))
     bucket_mb: int = field(default=64, metadata=_h("weight bucket size in MiB"))
+    full_every: int = field(default=10, metadata=_h("delta updates: between two full updates every N versions, send "
+                                                    "only the elements that changed in the serves' dtype (a serve "
+                                                    "that joins or missed an update gets a full one); 1 = every "
+                                                    "update full, and serves keep no copy of the weights for "
+                                                    "deltas"))  # fmt: skip
     timeout_s: float = field(default=60.0, metadata=_h("timeout of every weights-group collective"))
     run_dir: str = field(default="runs/learn", metadata=_h("metrics, checkpoints and the resolved config go here"))
     checkpoint_every: int = field(default=0, metadata=_h("checkpoint every N steps; 0 = only at the end"))
@@ -104,6 +109,7 @@ class LearnConfig:
         require(self.max_kv_lag >= -1, "max_kv_lag", self.max_kv_lag, ">= 0, or -1 = off")
         require(self.publish_every >= 1, "publish_every", self.publish_every, ">= 1")
         require(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, ">= 1")
+        require(self.full_every >= 1, "full_every", self.full_every, ">= 1 (1 = no delta updates)")
         require(self.lr > 0, "lr", self.lr, "> 0")
         require(self.temperature > 0, "temperature", self.temperature, "> 0")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1], 1.0 = off")

@@ -8,6 +8,11 @@ group is re-formed under a new name. `publish()` casts the full state to the ser
 announces the manifest to every member, broadcasts the buckets (double-buffered) and returns without waiting for the
 commits: `UpdateDone` replies are collected by `pump()` while training goes on.
 
+Delta updates (`full_every` > 1): when every member reported the commit of the previous version sent, the next update
+carries only the elements that changed since it (inflight/wire/delta.py), checked by the serves against the whole
+tensors' checksums; a full update goes out every `full_every` versions, after any failure, and whenever a member joined
+or missed one. The cast tensors of the last version sent stay here as the base (one copy in the serves' dtype).
+
 A serve that dies mid-transfer breaks the broadcast within `timeout_s`: the publisher logs which serves went quiet,
 drops them, re-forms the group with the rest and sends the same version again. A serve that (re)joins late gets the
 latest weights straight away.
@@ -32,7 +37,7 @@ from inflight.wire.control import Hello, JoinGroup, Progress, UpdateDone, Update
 from inflight.wire.endpoints import ControlServer
 from inflight.wire.group import GroupAddress, WeightsGroup, WeightsGroupError, open_store
 from inflight.wire.transfer import send_update
-from inflight.wire.weights import DTYPES, ManifestError, check_against, plan_manifest
+from inflight.wire.weights import DTYPES, ManifestError, check_against, plan_update
 
 log = logging.getLogger("inflight.learn")
 
@@ -47,6 +52,7 @@ class PublishReport:
     bytes: int = 0
     seconds: float = 0.0
     failed: list[str] = field(default_factory=list)
+    delta: bool = False  # sent as a delta on the previous version sent
 
 
 class WeightPublisher:
@@ -56,10 +62,12 @@ class WeightPublisher:
 
     def __init__(self, control: ControlServer, host: str = "127.0.0.1", store_port: int = 0, backend: str = "gloo",
                  timeout_s: float = 60.0, bucket_bytes: int = 64 << 20, quiet_after_s: float = 3.0,
-                 weights_key: bytes | None = None, device: torch.device | str = "cpu"):  # fmt: skip
+                 weights_key: bytes | None = None, device: torch.device | str = "cpu",
+                 full_every: int = 1):  # fmt: skip
         """`weights_key` (from --secret-file, inflight/wire/secure.py:weights_key): tag every tensor of every update
         with it instead of a CRC32. `device`: where the buckets are packed and sent from — the learner's GPU for
-        NCCL, host memory for gloo (`learner/world.py:World.weights_device`)."""
+        NCCL, host memory for gloo (`learner/world.py:World.weights_device`). `full_every` (--full-every): a full
+        update every that many versions, deltas between; 1 = always full."""
         self.control, self.host, self.backend, self.device = control, host, backend, torch.device(device)
         self.weights_key = weights_key
         self.timeout_s, self.bucket_bytes, self.quiet_after_s = timeout_s, bucket_bytes, quiet_after_s
@@ -70,6 +78,9 @@ class WeightPublisher:
         self.expected: dict[str, tuple[str, list[int]]] | None = None  # what the learner sends: name -> (dtype, shape)
         self.contract: RunContract | None = None  # what the learner trains for; None = no check (unit tests)
         self.latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.full_every = full_every
+        self._sent: tuple[int, dict[str, torch.Tensor]] | None = None  # the last version broadcast, cast: a delta base
+        self._last_full = 0  # the version of the last full update broadcast
 
     @property
     def store_port(self) -> int:
@@ -216,32 +227,52 @@ class WeightPublisher:
 
     def publish(self, state: dict[str, torch.Tensor], version: int, consumed: dict[str, int] | None = None,
                 retries: int = 1) -> PublishReport:  # fmt: skip
-        """Send `state` as `version` to every serve; on a failed broadcast drop the dead serves and retry."""
+        """Send `state` as `version` to every serve (a delta when `_delta_base` allows); on a failed broadcast drop
+        the dead serves and retry."""
+        previous = self.latest[0] if self.latest is not None else None
         self.latest = (version, state)
         report = PublishReport(version)
         for _ in range(retries + 1):
             self.pump(0)
-            if self.group is not None:
-                self._wait_for_commits(version - 1)
+            if self.group is not None and previous is not None:
+                self._wait_for_commits(previous)  # the last version sent (not version - 1: --publish-every > 1)
             if not self._ensure_group():
                 return report
             members = self.membership.members()
             served = {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
             cast = {name: state[name].to(self.device, DTYPES[dtype]).contiguous()
                     for name, (dtype, _) in served.items()}  # fmt: skip
-            manifest = plan_manifest(cast, version, self.bucket_bytes, weights_key=self.weights_key)
+            base = self._delta_base(version, members, cast)
+            manifest, payloads = plan_update(cast, version, self.bucket_bytes, weights_key=self.weights_key,
+                                             base=base, keep_base=self.full_every > 1)  # fmt: skip
             check_against(manifest, served)
             for serve in members:
                 self.control.send(serve.identity, UpdateWeights(manifest=manifest.encode(), groups_consumed=(
                     consumed or {}).get(serve.server_id, 0)))  # fmt: skip
             try:
-                stats = send_update(self.group, manifest, cast)
+                stats = send_update(self.group, manifest, payloads)
             except WeightsGroupError as exc:
                 report.failed += self._drop_quiet_serves(version, exc)
                 continue
+            self._sent = (version, cast) if self.full_every > 1 else None
+            self._last_full = version if base is None else self._last_full
             report.serves, report.bytes, report.seconds = len(members), stats.bytes, stats.seconds
+            report.delta = base is not None
             return report
         return report
+
+    def _delta_base(self, version: int, members: list[Serve], cast: dict[str, torch.Tensor]):
+        """(version, tensors) of the last version sent, when every member committed it and a full update is not due
+        (every `full_every` versions); None: send in full."""
+        if self._sent is None or version - self._last_full >= self.full_every:
+            return None
+        sent, tensors = self._sent
+        if sent == version or any(s.last_update is None or not s.last_update.ok or s.last_update.version != sent
+                                  for s in members):  # fmt: skip
+            return None  # a re-send of the same version (catch-up), a member that missed it or joined since
+        if any(n not in tensors or tensors[n].dtype != t.dtype or tensors[n].shape != t.shape for n, t in cast.items()):
+            return None
+        return self._sent
 
     def catch_up(self, consumed: dict[str, int] | None = None) -> PublishReport | None:
         """If a serve joined after the latest publish, send it (and everyone) the latest weights now."""

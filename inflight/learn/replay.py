@@ -28,7 +28,7 @@ log = logging.getLogger("inflight.learn")
 # LearnConfig fields that do not change what is trained: where things are, how they are reported and published
 _NOT_TRAINING = frozenset({"host", "rollouts_port", "control_port", "weights_port", "backend", "device", "run_dir",
                            "resume", "replay", "keep_journal", "wait_for_serves", "report_to", "log_samples_every",
-                           "secret_file", "timeout_s", "bucket_mb", "publish_every", "checkpoint_every",
+                           "secret_file", "timeout_s", "bucket_mb", "full_every", "publish_every", "checkpoint_every",
                            "keep_checkpoints", "model"})  # fmt: skip
 
 

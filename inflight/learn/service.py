@@ -60,7 +60,8 @@ class LearnerService:
         self.receiver = None if self.replay else RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)
         self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
         self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
-                                         cfg.bucket_mb << 20, weights_key=tags, device=weights_device)  # fmt: skip
+                                         cfg.bucket_mb << 20, weights_key=tags, device=weights_device,
+                                         full_every=cfg.full_every)  # fmt: skip
         self.publisher.set_model(state, cfg.contract())  # serves that differ are refused at Hello
         if version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
             self.publisher.latest = (version, state)
@@ -211,4 +212,4 @@ def publish_fields(report: PublishReport, seconds: float) -> dict:
     """A publish report as StepMetrics fields: `seconds` the whole publish, the rate over the broadcast alone."""
     return {"publish_s": seconds, "publish_bytes": report.bytes, "publish_serves": report.serves,
             "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
-            "publish_failed": report.failed}  # fmt: skip
+            "publish_failed": report.failed, "publish_delta": report.delta}  # fmt: skip

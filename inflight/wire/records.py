@@ -72,6 +72,7 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     publish_serves: int | None = None  # serves the update went to
     publish_bytes_per_s: float | None = None  # over the broadcast alone
     publish_failed: list[str] | None = None  # server ids the update failed on
+    publish_delta: bool | None = None  # sent as a delta on the previous version (--full-every), not in full
     # kv lag (learner version at training − version of the oldest KV the token attended to) → tokens; >= the lag
     kv_lag_histogram: dict[int, int] | None = None
     # Multi-turn episodes (present when the batch had environment tokens): environment tokens of the batch (context,

@@ -9,6 +9,12 @@ CRC32 catches corruption, not forgery: anyone who can write to the weights netwo
 its bytes so the CRC32 still matches. With a shared secret (`--secret-file` on both sides) every tensor carries a
 keyed BLAKE2b tag instead, under a key derived from the secret and the update's version (`update_key`): without the
 secret a tag cannot be made, and a tensor of an older update (a replay) carries a tag under another version's key.
+
+A delta update (`base_version` >= 0) sends each tensor in the smallest of three encodings (inflight/wire/delta.py):
+whole, or only the elements that changed since `base_version`, which the receiver applies to its copy of that version.
+The checksum or tag is always the *whole* new tensor's, checked after the delta is applied: a delta applied to the
+wrong base, or altered in transit, fails the same check a corrupt full update does, so a delta update is bitwise
+identical to a full one or refused.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from collections.abc import Iterable, Mapping
 import msgspec
 import torch
 
-MANIFEST_SCHEMA = 2  # 2: tensors carry an optional keyed BLAKE2b tag
+from inflight.wire import delta
+
+MANIFEST_SCHEMA = 3  # 2: tensors carry an optional keyed BLAKE2b tag; 3: delta updates
 TAG_BYTES = 16
 ALIGN = 64
 DTYPES: dict[str, torch.dtype] = {
@@ -48,25 +56,33 @@ class ManifestError(ValueError):
 
 
 class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where one HF-named tensor lies in the buckets, and what its bytes must hash to."""
+    """Where one HF-named tensor lies in the buckets, how it is encoded, and what its whole bytes must hash to."""
 
     name: str
     dtype: str
     shape: list[int]
     bucket: int
     offset: int
-    nbytes: int
-    crc32: int = 0
-    tag: bytes = b""  # keyed BLAKE2b of the bytes under update_key(secret key, version); empty without a secret
+    nbytes: int  # bytes in the bucket: the tensor's own for "full", the delta payload's otherwise
+    crc32: int = 0  # of the whole tensor (a delta: after it is applied)
+    tag: bytes = b""  # keyed BLAKE2b of the whole tensor under update_key(secret key, version); empty without a secret
+    encoding: str = "full"  # one of inflight/wire/delta.py:ENCODINGS; not "full" only in a delta update
+    count: int = 0  # elements changed since the manifest's base_version (a delta entry)
 
 
 class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Announces one weight update: the version it produces and the layout of every bucket that follows."""
+    """Announces one weight update: the version it produces and the layout of every bucket that follows.
+
+    `base_version` -1: a full update. Otherwise a delta on `base_version`, which only a receiver holding exactly that
+    version's tensors can apply. `keep_base`: the sender may send a delta on this version next, so the receiver keeps
+    its tensors once committed (one copy of the weights in the sent dtype); without it the receiver may free them."""
 
     schema: int
     version: int
     bucket_sizes: list[int]
     tensors: list[TensorEntry]
+    base_version: int = -1
+    keep_base: bool = False
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -89,14 +105,23 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def total_bytes(self) -> int:
         return sum(self.bucket_sizes)
 
+    @property
+    def is_delta(self) -> bool:
+        return self.base_version >= 0
+
     def validate_layout(self) -> None:
-        """Every entry must lie inside its bucket with its byte count matching dtype × shape."""
+        """Every entry must lie inside its bucket with its byte count matching its encoding, dtype and shape."""
         for t in self.tensors:
             if t.dtype not in DTYPES:
                 raise ManifestError(f"tensor {t.name}: dtype {t.dtype!r} is not one of {sorted(DTYPES)}")
-            want = _numel(t.shape) * _itemsize(t.dtype)
+            if t.encoding not in delta.ENCODINGS or (t.encoding != "full" and not self.is_delta):
+                raise ManifestError(f"tensor {t.name}: encoding {t.encoding!r} in a "
+                                    f"{'delta' if self.is_delta else 'full'} update")  # fmt: skip
+            if not 0 <= t.count <= _numel(t.shape):
+                raise ManifestError(f"tensor {t.name}: {t.count} changed elements of {_numel(t.shape)}")
+            want = delta.payload_nbytes(t.encoding, _numel(t.shape), _itemsize(t.dtype), t.count)
             if t.nbytes != want:
-                raise ManifestError(f"tensor {t.name}: nbytes {t.nbytes} but dtype×shape gives {want}")
+                raise ManifestError(f"tensor {t.name}: nbytes {t.nbytes} but {t.encoding} of dtype×shape gives {want}")
             if not 0 <= t.bucket < len(self.bucket_sizes):
                 raise ManifestError(f"tensor {t.name}: bucket {t.bucket} outside 0..{len(self.bucket_sizes) - 1}")
             if t.offset % ALIGN or t.offset < 0 or t.offset + t.nbytes > self.bucket_sizes[t.bucket]:
@@ -148,28 +173,43 @@ def plan_manifest(
     state: Mapping[str, torch.Tensor], version: int, bucket_bytes: int, checksums: bool = True,
     weights_key: bytes | None = None,
 ) -> UpdateManifest:  # fmt: skip
-    """Lay `state` (HF name → CPU tensor) out in buckets of at most `bucket_bytes` (a bigger tensor gets its own).
-    With `weights_key` every tensor also gets a keyed tag, which the receiver then checks instead of the CRC32."""
+    """Lay `state` (HF name → tensor) out in buckets of at most `bucket_bytes` (a bigger tensor gets its own), as a full
+    update. With `weights_key` every tensor also gets a keyed tag, which the receiver then checks instead of the CRC32.
+    `pack_bucket`/`send_update` take `state` itself."""
+    return plan_update(state, version, bucket_bytes, checksums=checksums, weights_key=weights_key)[0]
+
+
+def plan_update(
+    state: Mapping[str, torch.Tensor], version: int, bucket_bytes: int, checksums: bool = True,
+    weights_key: bytes | None = None, base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+    keep_base: bool = False,
+) -> tuple[UpdateManifest, dict[str, torch.Tensor]]:  # fmt: skip
+    """`plan_manifest`, and with `base` = (version, its tensors, same names, dtypes and shapes as `state`) a delta on
+    that version: each tensor in its smallest encoding (inflight/wire/delta.py). Returns the manifest and the payloads
+    (name → what goes into the buckets) that `pack_bucket`/`send_update` take in place of the state. Checksums and tags
+    are always of the whole tensors of `state`."""
     if bucket_bytes < ALIGN:
         raise ManifestError(f"bucket_bytes is {bucket_bytes}; it must be at least {ALIGN}")
-    entries, sizes, used = [], [], 0
+    key = update_key(weights_key, version) if weights_key is not None else None
+    entries, payloads, sizes, used = [], {}, [], 0
     for name, tensor in state.items():
         if tensor.dtype not in DTYPE_NAMES:
             raise ManifestError(f"tensor {name}: dtype {tensor.dtype} cannot be sent; cast it to bfloat16/float32")
-        nbytes = tensor.numel() * tensor.element_size()
+        encoding, count, payload = delta.encode(tensor, base[1][name]) if base is not None else ("full", 0, tensor)
+        nbytes = delta.payload_nbytes(encoding, tensor.numel(), tensor.element_size(), count)
         if not sizes or used + nbytes > bucket_bytes:
             sizes.append(0)
             used = 0
         offset = used
         used = _aligned(offset + nbytes)
         sizes[-1] = max(offset + nbytes, sizes[-1])
-        key = update_key(weights_key, version) if weights_key is not None else None
         crc = tensor_crc32(tensor) if checksums else 0  # kept with a tag: a corruption's message names its CRC32
         tag = tensor_tag(tensor, key) if key is not None else b""
-        entries.append(
-            TensorEntry(name, DTYPE_NAMES[tensor.dtype], list(tensor.shape), len(sizes) - 1, offset, nbytes, crc, tag)
-        )
-    return UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries)
+        entries.append(TensorEntry(name, DTYPE_NAMES[tensor.dtype], list(tensor.shape), len(sizes) - 1, offset, nbytes,
+                                   crc, tag, encoding, count))  # fmt: skip
+        payloads[name] = payload
+    base_version = base[0] if base is not None else -1
+    return UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base), payloads
 
 
 def pack_bucket(
@@ -184,20 +224,32 @@ def pack_bucket(
 
 
 def unpack_buckets(
-    manifest: UpdateManifest, buckets: list[torch.Tensor], verify: bool = True, weights_key: bytes | None = None
-) -> dict[str, torch.Tensor]:
-    """Views of every tensor inside the received buckets (no copy); checks sizes and, if asked, checksums: with
-    `weights_key` every tensor's keyed tag (a tensor without one is refused), else its CRC32."""
+    manifest: UpdateManifest, buckets: list[torch.Tensor], verify: bool = True, weights_key: bytes | None = None,
+    base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Every tensor of the update: for a full entry a view inside the received buckets (no copy), for a delta entry a
+    new tensor, `base`'s (version, tensors) with the delta applied. Checks sizes and, if asked, checksums of the whole
+    tensors: with `weights_key` every tensor's keyed tag (a tensor without one is refused), else its CRC32. A delta
+    update without `base` at its `base_version` is refused, naming both versions."""
     if len(buckets) != len(manifest.bucket_sizes):
         raise ManifestError(f"received {len(buckets)} buckets, the manifest announced {len(manifest.bucket_sizes)}")
     for i, (buf, size) in enumerate(zip(buckets, manifest.bucket_sizes, strict=True)):
         if buf.numel() != size:
             raise ManifestError(f"bucket {i} holds {buf.numel()} bytes, the manifest announced {size}")
+    if manifest.is_delta and (base is None or base[0] != manifest.base_version):
+        held = "no base" if base is None else f"v{base[0]}"
+        raise ManifestError(f"update v{manifest.version} is a delta on v{manifest.base_version} but this receiver "
+                            f"holds {held}: the sender must send a full update")  # fmt: skip
     out = {}
     key = update_key(weights_key, manifest.version) if weights_key is not None else None
     host: dict[int, torch.Tensor] = {}  # a device bucket is checksummed from a host copy (the current one only)
     for t in manifest.tensors:
         raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
+        if t.encoding != "full":
+            out[t.name] = _apply_delta(t, raw, base[1])
+            if verify:
+                _verify(t, _as_bytes(out[t.name]).cpu().numpy(), key)
+            continue
         if verify and raw.device.type != "cpu" and t.bucket not in host:
             host = {t.bucket: _to_host(buckets[t.bucket])}
         check = host[t.bucket][t.offset : t.offset + t.nbytes] if t.bucket in host else raw
@@ -205,6 +257,16 @@ def unpack_buckets(
             _verify(t, check.numpy(), key)
         out[t.name] = raw.view(DTYPES[t.dtype]).reshape(t.shape)
     return out
+
+
+def _apply_delta(t: TensorEntry, payload: torch.Tensor, base: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    held = base.get(t.name)
+    if held is None or list(held.shape) != t.shape or held.dtype != DTYPES[t.dtype]:
+        raise ManifestError(f"tensor {t.name}: the delta's base is not held in {t.dtype}{t.shape}")
+    try:
+        return delta.decode(t.encoding, t.count, payload, held)
+    except ValueError as exc:
+        raise ManifestError(f"tensor {t.name}: {exc} (corrupted in transit)") from exc
 
 
 def _verify(t: TensorEntry, data, key: bytes | None) -> None:

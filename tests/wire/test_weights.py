@@ -228,7 +228,7 @@ def test_validate_layout_rejects_a_bucket_index_that_does_not_exist():
 
 def test_validate_layout_rejects_nbytes_that_disagree_with_dtype_and_shape():
     bad = replace_entry(plan_manifest(mixed_state(), 0, BUCKET_BYTES), "bias", nbytes=24)
-    with pytest.raises(ManifestError, match=r"tensor bias: nbytes 24 but dtype×shape gives 22"):
+    with pytest.raises(ManifestError, match=r"tensor bias: nbytes 24 but full of dtype×shape gives 22"):
         bad.validate_layout()
 
 

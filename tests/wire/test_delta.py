@@ -1,0 +1,133 @@
+"""Unit tests of delta updates (inflight/wire/delta.py, and plan_update/unpack_buckets in inflight/wire/weights.py):
+a delta reproduces the sender's tensors bit for bit or is refused. No processes, no group."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from inflight.wire import delta
+from inflight.wire.secure import weights_key
+from inflight.wire.weights import ManifestError, UpdateManifest, pack_bucket, plan_update, unpack_buckets
+
+BUCKET_BYTES = 4096
+
+
+def changed(state: dict[str, torch.Tensor], fractions: dict[str, float], seed: int = 1) -> dict[str, torch.Tensor]:
+    """`state` with that fraction of each named tensor's elements replaced by other values."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        new = t.clone().reshape(-1)
+        k = int(new.numel() * fractions.get(name, 0.0))
+        where = torch.randperm(new.numel(), generator=gen)[:k]
+        new[where] = (new[where].float() + 1.0 + torch.rand(k, generator=gen)).to(t.dtype)
+        out[name] = new.reshape(t.shape)
+    return out
+
+
+def base_state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(50, 40, generator=gen).to(torch.bfloat16),  # 4000 B: a bucket of its own
+        "norm.weight": torch.randn(30, generator=gen),
+        "proj.weight": torch.randn(20, 33, generator=gen).to(torch.float16),
+        "head.weight": torch.randn(9, 13, generator=gen).to(torch.bfloat16).index_fill(0, torch.tensor([0]), 0.0),
+        "bias": torch.randn(11, generator=gen),
+    }
+
+
+def send(manifest: UpdateManifest, payloads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    out = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
+    return [pack_bucket(manifest, i, payloads, out).clone() for i in range(len(manifest.bucket_sizes))]
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_a_delta_update_reproduces_every_tensor_bit_for_bit_in_the_smallest_encoding_and_fewer_bytes():
+    base = base_state()
+    new = changed(base, {"embed.weight": 0.01, "norm.weight": 1.0, "proj.weight": 0.2})
+    new["head.weight"][0, 3] = -0.0  # was 0.0: equal as numbers, a change in bits
+    assert new["head.weight"][0, 3] == base["head.weight"][0, 3]
+    manifest, payloads = plan_update(new, 5, BUCKET_BYTES, base=(4, base), keep_base=True)
+    encodings = {t.name: t.encoding for t in manifest.tensors}
+    assert encodings == {"embed.weight": "indices", "norm.weight": "full", "proj.weight": "bitmask",
+                         "head.weight": "indices", "bias": "indices"}  # fmt: skip
+    assert manifest.base_version == 4 and manifest.keep_base and manifest.is_delta
+    counts = {t.name: (t.count, t.nbytes) for t in manifest.tensors}
+    assert counts["head.weight"] == (1, 6) and counts["bias"] == (0, 0)  # unchanged: nothing sent
+    full, _ = plan_update(new, 5, BUCKET_BYTES)
+    print(f"\ndelta {manifest.total_bytes} B vs full {full.total_bytes} B")
+    assert manifest.total_bytes < 0.5 * full.total_bytes
+    received = unpack_buckets(UpdateManifest.decode(manifest.encode()), send(manifest, payloads), base=(4, base))
+    assert {n: bits(t) for n, t in received.items()} == {n: bits(t) for n, t in new.items()}
+    assert all(bits(base[n]) == bits(base_state()[n]) for n in base), "applying a delta must not modify its base"
+
+
+def test_a_delta_on_another_version_than_the_receiver_holds_is_refused_naming_both():
+    base = base_state()
+    manifest, payloads = plan_update(changed(base, {"proj.weight": 0.1}), 5, BUCKET_BYTES, base=(4, base))
+    with pytest.raises(ManifestError, match=r"delta on v4 but this receiver holds v3: the sender must send a full"):
+        unpack_buckets(manifest, send(manifest, payloads), base=(3, base))
+    with pytest.raises(ManifestError, match=r"delta on v4 but this receiver holds no base"):
+        unpack_buckets(manifest, send(manifest, payloads))
+
+
+def test_a_delta_applied_to_a_base_whose_contents_differ_fails_the_whole_tensors_checksum():
+    base = base_state()
+    manifest, payloads = plan_update(changed(base, {"proj.weight": 0.1}), 5, BUCKET_BYTES, base=(4, base))
+    drifted = dict(base, **{"proj.weight": base["proj.weight"] * 2})  # the right version number, other contents
+    with pytest.raises(ManifestError, match=r"tensor proj.weight: checksum .* \(corrupted in transit\)"):
+        unpack_buckets(manifest, send(manifest, payloads), base=(4, drifted))
+
+
+def test_an_altered_delta_payload_is_refused_by_its_checksum_or_its_own_consistency():
+    base = base_state()
+    manifest, payloads = plan_update(changed(base, {"embed.weight": 0.01}), 5, BUCKET_BYTES, base=(4, base))
+    entry = next(t for t in manifest.tensors if t.name == "embed.weight")
+    buckets = send(manifest, payloads)
+    buckets[entry.bucket][entry.offset + 1] ^= 0x40  # an index pushed far outside the tensor
+    with pytest.raises(ManifestError, match=r"tensor embed.weight: an index of the delta lies outside"):
+        unpack_buckets(manifest, buckets, base=(4, base))
+    buckets = send(manifest, payloads)
+    buckets[entry.bucket][entry.offset + entry.nbytes - 1] ^= 0x01  # a value's last bit
+    with pytest.raises(ManifestError, match=r"tensor embed.weight: checksum"):
+        unpack_buckets(manifest, buckets, base=(4, base))
+
+
+def test_with_a_secret_a_delta_carries_the_whole_tensors_tag_and_a_replayed_delta_is_refused():
+    base, key = base_state(), weights_key(b"a shared secret of 32 bytes....!")
+    new = changed(base, {"proj.weight": 0.2})
+    manifest, payloads = plan_update(new, 5, BUCKET_BYTES, weights_key=key, base=(4, base))
+    received = unpack_buckets(manifest, send(manifest, payloads), weights_key=key, base=(4, base))
+    assert bits(received["proj.weight"]) == bits(new["proj.weight"])
+    replay = msgspec.structs.replace(manifest, version=6, base_version=5)  # the same delta presented as v5 -> v6
+    with pytest.raises(ManifestError, match="does not verify under the update's key"):
+        unpack_buckets(replay, send(manifest, payloads), weights_key=key, base=(5, new))
+
+
+def test_a_sparse_encoding_in_a_full_update_or_a_count_beyond_the_tensor_is_refused_at_decode():
+    base = base_state()
+    manifest, _ = plan_update(changed(base, {"proj.weight": 0.2}), 5, BUCKET_BYTES, base=(4, base))
+    as_full = msgspec.structs.replace(manifest, base_version=-1)
+    with pytest.raises(ManifestError, match=r"tensor embed.weight: encoding 'indices' in a full update"):
+        UpdateManifest.decode(as_full.encode())
+    tensors = [msgspec.structs.replace(t, count=10**6) if t.name == "proj.weight" else t for t in manifest.tensors]
+    with pytest.raises(ManifestError, match=r"tensor proj.weight: 1000000 changed elements of 660"):
+        UpdateManifest.decode(msgspec.structs.replace(manifest, tensors=tensors).encode())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.bool])
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.3, 1.0])
+def test_encode_then_decode_is_the_identity_on_the_bits_for_every_dtype(dtype, fraction):
+    gen = torch.Generator().manual_seed(3)
+    old = (torch.randn(777, generator=gen) * 5).to(dtype)
+    new = old.clone()
+    where = torch.randperm(777, generator=gen)[: int(777 * fraction)]
+    new[where] = ~new[where] if dtype == torch.bool else (new[where].double() + 1).to(dtype)
+    encoding, count, payload = delta.encode(new, old)
+    assert count == len(where) and payload.numel() == delta.payload_nbytes(encoding, 777, old.element_size(), count)
+    assert bits(delta.decode(encoding, count, payload, old)) == bits(new)
