@@ -77,6 +77,8 @@ def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_
     updates = [e for e in read_jsonl(run_dir / "serve-metrics.jsonl") if e["event"] == "update"]
     # (the launcher stops the serve after the learner: the last update is committed before it goes)
     assert [u["version"] for u in updates if u["ok"]] == list(range(1, STEPS + 1)), updates
+    # --full-every 10 (the default): the first update went in full, every later one as a delta on the one before
+    assert [s["publish_delta"] for s in steps] == [False] + [True] * (STEPS - 1)
     # rollouts sampled after the first commit carry the new versions: lags below the oldest possible one show up
     assert any(int(lag) < s["version"] - 1 for s in steps[1:] for lag in s["lag_histogram"]), steps
     assert all(s.get("mismatch_lag0", 0.0) < 0.05 for s in steps)
