@@ -81,15 +81,42 @@ class Precision:
         return self.dtype == "bfloat16"
 
 
-def auto_precision(device: str = "cpu") -> Precision:
-    """bf16 where `device` computes it natively (CUDA with bf16 support; a CPU with AMX or avx512_bf16), else fp32."""
-    if device.startswith("cuda"):
-        import torch
+# Compute capability from which a GPU has bf16 tensor cores (Ampere); vLLM refuses a bf16 engine below it.
+CUDA_BF16_CAPABILITY = (8, 0)
 
-        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-            return Precision("bfloat16", f"auto: {torch.cuda.get_device_name()} computes bf16 natively")
-        return Precision("float32", "auto: this CUDA device has no native bf16")
-    native, why = cpu_bf16()
+
+def is_cuda(device: str) -> bool:
+    """Whether `device` ('cpu', 'cuda', 'cuda:1') names a CUDA device."""
+    return device.partition(":")[0] == "cuda"
+
+
+@functools.cache
+def cuda_info() -> tuple[str, tuple[int, int]] | None:
+    """(name, compute capability) of the current CUDA device; None where torch sees none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(), tuple(torch.cuda.get_device_capability())
+
+
+def cuda_bf16() -> tuple[bool, str]:
+    """(whether the current CUDA device computes bf16 natively, why in words)."""
+    info = cuda_info()
+    if info is None:
+        return False, "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+    name, capability = info
+    cc = ".".join(map(str, capability))
+    if tuple(capability) >= CUDA_BF16_CAPABILITY:
+        return True, f"{name} (compute capability {cc}) computes bf16 natively"
+    need = ".".join(map(str, CUDA_BF16_CAPABILITY))
+    return False, f"{name} (compute capability {cc}) has no native bf16 (needs {need} or later)"
+
+
+def auto_precision(device: str = "cpu") -> Precision:
+    """bf16 where `device` computes it natively (a CUDA GPU of compute capability 8.0 or later; a CPU with AMX or
+    avx512_bf16), else fp32."""
+    native, why = cuda_bf16() if is_cuda(device) else cpu_bf16()
     return Precision("bfloat16" if native else "float32", f"auto: {why}")
 
 

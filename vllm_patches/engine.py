@@ -19,6 +19,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from inflight.machine import is_cuda, serve_device
 from inflight.wire.weights import UPDATE_MEMORY
 from vllm_patches.kv_age import kv_ages
 from vllm_patches.rpc import CommitApplied, CommitResult, GroupJoined, StageStatus, rpc_result
@@ -37,8 +38,14 @@ class EngineConfig:
     max_model_len: int = 1024
     max_num_seqs: int = 256
     seed: int = 0
+    # False lets vLLM compile the model and, on CUDA, capture CUDA graphs, which hold parameter addresses: allowed
+    # only with update_memory "low", which commits into every parameter's existing storage (check_graph_safe_updates).
     enforce_eager: bool = True
-    kv_cache_gib: float = 1.0  # KV cache bytes, allocated and zeroed at start: first-touch page faults cost seconds
+    # CPU: the KV cache size, allocated and zeroed at start (first-touch page faults cost seconds). Unused on CUDA.
+    kv_cache_gib: float = 1.0
+    # CUDA: the fraction of the GPU's memory vLLM may take (weights, activations, graphs; the KV cache gets the rest),
+    # in (0, 1]. Unused on CPU.
+    gpu_memory_utilization: float = 0.9
     dtype: str = "bfloat16"
     enable_prefix_caching: bool = True
     # The LM head's precision: "float32" projects in fp32 (vLLM's head_dtype, through hf_overrides), as the learner's
@@ -85,28 +92,78 @@ class UpdateError(RuntimeError):
     """A weight update was refused or failed; the live weights and the version are unchanged."""
 
 
-def engine_args(cfg: EngineConfig):
-    from vllm.engine.arg_utils import AsyncEngineArgs
+def check_graph_safe_updates(enforce_eager: bool, update_memory: str) -> None:
+    """Refuse graph capture with an update path that installs new parameter storage.
 
+    Contract: raises ValueError naming both flags and the fix when `enforce_eager` is False and `update_memory` is
+    "double". A captured CUDA graph replays kernels on the parameter addresses it saw at capture; the double path swaps
+    in new tensors by reference, so the graphs would go on computing with the old weights while tokens are tagged with
+    the new version. "low" writes every update into the existing storage (every parameter keeps its data_ptr:
+    tests/vllm_patches/test_swap_exact.py), which graphs see.
+    """
+    if not enforce_eager and update_memory == "double":
+        raise ValueError(
+            "--enforce-eager false with --update-memory double: CUDA graphs hold the parameters' storage addresses "
+            "and the double update path installs new storage, so the graphs would keep computing with the old "
+            "weights. Pass --update-memory low (commits into every parameter's existing storage), or keep "
+            "--enforce-eager true"
+        )
+
+
+def check_engine_config(cfg: EngineConfig) -> None:
+    """Raise ValueError naming the field, the value and what is expected for a config vLLM must not be started with."""
     if not cfg.kv_cache_gib > 0:
         raise ValueError(f"kv_cache_gib must be > 0 (got {cfg.kv_cache_gib}): the KV cache size in GiB, e.g. 0.25")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {cfg.gpu_memory_utilization}): the fraction "
+                         "of the GPU's memory vLLM may take, e.g. 0.9")  # fmt: skip
     if cfg.head_dtype not in HEAD_DTYPES:
         raise ValueError(f"head_dtype is {cfg.head_dtype!r}, expected one of {list(HEAD_DTYPES)}")
-    return AsyncEngineArgs(
-        hf_overrides={"head_dtype": cfg.head_dtype},
-        model=cfg.model,
-        dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        seed=cfg.seed,
-        enforce_eager=cfg.enforce_eager,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        # An explicit size (vLLM's legacy VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it when set).
-        kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
-        logprobs_mode="processed_logprobs",
-        async_scheduling=False,  # versions are exact only on the synchronous step path
-        worker_extension_cls=WORKER_EXTENSION,
-    )
+    check_graph_safe_updates(cfg.enforce_eager, cfg.update_memory)
+
+
+def memory_kwargs(cfg: EngineConfig, device: str) -> dict:
+    """How vLLM sizes its memory on `device`: a fraction of the GPU on CUDA, an explicit KV cache size elsewhere.
+
+    Contract: exactly one of `gpu_memory_utilization` (CUDA) and `kv_cache_memory_bytes` (CPU) is returned; vLLM
+    reads an explicit `kv_cache_memory_bytes` in place of the fraction, so passing both would ignore the fraction.
+    """
+    if is_cuda(device):
+        return {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB) overrides it when set.
+    return {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * (1 << 30))}
+
+
+def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
+    """The keyword arguments of vLLM's `AsyncEngineArgs` for `cfg` on `device` ('cpu' or 'cuda', as
+    `inflight.machine.serve_device` says).
+
+    Contract: pure (no vLLM import, no device query), so it is tested without an engine; raises ValueError for a config
+    `check_engine_config` refuses. Scheduling is synchronous on every device: a token's version is exact only when the
+    step whose output is processed is the step that ran (vLLM's async scheduling overlaps the next step with it).
+    """
+    check_engine_config(cfg)
+    return {
+        "hf_overrides": {"head_dtype": cfg.head_dtype},
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "seed": cfg.seed,
+        "enforce_eager": cfg.enforce_eager,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        **memory_kwargs(cfg, device),
+        "logprobs_mode": "processed_logprobs",
+        "async_scheduling": False,
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
+def engine_args(cfg: EngineConfig):
+    """vLLM's `AsyncEngineArgs` for `cfg` on the device this process serves from (`engine_kwargs`)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**engine_kwargs(cfg, serve_device()))
 
 
 def spans_to_versions(spans, n_tokens: int) -> list[int]:

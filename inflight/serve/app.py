@@ -46,8 +46,9 @@ async def serve(cfg: ServeConfig) -> int:
     latency = parse_latency(cfg.tool_latency, cfg.seed) if cfg.tool_latency else None
     engine = await InflightEngine.start(
         EngineConfig(model=str(model_path), max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                     seed=cfg.seed, kv_cache_gib=cfg.kv_cache_gib, dtype=cfg.dtype,
-                     head_dtype=cfg.head_dtype, update_memory=cfg.update_memory), version=cfg.version)  # fmt: skip
+                     seed=cfg.seed, enforce_eager=cfg.enforce_eager, kv_cache_gib=cfg.kv_cache_gib,
+                     gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype, head_dtype=cfg.head_dtype,
+                     update_memory=cfg.update_memory), version=cfg.version)  # fmt: skip
     try:
         expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
         tensors = [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())]
@@ -137,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     from inflight.machine import resolve_precision, serve_device
 
-    precision = resolve_precision(cfg.dtype, serve_device())
+    device = serve_device()
+    precision = resolve_precision(cfg.dtype, device)
     log.info("serve precision: %s (%s)", precision.dtype, precision.reason)
+    log.info("serve device: %s; memory sized by %s", device, cfg.memory_sizing(device))
     cfg.dtype = precision.dtype
     code = asyncio.run(serve(cfg))
     # The engine was shut down inside serve(); collect it now, while modules are intact: left to interpreter

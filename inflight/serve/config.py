@@ -84,8 +84,18 @@ class ServeConfig:
     progress_s: float = field(default=5.0, metadata=_h("seconds between progress lines"))
     max_model_len: int = field(default=1024, metadata=_h("engine context length"))
     max_num_seqs: int = field(default=256, metadata=_h("engine batch limit"))
-    kv_cache_gib: float = field(default=1.0, metadata=_h("KV cache size in GiB (fractions allowed); allocated and "
-                                                         "zeroed at start: a smaller one starts faster"))  # fmt: skip
+    kv_cache_gib: float = field(default=1.0, metadata=_h("CPU: KV cache size in GiB (fractions allowed); allocated "
+                                                         "and zeroed at start: a smaller one starts faster. Not used "
+                                                         "on CUDA (--gpu-memory-utilization)"))  # fmt: skip
+    gpu_memory_utilization: float = field(default=0.9, metadata=_h("CUDA: the fraction of the GPU's memory vLLM may "
+                                                                   "take, in (0, 1] (weights, activations, CUDA "
+                                                                   "graphs; the KV cache gets the rest); used there "
+                                                                   "in place of --kv-cache-gib. Not used on "
+                                                                   "CPU"))  # fmt: skip
+    enforce_eager: bool = field(default=True, metadata=_h("true = eager forward passes; false lets vLLM compile the "
+                                                          "model and capture CUDA graphs (faster decoding on GPU). "
+                                                          "Graphs hold parameter addresses, so false needs "
+                                                          "--update-memory low"))  # fmt: skip
     dtype: str = field(default="auto", metadata=_h("engine dtype; auto = bfloat16 where the device computes it "
                                                    "natively (CUDA; a CPU with AMX or avx512_bf16), float32 elsewhere "
                                                    "(the learner's --autocast auto picks the same on the same kind of "
@@ -149,6 +159,11 @@ class ServeConfig:
 
         load_env(self.env, self.env_args)  # a bad --env or --env-args is refused before the engine starts
         require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "> 0 GiB (fractions allowed, e.g. 0.25)")
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
+                "in (0, 1]: the fraction of the GPU's memory vLLM may take, e.g. 0.9")  # fmt: skip
+        from vllm_patches.engine import check_graph_safe_updates
+
+        check_graph_safe_updates(self.enforce_eager, self.update_memory)
         from inflight.wire.memory import trim_every_s
 
         trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update
@@ -167,6 +182,14 @@ class ServeConfig:
         return RunContract(group_size=self.group_size, temperature=self.temperature, top_p=self.top_p,
                            top_k=max(self.top_k, 0), min_p=self.min_p, dtype=self.dtype,
                            head_dtype="float32" if self.head_dtype == "float32" else self.dtype)  # fmt: skip
+
+    def memory_sizing(self, device: str) -> str:
+        """Which flag sizes the engine's memory on `device`, in words for the start-up log."""
+        from inflight.machine import is_cuda
+
+        if is_cuda(device):
+            return f"--gpu-memory-utilization {self.gpu_memory_utilization} (--kv-cache-gib is not used on CUDA)"
+        return f"--kv-cache-gib {self.kv_cache_gib} (--gpu-memory-utilization is not used on CPU)"
 
     def resolved_server_id(self) -> str:
         return self.server_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -1,5 +1,6 @@
-"""Precision chosen from the machine (inflight/machine.py): bf16 only where the CPU computes it natively, fp32
-elsewhere, the same rule on both sides of a run, `ONEDNN_MAX_CPU_ISA` honoured, explicit flags always win."""
+"""Precision chosen from the machine (inflight/machine.py): bf16 only where the device computes it natively (a CPU
+with AMX or avx512_bf16, a GPU of compute capability 8.0 or later), fp32 elsewhere, the same rule on both sides of a
+run, `ONEDNN_MAX_CPU_ISA` honoured, explicit flags always win."""
 
 from __future__ import annotations
 
@@ -60,6 +61,49 @@ def test_an_explicit_precision_wins_over_the_machine(cpu, requested, dtype) -> N
     cpu(AMD)
     precision = machine.resolve_precision(requested)
     assert precision.dtype == dtype and precision.reason == "given on the command line"
+
+
+H100 = ("NVIDIA H100 80GB HBM3", (9, 0))
+A100 = ("NVIDIA A100-SXM4-80GB", (8, 0))
+V100 = ("Tesla V100-SXM2-16GB", (7, 0))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Fake the current CUDA device: (name, compute capability), or None for no visible GPU."""
+
+    def use(info):
+        monkeypatch.setattr(machine, "cuda_info", lambda: info)
+
+    return use
+
+
+@pytest.mark.parametrize("info", [H100, A100], ids=["h100", "a100"])
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_auto_picks_bfloat16_on_a_cuda_gpu_with_native_bf16_whatever_the_cpu(cpu, gpu, info, device) -> None:
+    cpu(AMD)  # a host CPU that would give float32: the serve's device decides, not the host
+    gpu(info)
+    precision = machine.resolve_precision("auto", device)
+    assert precision.dtype == "bfloat16" and info[0] in precision.reason
+
+
+def test_auto_picks_float32_on_a_gpu_older_than_compute_capability_8_and_says_why(cpu, gpu) -> None:
+    cpu(SAPPHIRE)
+    gpu(V100)
+    precision = machine.resolve_precision("auto", "cuda")
+    assert precision.dtype == "float32"
+    assert "Tesla V100-SXM2-16GB (compute capability 7.0) has no native bf16 (needs 8.0 or later)" in precision.reason
+
+
+def test_auto_on_cuda_with_no_visible_gpu_picks_float32_and_says_so(gpu) -> None:
+    gpu(None)
+    precision = machine.resolve_precision("auto", "cuda")
+    assert precision.dtype == "float32" and "no CUDA device is visible" in precision.reason
+
+
+def test_an_explicit_precision_wins_over_the_gpu(gpu) -> None:
+    gpu(H100)
+    assert machine.resolve_precision("float32", "cuda").dtype == "float32"
 
 
 def test_cpu_label_names_the_cpu_its_cores_and_its_bf16_capability(cpu) -> None:

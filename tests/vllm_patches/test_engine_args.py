@@ -1,0 +1,66 @@
+"""The engine's vLLM arguments (vllm_patches/engine.py:engine_kwargs), built without starting an engine: memory is
+sized by a GPU fraction on CUDA and by an explicit KV cache on CPU, never both; CUDA graphs are refused with the update
+path that installs new storage; scheduling stays synchronous everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vllm_patches.engine import EngineConfig, check_graph_safe_updates, engine_kwargs
+
+
+def test_a_cuda_engine_sizes_its_memory_by_gpu_memory_utilization_and_passes_no_kv_cache_bytes() -> None:
+    kwargs = engine_kwargs(EngineConfig(model="m", gpu_memory_utilization=0.75, kv_cache_gib=0.25), "cuda")
+    assert kwargs["gpu_memory_utilization"] == 0.75
+    assert "kv_cache_memory_bytes" not in kwargs  # vLLM would read it in place of the fraction
+
+
+def test_a_cpu_engine_sizes_its_kv_cache_in_bytes_and_passes_no_gpu_fraction() -> None:
+    kwargs = engine_kwargs(EngineConfig(model="m", gpu_memory_utilization=0.75, kv_cache_gib=0.25), "cpu")
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 28
+    assert "gpu_memory_utilization" not in kwargs
+
+
+def test_a_cuda_device_with_an_index_is_still_cuda() -> None:
+    assert "gpu_memory_utilization" in engine_kwargs(EngineConfig(model="m"), "cuda:1")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_scheduling_stays_synchronous_and_eager_is_the_default_on_every_device(device) -> None:
+    kwargs = engine_kwargs(EngineConfig(model="m"), device)
+    assert kwargs["async_scheduling"] is False  # exact token versions need the synchronous step path
+    assert kwargs["enforce_eager"] is True
+
+
+def test_cuda_graphs_are_allowed_with_the_update_path_that_keeps_parameter_storage() -> None:
+    kwargs = engine_kwargs(EngineConfig(model="m", enforce_eager=False, update_memory="low"), "cuda")
+    assert kwargs["enforce_eager"] is False
+
+
+def test_cuda_graphs_with_the_double_update_path_are_refused_naming_both_flags_and_the_fix() -> None:
+    with pytest.raises(ValueError, match="--enforce-eager false with --update-memory double") as refused:
+        engine_kwargs(EngineConfig(model="m", enforce_eager=False, update_memory="double"), "cuda")
+    assert "--update-memory low" in str(refused.value)
+
+
+@pytest.mark.parametrize(("enforce_eager", "update_memory"), [(True, "double"), (True, "low"), (False, "low")])
+def test_every_other_combination_of_eager_and_update_memory_is_accepted(enforce_eager, update_memory) -> None:
+    check_graph_safe_updates(enforce_eager, update_memory)
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.01])
+def test_a_gpu_memory_utilization_outside_zero_to_one_is_refused_naming_the_field(fraction) -> None:
+    with pytest.raises(ValueError, match=rf"gpu_memory_utilization must be in \(0, 1\] \(got {fraction}\)"):
+        engine_kwargs(EngineConfig(model="m", gpu_memory_utilization=fraction), "cuda")
+
+
+def test_every_argument_is_a_field_of_vllms_async_engine_args() -> None:
+    import vllm
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    for device in ("cpu", "cuda"):
+        unknown = set(engine_kwargs(EngineConfig(model="m"), device)) - fields
+        assert not unknown, f"not AsyncEngineArgs fields in vLLM {vllm.__version__}: {unknown}"
