@@ -39,6 +39,7 @@ def _receiver(port: int, pipe) -> None:
     from inflight.wire.transfer import receive_update
     from inflight.wire.weights import UpdateManifest, unpack_buckets
 
+    torch.set_num_threads(1)  # as a serve's staging thread: one thread, next to the engine's
     group, held = WeightsGroup(GroupAddress("127.0.0.1", port, 2, timeout_s=300), 1), None
     while (data := pipe.recv()) is not None:
         manifest = UpdateManifest.decode(data)
@@ -46,9 +47,10 @@ def _receiver(port: int, pipe) -> None:
         start = time.perf_counter()
         try:
             tensors = unpack_buckets(manifest, buckets, verify=True, base=held)
+            seconds = time.perf_counter() - start
             if manifest.keep_base:
-                held = (manifest.version, {n: t.clone() for n, t in tensors.items()})
-            pipe.send((time.perf_counter() - start, ""))
+                held = (manifest.version, tensors)  # views of this update's buckets, or a delta's new tensors
+            pipe.send((seconds, ""))
         except Exception as exc:
             pipe.send((0.0, f"{type(exc).__name__}: {exc}"))
     group.close()
