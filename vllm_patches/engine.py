@@ -127,9 +127,16 @@ def memory_kwargs(cfg: EngineConfig, device: str) -> dict:
 
     Contract: exactly one of `gpu_memory_utilization` (CUDA) and `kv_cache_memory_bytes` (CPU) is returned; vLLM
     reads an explicit `kv_cache_memory_bytes` in place of the fraction, so passing both would ignore the fraction.
+    Raises ValueError for `enforce_eager` False off CUDA (compilation there may freeze the weights).
     """
     if is_cuda(device):
         return {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    if not cfg.enforce_eager:
+        # On CPU there are no CUDA graphs to allow: vLLM compiles with Inductor instead, whose freezing may fold the
+        # weights into the compiled graph as constants, where no commit path reaches them (notes: vllm-0.32.md).
+        raise ValueError("--enforce-eager false on a CPU serve: it enables CUDA graphs on a GPU; on CPU it compiles "
+                         "the model with Inductor, which may freeze the weights into the graph where updates do not "
+                         "reach. Keep --enforce-eager true on CPU")  # fmt: skip
     # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB) overrides it when set.
     return {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * (1 << 30))}
 

@@ -69,11 +69,12 @@ class LearnConfig:
                                                         "off", choices=("auto", "on", "off")))  # fmt: skip
     publish_every: int = field(default=1, metadata=_h("send weights every K steps"))
     bucket_mb: int = field(default=64, metadata=_h("weight bucket size in MiB"))
-    full_every: int = field(default=10, metadata=_h("delta updates: between two full updates every N versions, send "
-                                                    "only the elements that changed in the serves' dtype (a serve "
-                                                    "that joins or missed an update gets a full one); 1 = every "
-                                                    "update full, and serves keep no copy of the weights for "
-                                                    "deltas"))  # fmt: skip
+    full_every: int = field(default=1, metadata=_h("delta updates: N > 1 = a full update every N versions and "
+                                                   "between them only the elements that changed in the serves' dtype "
+                                                   "(a serve that joins or missed an update gets a full one); worth it "
+                                                   "where the weights cross a slow network. Costs each serve a copy "
+                                                   "of the weights in its dtype and device, and both sides a compare "
+                                                   "per update. 1 = every update full (default)"))  # fmt: skip
     timeout_s: float = field(default=60.0, metadata=_h("timeout of every weights-group collective"))
     run_dir: str = field(default="runs/learn", metadata=_h("metrics, checkpoints and the resolved config go here"))
     checkpoint_every: int = field(default=0, metadata=_h("checkpoint every N steps; 0 = only at the end"))

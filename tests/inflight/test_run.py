@@ -42,9 +42,10 @@ def children(launcher: ServeProcess) -> dict[str, psutil.Process]:
 def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     # --fused-loss on: the learner trains through learner/fused_loss.py (its torch row pass here; Triton on CUDA), and
-    # the lag-0 mismatch below checks those logprobs against the serve's behaviour logprobs
+    # the lag-0 mismatch below checks those logprobs against the serve's behaviour logprobs. --full-every 10: updates
+    # 2.. go as deltas, which the serve must commit bitwise like full ones
     launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", str(STEPS), *FAST, "--report-to", "tensorboard",
-                             "--learn-args", "--fused-loss on"], module="inflight.run")  # fmt: skip
+                             "--learn-args", "--fused-loss on --full-every 10"], module="inflight.run")  # fmt: skip
     try:
         launcher.wait_for("inflight.serve ready", 240)
         sides = children(launcher)
@@ -77,7 +78,7 @@ def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_
     updates = [e for e in read_jsonl(run_dir / "serve-metrics.jsonl") if e["event"] == "update"]
     # (the launcher stops the serve after the learner: the last update is committed before it goes)
     assert [u["version"] for u in updates if u["ok"]] == list(range(1, STEPS + 1)), updates
-    # --full-every 10 (the default): the first update went in full, every later one as a delta on the one before
+    # --full-every 10: the first update went in full, every later one as a delta on the one before
     assert [s["publish_delta"] for s in steps] == [False] + [True] * (STEPS - 1)
     # rollouts sampled after the first commit carry the new versions: lags below the oldest possible one show up
     assert any(int(lag) < s["version"] - 1 for s in steps[1:] for lag in s["lag_histogram"]), steps

@@ -39,6 +39,11 @@ def test_cuda_graphs_are_allowed_with_the_update_path_that_keeps_parameter_stora
     assert kwargs["enforce_eager"] is False
 
 
+def test_a_cpu_engine_refuses_compilation_which_may_freeze_the_weights_into_its_graph() -> None:
+    with pytest.raises(ValueError, match="--enforce-eager false on a CPU serve.*Keep --enforce-eager true on CPU"):
+        engine_kwargs(EngineConfig(model="m", enforce_eager=False, update_memory="low"), "cpu")
+
+
 def test_cuda_graphs_with_the_double_update_path_are_refused_naming_both_flags_and_the_fix() -> None:
     with pytest.raises(ValueError, match="--enforce-eager false with --update-memory double") as refused:
         engine_kwargs(EngineConfig(model="m", enforce_eager=False, update_memory="double"), "cuda")
