@@ -51,6 +51,7 @@ demo-generate: models
 
 bench: models
 	$(PY) -m benchmarks.weight_swap
+	$(PY) -m benchmarks.delta_updates
 
 bench-micro: setup
 	$(PY) -m pytest -q benchmarks/micro --benchmark-enable --benchmark-only --benchmark-columns=min,median,max,ops --benchmark-group-by=group
