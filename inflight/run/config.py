@@ -77,8 +77,10 @@ class RunConfig:
     duration_s: float = field(default=0.0, metadata=_h("stop after this many seconds, counted from when both "
                                                        "sides are ready; 0 = no time limit"))  # fmt: skip
     seed: int = field(default=0, metadata=_h("task, sampling and torch seed"))
-    serve_cores: str = field(default="0", metadata=_h("CPU cores of the serve (affinity + vLLM OMP binding)"))
-    learn_cores: str = field(default="1", metadata=_h("CPU cores of the learner (affinity + OMP threads)"))
+    serve_cores: str = field(default="", metadata=_h("CPU cores of the serve (affinity + vLLM OMP binding); empty = "
+                                                     "core 0 on a CPU serve, unpinned with --serve-gpus"))  # fmt: skip
+    learn_cores: str = field(default="", metadata=_h("CPU cores of the learner (affinity + OMP threads); empty = "
+                                                     "core 1 on CPU, unpinned with --learn-gpus"))  # fmt: skip
     serve_gpus: str = field(default="", metadata=_h("GPUs of the serve (CUDA_VISIBLE_DEVICES); empty = CPU"))
     learn_gpus: str = field(default="", metadata=_h("GPUs of the learner, one torchrun rank each (NCCL); empty = CPU"))
     learn_procs: int = field(default=1, metadata=_h("learner ranks on CPU (torchrun + gloo when > 1)"))
@@ -106,6 +108,8 @@ class RunConfig:
         require(self.learn_procs >= 1, "learn_procs", self.learn_procs, ">= 1")
         require(0 <= self.port_base < 65534, "port_base", self.port_base, "0 (free ports) or a TCP port below 65534")
         for name in ("serve_cores", "learn_cores"):
+            if not getattr(self, name):
+                continue  # the side's default (inflight/run/launch.py:side_cores)
             try:
                 cores = parse_cores(getattr(self, name))
             except ValueError as exc:

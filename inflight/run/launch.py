@@ -77,19 +77,29 @@ def learn_launcher(cfg: RunConfig, master_port: int) -> list[str]:
     return [torchrun, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
 
 
+def side_cores(cfg: RunConfig, side: str) -> list[int] | None:
+    """The cores one side is pinned to: `--serve-cores` / `--learn-cores` when given; else core 0 (serve) / core 1
+    (learner) on CPU — the 2-core split the demo runs — and None (not pinned) for a side on GPUs, whose host threads
+    (data loading, the staging thread, NCCL's proxies) would otherwise all share one core."""
+    spec = cfg.serve_cores if side == "serve" else cfg.learn_cores
+    if spec:
+        return parse_cores(spec)
+    if parse_gpus(cfg.serve_gpus if side == "serve" else cfg.learn_gpus):
+        return None
+    return [0] if side == "serve" else [1]
+
+
 def side_env(cfg: RunConfig, side: str) -> tuple[dict[str, str], list[int] | None]:
     """Environment and CPU affinity of one side: CPU pools by core, GPU pools by CUDA_VISIBLE_DEVICES."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     gpus = parse_gpus(cfg.serve_gpus if side == "serve" else cfg.learn_gpus)
-    cores = parse_cores(cfg.serve_cores if side == "serve" else cfg.learn_cores)
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    threads = max(1, len(cores) // (1 if side == "serve" or gpus else cfg.learn_procs))
-    env["OMP_NUM_THREADS"] = str(threads)
-    if side == "serve":
+    cores = side_cores(cfg, side)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    ranks = 1 if side == "serve" else len(gpus) or cfg.learn_procs
+    pool = cores if cores is not None else sorted(os.sched_getaffinity(0))
+    env["OMP_NUM_THREADS"] = str(max(1, len(pool) // ranks))  # torchrun would set 1 per rank
+    if side == "serve" and cores is not None:
         # vLLM's CPU worker pins its OpenMP threads itself; give it exactly the serve's pool.
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
     return env, cores

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,8 @@ def test_core_and_gpu_lists_and_side_environments():
     cfg = RunConfig(serve_cores="0", learn_cores="1")
     env, cores = side_env(cfg, "serve")
     assert cores == [0] and env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["CUDA_VISIBLE_DEVICES"] == ""
+    env, cores = side_env(RunConfig(), "learn")  # the CPU defaults: serve on core 0, learner on core 1
+    assert cores == [1] and side_env(RunConfig(), "serve")[1] == [0]
     env, cores = side_env(RunConfig(learn_gpus="1,2"), "learn")
     assert env["CUDA_VISIBLE_DEVICES"] == "1,2"
     cfg = RunConfig(learn_gpus="1,2", temperature=0.7, learn_args="--loss ppo")
@@ -103,3 +106,15 @@ def test_core_and_gpu_lists_and_side_environments():
     assert serve[serve.index("--rollouts") + 1] == "tcp://127.0.0.1:1"
     with pytest.raises(ValueError, match="--learn-cores"):
         RunConfig(learn_cores="9999").validate()
+
+
+def test_a_side_on_gpus_is_not_pinned_to_one_core_unless_its_cores_are_given():
+    """On a GPU node the CPU demo's split (serve on core 0, learner on core 1) would put every host thread of a side —
+    the serve's scheduler and staging thread, each torchrun rank's data and NCCL proxy threads — on one core."""
+    available = len(os.sched_getaffinity(0))
+    env, cores = side_env(RunConfig(serve_gpus="0", learn_gpus="1,2"), "serve")
+    assert cores is None and "VLLM_CPU_OMP_THREADS_BIND" not in env and env["OMP_NUM_THREADS"] == str(available)
+    env, cores = side_env(RunConfig(serve_gpus="0", learn_gpus="1,2"), "learn")
+    assert cores is None and env["OMP_NUM_THREADS"] == str(max(1, available // 2))  # per torchrun rank
+    env, cores = side_env(RunConfig(serve_gpus="0", serve_cores="0"), "serve")
+    assert cores == [0] and env["VLLM_CPU_OMP_THREADS_BIND"] == "0"  # given cores still pin
