@@ -81,21 +81,23 @@ def _set_attributes(module: torch.nn.Module, values: dict[str, object]) -> None:
 def shadow_tree(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[torch.nn.Module, torch.nn.Module]]:
     """A shallow copy of `model`'s module tree and the live → shadow map. A module that appears twice in the tree (a
     tied head that *is* the embedding) is copied once, so the shadow keeps the aliasing."""
-    shadows: dict[int, torch.nn.Module] = {}
     pairs: dict[torch.nn.Module, torch.nn.Module] = {}
+    return _visit(model, pairs), pairs
 
-    def visit(module: torch.nn.Module) -> torch.nn.Module:
-        if id(module) in shadows:
-            return shadows[id(module)]
-        shadow = copy.copy(module)
-        shadows[id(module)], pairs[module] = shadow, shadow
-        shadow.__dict__.update({name: copy.copy(module.__dict__[name]) for name in _OWN_STATE})
-        if getattr(module, "quant_method", None) is not None:  # per-layer kernel state (moe_kernel) lives there
-            shadow.__dict__["quant_method"] = copy.copy(module.quant_method)
-        shadow.__dict__["_modules"] = {n: None if c is None else visit(c) for n, c in module._modules.items()}
-        return shadow
 
-    return visit(model), pairs
+def _visit(module: torch.nn.Module, pairs: dict[torch.nn.Module, torch.nn.Module]) -> torch.nn.Module:
+    # A module-level function, not a closure: a recursive closure refers to itself through its cell, a cycle that
+    # kept `pairs` — every shadow module, and through them a processed copy of the weights — alive until Python's
+    # next full collection, which a big process can put off for dozens of updates (SmolLM2's worker grew by GBs).
+    if module in pairs:
+        return pairs[module]
+    shadow = copy.copy(module)
+    pairs[module] = shadow
+    shadow.__dict__.update({name: copy.copy(module.__dict__[name]) for name in _OWN_STATE})
+    if getattr(module, "quant_method", None) is not None:  # per-layer kernel state (moe_kernel) lives there
+        shadow.__dict__["quant_method"] = copy.copy(module.quant_method)
+    shadow.__dict__["_modules"] = {n: None if c is None else _visit(c, pairs) for n, c in module._modules.items()}
+    return shadow
 
 
 def prepare(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> PreparedWeights:
@@ -114,8 +116,37 @@ def prepare(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         processed = [(live, shadow) for live, shadow in armed if _finish(shadow, layerwise)]
         prepared = PreparedWeights(version, [(live, _changed(live, shadow)) for live, shadow in processed])
         prepared.layers += _tied_layers(pairs, processed)
+    _forget(pairs, layerwise)
     prepared.prepare_s = time.perf_counter() - start
     return prepared
+
+
+def _forget(pairs: dict[torch.nn.Module, torch.nn.Module], layerwise) -> None:
+    """Cut every reference the update leaves from what goes live back to its shadow, so each shadow tree is freed once
+    swapped in (and the weights it replaced with it). Two kinds: vLLM's reload record of a shadow (`LAYERWISE_INFO`, a
+    WeakKeyDictionary whose value refers back to its key, so it never expires), and the loaders on the new tensors —
+    vLLM's `online_process_loader` wrapper closes over the shadow, and `_own_copies_of_the_rest` bound loaders to it.
+    Left in place, each update's wrapper wrapped the last one's: the worker kept every shadow tree and grew by about
+    one processed copy of the weights per update (a 420-s SmolLM2 run was OOM-killed at 19 GB after 44 updates)."""
+    for live, shadow in pairs.items():
+        info = layerwise.LAYERWISE_INFO.pop(shadow, None)
+        recorded = (*info.restore_metadata[0].values(), *info.restore_metadata[1].values()) if info else ()
+        for tensor in (*shadow._parameters.values(), *shadow._buffers.values(), *recorded):
+            if tensor is not None:
+                _rebind_loaders(tensor, shadow, live)
+        if info is not None:
+            info.restore_metadata = ({}, {})
+
+
+def _rebind_loaders(tensor: torch.Tensor, shadow: torch.nn.Module, live: torch.nn.Module) -> None:
+    """`tensor`'s loaders unwrapped from vLLM's online wrappers (kept as `__wrapped__`) and bound to `live`, not
+    `shadow`. (vLLM's parameter classes keep theirs in `_weight_loader`, plain tensors in `weight_loader`.)"""
+    for key, value in list(tensor.__dict__.items()):
+        while getattr(value, "__name__", "") == "online_process_loader":
+            value = value.__wrapped__
+        if isinstance(value, MethodType) and value.__self__ is shadow:
+            value = value.__func__.__get__(live)
+        tensor.__dict__[key] = value
 
 
 def _out_of_the_engines_way() -> None:

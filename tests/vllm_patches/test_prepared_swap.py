@@ -81,3 +81,21 @@ def test_a_fault_plan_fails_exactly_the_planned_updates_half_way():
     assert plan == {"prepare": frozenset({1}), "swap": frozenset({2, 3})}
     items = list(range(10))
     assert list(faults.half_way(items, "prepare", 2)) == items  # not planned (PLANNED is empty here): all of them
+
+
+def test_a_shadow_tree_is_freed_by_reference_counting_alone_once_dropped():
+    """No reference cycle: a big engine process defers Python's full collection for dozens of updates, and a shadow
+    tree waiting for it holds a processed copy of the weights (a recursive closure in shadow_tree kept every one:
+    SmolLM2's worker grew by GBs)."""
+    import gc
+    import weakref
+
+    model = two_layers()
+    gc.disable()
+    try:
+        root, pairs = shadow_tree(model)
+        refs = [weakref.ref(shadow) for shadow in pairs.values()]
+        del root, pairs
+        assert all(ref() is None for ref in refs), "a shadow module outlived its last reference"
+    finally:
+        gc.enable()
