@@ -13,8 +13,11 @@ materialises the tokens × vocab logits; calling `self.hf(...)` would build exac
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -173,6 +176,76 @@ def full_hf_state(model: PolicyModel) -> dict[str, torch.Tensor]:
     if getattr(model.hf.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
+
+
+class Piece(NamedTuple):
+    """Rows `start` .. `start + len(tensor)` of the full tensor `name` of shape `shape` (all of it when `start` is 0 and
+    `tensor.shape == shape`, always so for a 0-d tensor)."""
+
+    name: str
+    shape: torch.Size
+    start: int
+    tensor: torch.Tensor
+
+
+def iter_full_pieces(model: PolicyModel, max_piece_bytes: int = 16 << 20) -> Iterator[Piece]:
+    """The tensors of `full_hf_state` in pieces, on rank 0, in the same order on every rank: a tensor sharded by rows
+    (FSDP2's `Shard(0)`) arrives rank by rank in blocks of at most `max_piece_bytes` (point to point, each rank sending
+    its own rows), so rank 0 never holds more than one block beyond its own shard — not the full tensor, not the model.
+    Other ranks yield nothing. An unsharded model yields each tensor whole.
+
+    Collective when the model is sharded: every rank must exhaust it, in step. A yielded tensor may be the live
+    parameter or rank 0's own shard: valid until the next piece is asked for; copy what must outlive that, never write.
+    """
+    tied = getattr(model.hf.config, "tie_word_embeddings", False)
+    for name, t in model.state_dict().items():
+        hf_name = _hf_name(name)
+        if tied and hf_name == "lm_head.weight":
+            continue  # the embedding, sent once under its own name (as full_hf_state leaves it out)
+        if not isinstance(t, DTensor):
+            yield Piece(hf_name, t.shape, 0, t.detach())
+        elif _row_sharded(t):
+            yield from _rows_to_rank0(hf_name, t.detach(), max_piece_bytes)
+        else:
+            full = t.full_tensor().detach()  # another placement: gathered whole (collective)
+            if dist.get_rank(t.device_mesh.get_group()) == 0:
+                yield Piece(hf_name, full.shape, 0, full)
+
+
+def _row_sharded(t: DTensor) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return t.device_mesh.ndim == 1 and len(t.placements) == 1 and t.placements[0] == Shard(0) and t.dim() > 0
+
+
+def _rows_to_rank0(name: str, t: DTensor, max_piece_bytes: int) -> Iterator[Piece]:
+    group = t.device_mesh.get_group()
+    me, world = dist.get_rank(group), dist.get_world_size(group)
+    rows = [len(c) for c in torch.chunk(torch.empty(t.shape[0], device="meta"), world)]
+    rows += [0] * (world - len(rows))  # FSDP2 splits dim 0 as torch.chunk does: trailing ranks may hold none
+    local = t.to_local()
+    if local.shape[0] != rows[me]:
+        raise RuntimeError(f"{name}: rank {me} holds {local.shape[0]} rows, torch.chunk of {t.shape[0]} rows over "
+                           f"{world} ranks gives {rows[me]}: FSDP2 sharded it differently than expected")  # fmt: skip
+    row_bytes = max(1, math.prod(t.shape[1:]) * local.element_size())  # from the global shape: the same on every rank
+    step = max(1, max_piece_bytes // row_bytes)
+    offset = 0
+    for source, count in enumerate(rows):
+        for first in range(0, count, step):
+            n = min(step, count - first)
+            if me == 0:
+                yield Piece(name, t.shape, offset + first, _rows_from(local, source, first, n, group))
+            elif me == source:
+                dist.send(local[first : first + n].contiguous(), group=group, group_dst=0)
+        offset += count
+
+
+def _rows_from(local: torch.Tensor, source: int, first: int, n: int, group) -> torch.Tensor:
+    if source == 0:
+        return local[first : first + n]
+    block = torch.empty((n, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    dist.recv(block, group=group, group_src=source)
+    return block
 
 
 def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:

@@ -24,6 +24,7 @@ from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
 from inflight.learn.service import LearnerService
 from inflight.learn.tracking import Reporting
+from inflight.wire.memory import PeakMeter
 from inflight.wire.records import StepMetrics
 from learner.world import World
 
@@ -127,12 +128,23 @@ class Learner:
         return metrics
 
     def _publish(self) -> dict:
-        """Every rank gathers the full weights; rank 0 sends them as `version`: the StepMetrics `publish_*` fields."""
-        from learner.model import full_hf_state
+        """Every rank gathers the full weights; rank 0 sends them as `version`: the StepMetrics `publish_*` fields.
+        A full update streams tensor by tensor (rank 0 holds two buckets, not the model); a delta update
+        (`--full-every` > 1) compares whole states, so it gathers the whole model first."""
+        from learner.model import full_hf_state, iter_full_pieces
 
         start = time.perf_counter()
-        state = full_hf_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors
-        return self.service.publish(state, self.version, start) if self.rank == 0 else {}
+        if self.cfg.full_every > 1:
+            state = full_hf_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors
+            return self.service.publish(state, self.version, start) if self.rank == 0 else {}
+        pieces = iter_full_pieces(self.model)  # collective, piece by piece: every rank walks it to the end
+        if self.rank != 0:
+            for _ in pieces:
+                pass
+            return {}
+        with PeakMeter(self.placement.weights_device) as peak:
+            fields = self.service.publish_stream(pieces, self.version, start)
+        return {**fields, "publish_peak_bytes": peak.extra_bytes}
 
     def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]
              ) -> StepMetrics:  # fmt: skip

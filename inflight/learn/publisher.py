@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,8 +37,8 @@ from inflight.wire.contract import RunContract
 from inflight.wire.control import Hello, JoinGroup, Progress, UpdateDone, UpdateWeights
 from inflight.wire.endpoints import ControlServer
 from inflight.wire.group import GroupAddress, WeightsGroup, WeightsGroupError, open_store
-from inflight.wire.transfer import send_update
-from inflight.wire.weights import DTYPES, ManifestError, check_against, plan_update
+from inflight.wire.transfer import StreamSender, send_update
+from inflight.wire.weights import DTYPES, ManifestError, check_against, plan_layout, plan_update
 
 log = logging.getLogger("inflight.learn")
 
@@ -274,6 +275,80 @@ class WeightPublisher:
             return None
         return self._sent
 
+    def publish_stream(self, tensors: Iterator, version: int, consumed: dict[str, int] | None = None) -> PublishReport:
+        """Send `version` as a full update streamed from `tensors` — (name, shape, start row, rows) pieces in
+        `set_model`'s order, each gathered only when reached (learner/model.py:iter_full_pieces) — through two buckets
+        (inflight/wire/transfer.py:StreamSender), the checksums in the update's trailer; rank 0 never holds the model
+        on the weights device. `tensors` also drives the other ranks' collective gathers: it is always exhausted,
+        whatever happens here. Each tensor is also copied into `latest`, a host snapshot in the serves' dtypes
+        allocated once, which `catch_up` sends to a serve that joins later. No retry: a failed broadcast drops the
+        serves that went quiet, the others get the next version."""
+        report, previous = PublishReport(version), self.latest[0] if self.latest is not None else None
+        try:
+            self.pump(0)
+            if self.group is not None and previous is not None:
+                self._wait_for_commits(previous)
+            if not self._ensure_group():
+                self._keep_latest(tensors, version, self.expected or {})
+                return report
+            members = self.membership.members()
+            served = {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
+            order = {name: served[name] for name in (self.expected or served)}  # the learner's order, served dtypes
+            manifest = plan_layout(order, version, self.bucket_bytes)
+            check_against(manifest, served)
+            for serve in members:
+                self.control.send(serve.identity, UpdateWeights(manifest=manifest.encode(), groups_consumed=(
+                    consumed or {}).get(serve.server_id, 0)))  # fmt: skip
+            stats, error = self._stream(StreamSender(self.group, manifest, self.device, self.weights_key), tensors,
+                                        self._snapshot(order), version)  # fmt: skip
+            if error is not None:
+                report.failed += self._drop_quiet_serves(version, error)
+                return report
+            report.serves, report.bytes, report.seconds = len(members), stats.bytes, stats.seconds
+            return report
+        finally:
+            for _ in tensors:  # the other ranks gather the rest whatever happened here
+                pass
+
+    def _stream(self, stream: StreamSender, tensors, snapshot: dict[str, torch.Tensor], version: int):
+        """Every tensor into the stream and the snapshot, which becomes `latest` (complete even when the broadcast
+        failed part-way: the serves that missed `version` get it from there); (stats, None) or (None, the error)."""
+        error = None
+        for name, _, start, tensor in tensors:
+            if error is None:
+                try:
+                    stream.put(name, tensor, start)
+                except WeightsGroupError as exc:
+                    error = exc
+            _copy_rows(snapshot[name], start, tensor)
+        stats = None
+        if error is None:
+            try:
+                stats = stream.finish()
+            except WeightsGroupError as exc:
+                error = exc
+        else:
+            stream.abandon()
+        self.latest, self._sent = (version, snapshot), None
+        return stats, error
+
+    def _snapshot(self, order: dict[str, tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
+        """The host snapshot `latest` is written into: the current one when its dtypes and shapes fit, else new."""
+        held = self.latest[1] if self.latest is not None else {}
+        fits = list(held) == list(order) and all(
+            str(held[n].dtype).removeprefix("torch.") == d and list(held[n].shape) == s and held[n].device.type == "cpu"
+            for n, (d, s) in order.items())  # fmt: skip
+        if fits:
+            return held
+        return {name: torch.empty(shape, dtype=DTYPES[dtype]) for name, (dtype, shape) in order.items()}
+
+    def _keep_latest(self, tensors, version: int, order: dict[str, tuple[str, list[int]]]) -> None:
+        """No serve to send to: still keep `version` in the snapshot, for the serve that joins next."""
+        snapshot = self._snapshot(order)
+        for name, _, start, tensor in tensors:
+            _copy_rows(snapshot[name], start, tensor)
+        self.latest = (version, snapshot)
+
     def catch_up(self, consumed: dict[str, int] | None = None) -> PublishReport | None:
         """If a serve joined after the latest publish, send it (and everyone) the latest weights now."""
         version = self.membership.catch_up(self.latest[0] if self.latest is not None else None)
@@ -287,6 +362,14 @@ class WeightPublisher:
         if self.group is not None and self.latest is not None:
             self._wait_for_commits(self.latest[0])
         self._break_group("learner shutting down")
+
+
+def _copy_rows(dest: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """`rows` into `dest` from row `start` (all of `dest` when the shapes agree)."""
+    if rows.shape == dest.shape and start == 0:
+        dest.copy_(rows)
+    else:
+        dest[start : start + rows.shape[0]].copy_(rows)
 
 
 def _form(address: GroupAddress, store, result: dict) -> None:

@@ -176,6 +176,13 @@ class LearnerService:
         trim_after_update()  # freed snapshots and buckets back to the OS (INFLIGHT_TRIM_EVERY_S)
         return publish_fields(report, seconds)
 
+    def publish_stream(self, tensors, version: int, started: float) -> dict:
+        """`publish` for tensors gathered one at a time (WeightPublisher.publish_stream)."""
+        report = self.publisher.publish_stream(tensors, version, dict(self.buffer.consumed_by_server))
+        seconds = time.perf_counter() - started
+        trim_after_update()
+        return publish_fields(report, seconds)
+
     def write_step(self, values: dict) -> StepMetrics:
         """Append one StepMetrics line (inflight/wire/records.py) to `<run_dir>/metrics.jsonl`: `values` plus the
         rollouts refused so far (`rejected`). A value StepMetrics does not know raises RecordError naming it."""

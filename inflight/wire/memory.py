@@ -98,3 +98,58 @@ def trim_heap_in_background(min_interval_s: float = 0.0) -> bool:
 
     threading.Thread(target=run, name="inflight-trim-heap", daemon=True).start()
     return True
+
+
+class PeakMeter:
+    """How much memory a block of code added at its peak, on `device`: for CUDA the caching allocator's peak over what
+    was allocated when it started; elsewhere the process's resident high-water mark over its resident size then (Linux:
+    `/proc/self/clear_refs` resets the mark). `extra_bytes` is 0 where neither can be read. Not thread-aware: memory
+    another thread of the process allocates meanwhile counts too.
+
+        with PeakMeter(device) as meter:
+            publish()
+        meter.extra_bytes
+    """
+
+    def __init__(self, device) -> None:
+        self.cuda = str(device).startswith("cuda")
+        self.device, self.extra_bytes, self._base = device, 0, 0
+
+    def __enter__(self) -> PeakMeter:
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            trim_heap()  # freed pages from before the block would otherwise hide part of its peak
+            self._base = _status_kib("VmRSS")
+            _reset_high_water_mark()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            import torch
+
+            self.extra_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
+        else:
+            self.extra_bytes = max(0, _status_kib("VmHWM") - self._base) * 1024
+
+
+def _status_kib(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_high_water_mark() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass

@@ -73,6 +73,9 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     publish_bytes_per_s: float | None = None  # over the broadcast alone
     publish_failed: list[str] | None = None  # server ids the update failed on
     publish_delta: bool | None = None  # sent as a delta on the previous version (--full-every), not in full
+    # rank 0's peak extra memory while publishing (streamed full updates), on the weights device: CUDA allocator peak,
+    # or the process's resident high-water mark on CPU (inflight/wire/memory.py:PeakMeter)
+    publish_peak_bytes: int | None = None
     # kv lag (learner version at training − version of the oldest KV the token attended to) → tokens; >= the lag
     kv_lag_histogram: dict[int, int] | None = None
     # Multi-turn episodes (present when the batch had environment tokens): environment tokens of the batch (context,

@@ -1,7 +1,11 @@
-"""Moving one update over the weights group: a double-buffered sender (rank 0) and a bucket receiver (other ranks).
+"""Moving one update over the weights group: double-buffered senders (rank 0) and a bucket receiver (other ranks).
 
 Contract (both sides, in lockstep or the group times out): the receiver must have the manifest before the sender's first
-bucket times out; buckets go in manifest order, one broadcast each, each exactly `manifest.bucket_sizes[i]` bytes.
+bucket times out; buckets go in manifest order, one broadcast each, each exactly `manifest.bucket_sizes[i]` bytes; with
+`manifest.trailer` one more broadcast of `manifest.trailer_nbytes` follows, the checksums and tags.
+
+Two senders: `send_update` packs from tensors that all exist already; `StreamSender` is fed one tensor at a time, in
+manifest order, as the learner gathers them, so rank 0 never holds more than the two buckets (and the tensor at hand).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from inflight.wire.group import WeightsGroup
-from inflight.wire.weights import UpdateManifest, pack_bucket
+from inflight.wire.weights import DTYPES, UpdateManifest, pack_bucket, trailer_entry, update_key
 
 
 @dataclass
@@ -51,6 +55,84 @@ def send_update(
     return stats
 
 
+class StreamSender:
+    """Rank 0's streaming sender of a `plan_layout` manifest (trailer checksums): `put` each tensor in manifest order;
+    a bucket is broadcast on a background thread as soon as its last tensor is in, while the next one fills the other
+    buffer; `finish` sends the last bucket and the trailer. Two buffers of the largest bucket on `device`, reused."""
+
+    def __init__(self, group: WeightsGroup, manifest: UpdateManifest, device: torch.device | str,
+                 weights_key: bytes | None = None):  # fmt: skip
+        if not manifest.trailer:
+            raise ValueError("StreamSender sends trailer manifests (inflight/wire/weights.py:plan_layout)")
+        self.group, self.manifest = group, manifest
+        self.key = update_key(weights_key, manifest.version) if weights_key is not None else None
+        size = max(manifest.bucket_sizes, default=0)
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.sums: list[bytes] = []
+        self._rows = 0  # rows of the current entry already in (an entry sent in pieces)
+        self.stats = TransferStats()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-stream")
+        self._sending = None
+        self._started = time.perf_counter()
+
+    def put(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
+        """Copy `tensor` — the whole of the manifest's next tensor, or its rows `start` .. `start + len(tensor)` —
+        into its place, cast to the entry's dtype on the way. Rows come in order; the entry is checksummed and the
+        next one expected once its last row is in."""
+        entry = self.manifest.tensors[len(self.sums)]
+        if entry.name != name:
+            raise ValueError(f"StreamSender got {name!r}, the manifest's next tensor is {entry.name!r}")
+        # Bucket k fills buffer k % 2, free again: `_send(k - 1)` waited for bucket k - 2's broadcast before starting.
+        raw = self.buffers[entry.bucket % 2][entry.offset : entry.offset + entry.nbytes]
+        typed = raw.view(DTYPES[entry.dtype]).reshape(entry.shape)
+        whole = list(tensor.shape) == entry.shape and start == 0
+        if whole:
+            typed.copy_(tensor)  # the cast to the serve's dtype happens here, into the bucket: no temporary
+        else:
+            if start != self._rows:
+                raise ValueError(f"StreamSender got rows from {start} of {name!r}, expected {self._rows}")
+            typed[start : start + tensor.shape[0]].copy_(tensor)
+            self._rows += tensor.shape[0]
+            if self._rows < entry.shape[0]:
+                return
+        self._rows = 0
+        self.sums.append(trailer_entry(typed, self.key))
+        following = self.manifest.tensors[len(self.sums)] if len(self.sums) < len(self.manifest.tensors) else None
+        if following is None or following.bucket != entry.bucket:
+            self._send(entry.bucket)
+
+    def _send(self, index: int) -> None:
+        self._wait()
+        bucket = self.buffers[index % 2][: self.manifest.bucket_sizes[index]]
+        what = f"bucket {index}/{len(self.manifest.bucket_sizes)} of version {self.manifest.version}"
+        self._sending = self._pool.submit(self.group.broadcast, bucket, what=what)
+        self.stats.bytes += bucket.numel()
+        self.stats.buckets += 1
+
+    def _wait(self) -> None:
+        if self._sending is not None:
+            self._sending.result()  # re-raises a failed broadcast
+            self._sending = None
+
+    def abandon(self) -> None:
+        """After a failed broadcast: stop, sending nothing more (the group is broken anyway)."""
+        self._pool.shutdown(wait=False)
+
+    def finish(self) -> TransferStats:
+        """Wait for the last bucket, broadcast the trailer; the transfer's stats. Raises if a tensor is missing."""
+        try:
+            if len(self.sums) != len(self.manifest.tensors):
+                raise ValueError(f"StreamSender got {len(self.sums)} of the manifest's {len(self.manifest.tensors)} "
+                                 "tensors")  # fmt: skip
+            self._wait()
+            trailer = torch.frombuffer(bytearray(b"".join(self.sums)), dtype=torch.uint8)
+            self.group.broadcast(trailer.to(self.buffers[0].device), what=f"trailer of version {self.manifest.version}")
+        finally:
+            self._pool.shutdown(wait=True)
+        self.stats.seconds = time.perf_counter() - self._started
+        return self.stats
+
+
 def receive_update(
     group: WeightsGroup,
     manifest: UpdateManifest,
@@ -65,4 +147,8 @@ def receive_update(
         buckets.append(buf)
         if on_bucket is not None:
             on_bucket(i, size)
+    if manifest.trailer:  # the checksums, after the buckets (inflight/wire/weights.py:UpdateManifest.trailer)
+        trailer = torch.empty(manifest.trailer_nbytes, dtype=torch.uint8, device=device)
+        group.broadcast(trailer, what=f"trailer of version {manifest.version}")
+        buckets.append(trailer)
     return buckets

@@ -31,6 +31,7 @@ from inflight.wire import delta
 
 MANIFEST_SCHEMA = 3  # 2: tensors carry an optional keyed BLAKE2b tag; 3: delta updates
 TAG_BYTES = 16
+_TRAILER_ENTRY = 4 + TAG_BYTES
 ALIGN = 64
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -83,6 +84,9 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tensors: list[TensorEntry]
     base_version: int = -1
     keep_base: bool = False
+    # True: the checksums and tags are not in the entries but in one more broadcast after the last bucket (the
+    # trailer, `trailer_nbytes` long): a sender streaming tensors as it gathers them knows them only once sent.
+    trailer: bool = False
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -106,6 +110,23 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return sum(self.bucket_sizes)
 
     @property
+    def trailer_nbytes(self) -> int:
+        """Bytes of the trailer broadcast (0 without one): per entry, in order, its CRC32 (4, little-endian) and tag."""
+        return len(self.tensors) * _TRAILER_ENTRY if self.trailer else 0
+
+    def with_trailer(self, trailer: torch.Tensor) -> UpdateManifest:
+        """This manifest with every entry's checksum and tag read from the received `trailer` (uint8)."""
+        if trailer.numel() != self.trailer_nbytes:
+            raise ManifestError(f"trailer of {trailer.numel()} bytes, the manifest announced {self.trailer_nbytes}")
+        raw = trailer.cpu().numpy().tobytes()
+        entries = []
+        for i, t in enumerate(self.tensors):
+            at = i * _TRAILER_ENTRY
+            crc, tag = int.from_bytes(raw[at : at + 4], "little"), raw[at + 4 : at + _TRAILER_ENTRY]
+            entries.append(msgspec.structs.replace(t, crc32=crc, tag=tag if any(tag) else b""))
+        return msgspec.structs.replace(self, tensors=entries, trailer=False)
+
+    @property
     def is_delta(self) -> bool:
         return self.base_version >= 0
 
@@ -114,6 +135,8 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for t in self.tensors:
             if t.dtype not in DTYPES:
                 raise ManifestError(f"tensor {t.name}: dtype {t.dtype!r} is not one of {sorted(DTYPES)}")
+            if self.trailer and (t.encoding != "full" or self.is_delta):
+                raise ManifestError(f"tensor {t.name}: a delta update cannot announce its checksums in a trailer")
             if t.encoding not in delta.ENCODINGS or (t.encoding != "full" and not self.is_delta):
                 raise ManifestError(f"tensor {t.name}: encoding {t.encoding!r} in a "
                                     f"{'delta' if self.is_delta else 'full'} update")  # fmt: skip
@@ -212,6 +235,21 @@ def plan_update(
     return UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base), payloads
 
 
+def plan_layout(specs: Mapping[str, tuple[str, list[int]]], version: int, bucket_bytes: int) -> UpdateManifest:
+    """A full update's manifest from names, dtypes and shapes alone (name → (dtype, shape), in sending order), its
+    checksums and tags to follow in the trailer (`trailer_entry`): what a sender that gathers each tensor only when
+    it packs it announces before the first bucket. Same bucket layout as `plan_manifest` gives for the same tensors."""
+    state = {name: torch.empty(shape, dtype=DTYPES[dtype], device="meta") for name, (dtype, shape) in specs.items()}
+    manifest, _ = plan_update(state, version, bucket_bytes, checksums=False)
+    return msgspec.structs.replace(manifest, trailer=True)
+
+
+def trailer_entry(t: torch.Tensor, key: bytes | None) -> bytes:
+    """One entry of a trailer: the CRC32 of `t`'s bytes and, under `key` (`update_key`), its tag (zeros without)."""
+    crc = tensor_crc32(t).to_bytes(4, "little")
+    return crc + (tensor_tag(t, key) if key is not None else bytes(TAG_BYTES))
+
+
 def pack_bucket(
     manifest: UpdateManifest, index: int, state: Mapping[str, torch.Tensor], out: torch.Tensor
 ) -> torch.Tensor:
@@ -231,6 +269,11 @@ def unpack_buckets(
     new tensor, `base`'s (version, tensors) with the delta applied. Checks sizes and, if asked, checksums of the whole
     tensors: with `weights_key` every tensor's keyed tag (a tensor without one is refused), else its CRC32. A delta
     update without `base` at its `base_version` is refused, naming both versions."""
+    if manifest.trailer:  # the checksums came after the buckets
+        if len(buckets) != len(manifest.bucket_sizes) + 1:
+            raise ManifestError(f"received {len(buckets)} buckets, the manifest announced "
+                                f"{len(manifest.bucket_sizes)} and a trailer")  # fmt: skip
+        manifest, buckets = manifest.with_trailer(buckets[-1]), buckets[:-1]
     if len(buckets) != len(manifest.bucket_sizes):
         raise ManifestError(f"received {len(buckets)} buckets, the manifest announced {len(manifest.bucket_sizes)}")
     for i, (buf, size) in enumerate(zip(buckets, manifest.bucket_sizes, strict=True)):

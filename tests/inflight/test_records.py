@@ -63,11 +63,14 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
             self.metrics_file = metrics_file
             self.buffer = SimpleNamespace(rejected=collections.Counter(duplicate=2), consumed_by_server={})
             self.receiver = SimpleNamespace(rejected={"size": 1})
-            self.publisher = SimpleNamespace(publish=lambda s, v, c: PublishReport(v, serves=1, bytes=64, seconds=0.5))
+            report = PublishReport(1, serves=1, bytes=64, seconds=0.5)
+            # the streamed publish of a full update (the default): it walks the learner's pieces
+            self.publisher = SimpleNamespace(publish_stream=lambda pieces, v, c: (list(pieces), report)[1])
 
     with (tmp_path / "metrics.jsonl").open("a") as metrics_file:
         learner = SimpleNamespace(rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(),
-                                  service=Socketless(metrics_file))  # fmt: skip
+                                  service=Socketless(metrics_file), cfg=SimpleNamespace(full_every=1),
+                                  placement=SimpleNamespace(weights_device="cpu"))  # fmt: skip
         learner.optimizer = make_optimizer(model, learner.train_cfg)
         metrics = Learner._train(learner, samples)
         Learner._log(learner, gate, metrics, Learner._publish(learner), 0.5, 2.0, [3, 3])

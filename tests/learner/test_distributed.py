@@ -30,7 +30,7 @@ from tolerances import assert_within, check_within, float64_bound, logprob_gradi
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.fused_loss import aggregation_weights
 from learner.losses import LossConfig
-from learner.model import PolicyModel, full_hf_state, load_policy, shard_policy
+from learner.model import PolicyModel, full_hf_state, iter_full_pieces, load_policy, shard_policy
 from learner.step import Sample, TrainConfig, make_batch, make_optimizer, train_step
 
 WORLD = 2
@@ -63,6 +63,7 @@ class Runs:
     sharded_metrics: list[list[dict[str, float]]]  # [rank][step]
     restore: dict[str, bool]
     one_rank: dict  # the 2-rank checkpoint resumed on 1 rank: loaded params, params and metrics after step 2
+    pieces: dict  # rank 0's iter_full_pieces after step 2: count, assembled tensors, full_hf_state
 
 
 def make_samples(model: PolicyModel, cfg: TrainConfig, seed: int) -> tuple[list[Sample], list[Sample]]:
@@ -147,6 +148,7 @@ def run_rank(rank: int, tmp: Path, model_dir: str, cfg: TrainConfig, steps: list
     metrics.append(train_step(model, optimizer, batches[1], cfg, world_size=WORLD))
     restored_metrics = train_step(restored, restored_optimizer, batches[1], cfg, world_size=WORLD)
     after_step2, restored_step2 = full_hf_state(model), full_hf_state(restored)
+    pieces = list(iter_full_pieces(model, max_piece_bytes=1 << 12))  # 4 KiB blocks: every big tensor in many
     result: dict = {"metrics": metrics}
     if rank == 0:
         result["states"] = [after_step1, after_step2]
@@ -156,7 +158,19 @@ def run_rank(rank: int, tmp: Path, model_dir: str, cfg: TrainConfig, steps: list
             "params_after_next_step": states_equal(restored_step2, after_step2),
             "metrics_of_next_step": restored_metrics == metrics[1],
         }
+        result["pieces"] = {"count": len(pieces), "assembled": assembled(pieces), "full": after_step2}
     torch.save(result, tmp / f"rank{rank}.pt")
+
+
+def assembled(pieces) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, start, rows in pieces:
+        whole = out.setdefault(name, torch.empty(shape, dtype=rows.dtype))
+        if rows.shape == shape:
+            whole.copy_(rows)
+        else:
+            whole[start : start + rows.shape[0]].copy_(rows)
+    return out
 
 
 def states_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -253,6 +267,7 @@ def all_runs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
             sharded_metrics=[r["metrics"] for r in ranks],
             restore=ranks[0]["restore"],
             one_rank=torch.load(tmp / name / "one_rank.pt", weights_only=False),
+            pieces=ranks[0]["pieces"],
         )
     return runs
 
@@ -316,3 +331,13 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_steps_like_one_process(runs
     expected, bounds = runs.reference_metrics[1], runs.bounds[1].metrics
     check_within(abs(runs.one_rank["metrics"]["loss"] - expected["loss"]), bounds["loss"], "loss")
     check_within(abs(runs.one_rank["metrics"]["grad_norm"] - expected["grad_norm"]), bounds["grad_norm"], "grad_norm")
+
+
+def test_rank0_receives_the_full_tensors_piece_by_piece_bitwise_without_gathering_them(runs: Runs) -> None:
+    """learner/model.py:iter_full_pieces, what the streamed publish reads: every tensor of full_hf_state, assembled on
+    rank 0 from its own rows and the other rank's, sent in blocks of at most 4 KiB — bit for bit."""
+    pieces = runs.pieces
+    assert pieces["assembled"].keys() == pieces["full"].keys()
+    assert pieces["count"] > 2 * len(pieces["full"]), "the big tensors must have come in several blocks"
+    for name, tensor in pieces["full"].items():
+        assert torch.equal(pieces["assembled"][name], tensor), name

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -225,3 +226,50 @@ def test_a_bucket_sent_shorter_than_announced_is_never_accepted_as_valid_data(tm
     assert result["error_type"] == ManifestError.__name__, result
     assert result["error"].startswith(f"tensor {last_in_bucket_1}: checksum"), result
     assert not (tmp_path / "v1.safetensors").exists()
+
+
+def test_a_streamed_update_fed_tensor_by_tensor_arrives_bitwise_with_its_checksums_in_the_trailer(tmp_path):
+    """StreamSender: the learner's fp32 tensors cast into the buckets on the way (the manifest asks bf16 for one), the
+    bucket layout announced before any tensor exists, the CRC32s after the last bucket; a receiver unpacks and
+    verifies them exactly as a full update's."""
+    from inflight.wire.transfer import StreamSender
+    from inflight.wire.weights import plan_layout
+
+    state = make_state(seed=5)
+    learner = {name: t.float() for name, t in state.items()}  # fp32 master weights; the serve wants `state`'s dtypes
+    specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
+    manifest = plan_layout(specs, 3, BUCKET_BYTES)
+    assert manifest.trailer and all(t.crc32 == 0 for t in manifest.tensors) and len(manifest.bucket_sizes) > 2
+    store, address = host(tmp_path, timeout_s=30.0)
+
+    def send(group):
+        stream = StreamSender(group, manifest, "cpu")
+        for name, tensor in learner.items():
+            stream.put(name, tensor)
+        stats = stream.finish()
+        assert stats.buckets == len(manifest.bucket_sizes) and stats.bytes == manifest.total_bytes
+
+    result = send_as_rank0(tmp_path, address, store, [manifest], send)
+    assert result["ok"], result
+    got = load_file(str(tmp_path / "v3.safetensors"))
+    assert all(torch.equal(got[name], t) for name, t in state.items())
+
+
+def test_a_streamed_update_whose_tensor_changed_after_its_checksum_is_refused_by_the_receiver():
+    """The trailer is what the receiver checks against: a bucket altered after packing fails as corruption."""
+    from inflight.wire.weights import plan_layout, trailer_entry
+
+    state = make_state(seed=6)
+    specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
+    manifest = plan_layout(specs, 1, BUCKET_BYTES)
+    buffer = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
+    buckets = [pack_bucket(manifest, i, state, buffer).clone() for i in range(len(manifest.bucket_sizes))]
+    trailer = torch.frombuffer(bytearray(b"".join(trailer_entry(state[t.name], None) for t in manifest.tensors)),
+                               dtype=torch.uint8)  # fmt: skip
+    received = unpack_buckets(manifest, [*buckets, trailer])
+    assert all(torch.equal(received[name], t) for name, t in state.items())
+    buckets[0][5] ^= 0x10
+    with pytest.raises(ManifestError, match=r"checksum .* \(corrupted in transit\)"):
+        unpack_buckets(manifest, [*buckets, trailer])
+    with pytest.raises(ManifestError, match="announced .* and a trailer"):
+        unpack_buckets(manifest, buckets)

@@ -1,0 +1,214 @@
+"""Rank 0's peak extra memory while publishing: streamed (tensor by tensor through two buckets) vs gathered (the whole
+model first), from a 2-rank gloo FSDP2 learner, side by side in one run.
+
+    python -m benchmarks.publish_memory [--model smollm2] [--bucket-mb 64] [--dtype bfloat16] [--repeats 3]
+
+(launches `torchrun --nproc-per-node 2` on itself). Every rank loads the model and shards it with FSDP2
+(learner/model.py:shard_policy) over gloo, as `inflight.learn` under torchrun does. Rank 0 hosts the learner's
+WeightPublisher; a spawned receiver process plays the serve: it says Hello with the checkpoint's tensors in `--dtype`,
+joins the weights group and unpacks + verifies every update as a serve's staging thread does (checksums from the
+update itself, or its trailer when streamed), then reports each tensor's CRC32. Per mode `--repeats` versions are
+published, each into a `PeakMeter` (inflight/wire/memory.py: the process's resident high-water mark on CPU); the first
+publish of the run allocates the host snapshot the publisher keeps for serves that join later, so the figure is the
+median of the later ones. Written to `--out` (JSON) and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MiB = 1 << 20
+
+
+def _receiver(address: str, specs: list[tuple[str, str, list[int]]], conn) -> None:
+    """The serve's part: Hello, join, verify every update; sends {version: {name: crc32}} when told to stop."""
+    import zmq
+
+    from inflight.wire.control import Hello, Joined, JoinGroup, TensorSpec, UpdateDone, UpdateWeights, decode_control
+    from inflight.wire.control import encode_control as encode
+    from inflight.wire.group import GroupAddress, WeightsGroup
+    from inflight.wire.transfer import receive_update
+    from inflight.wire.weights import UpdateManifest, tensor_crc32, unpack_buckets
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    tensors = [TensorSpec(n, d, s) for n, d, s in specs]
+    sock.send(encode(Hello(server_id="receiver@0", model="m", workers=1, version=0, tensors=tensors)))
+    group, crcs = None, {}
+    while not conn.poll():
+        if not sock.poll(100):
+            continue
+        message = decode_control(sock.recv(), to="serve")
+        if isinstance(message, JoinGroup):
+            group = WeightsGroup(GroupAddress(message.host, message.port, message.world_size, message.group_name,
+                                              message.backend, message.timeout_s), message.rank)  # fmt: skip
+            sock.send(encode(Joined(server_id="receiver@0", group_name=message.group_name)))
+        elif isinstance(message, UpdateWeights):
+            manifest = UpdateManifest.decode(message.manifest)
+            got = unpack_buckets(manifest, receive_update(group, manifest), verify=True)
+            crcs[manifest.version] = {name: tensor_crc32(t) for name, t in got.items()}
+            sock.send(encode(UpdateDone(server_id="receiver@0", version=manifest.version)))
+    conn.send(crcs)
+    if group is not None:
+        group.close()
+
+
+def _rank_main(args) -> None:
+    """Every rank: load + shard; rank 0 publishes each mode `repeats` times, the others take part in the gathers."""
+    import torch.distributed as dist
+
+    from learner.model import full_hf_state, iter_full_pieces, load_policy, shard_policy
+    from learner.world import start_world
+
+    world = start_world("cpu")
+    model = load_policy(args.model_dir)
+    shard_policy(model, world.mesh)
+    rank0 = _Rank0(args, model) if world.rank == 0 else None
+    version = 0
+    for mode in ("streamed", "gathered"):
+        for _ in range(args.repeats):
+            version += 1
+            if rank0 is not None:
+                rank0.publish(mode, version)
+            elif mode == "streamed":
+                for _ in iter_full_pieces(model):
+                    pass
+            else:
+                full_hf_state(model)
+            dist.barrier()
+    if rank0 is not None:
+        rank0.report()
+    world.close(clean=True)
+
+
+class _Rank0:
+    """The publisher, the receiver process and the measurements."""
+
+    def __init__(self, args, model):
+        from inflight.learn.publisher import WeightPublisher
+        from inflight.wire.endpoints import ControlServer
+        from inflight.wire.weights import DTYPES
+
+        self.args, self.model, self.rows = args, model, []
+        self.publisher = WeightPublisher(ControlServer(), timeout_s=300, bucket_bytes=args.bucket_mb * MiB)
+        dtype = DTYPES[args.dtype]
+        # Names and shapes from the sharded model's own order (what iter_full_pieces walks), without gathering.
+        specs = {name: torch.empty(t.shape, dtype=dtype, device="meta")  # a DTensor's shape is the full one
+                 for name, t in _names_and_locals(model)}  # fmt: skip
+        self.model_bytes = sum(t.numel() * t.element_size() for t in specs.values())
+        self.largest = max(t.numel() * t.element_size() for t in specs.values())
+        self.publisher.set_model(specs)
+        self.conn, child = mp.get_context("spawn").Pipe()
+        spec_list = [(n, args.dtype, list(t.shape)) for n, t in specs.items()]
+        receiver_args = (self.publisher.control.address, spec_list, child)
+        self.proc = mp.get_context("spawn").Process(target=_receiver, args=receiver_args, daemon=True)
+        self.proc.start()
+        deadline = time.monotonic() + 120
+        while not self.publisher.serves and time.monotonic() < deadline:
+            self.publisher.pump(0.1)
+
+    def publish(self, mode: str, version: int) -> None:
+        from inflight.wire.memory import PeakMeter
+        from learner.model import full_hf_state, iter_full_pieces
+
+        start = time.perf_counter()
+        with PeakMeter("cpu") as peak:
+            if mode == "streamed":
+                report = self.publisher.publish_stream(iter_full_pieces(self.model), version)
+            else:
+                report = self.publisher.publish(full_hf_state(self.model), version)
+        seconds = time.perf_counter() - start
+        self.publisher._wait_for_commits(version)
+        self.rows.append({"mode": mode, "version": version, "peak_bytes": peak.extra_bytes, "seconds": seconds,
+                          "bytes": report.bytes, "serves": report.serves})  # fmt: skip
+        print(f"{mode} v{version}: peak extra {peak.extra_bytes / MiB:.0f} MiB, {seconds:.2f} s", flush=True)
+
+    def report(self) -> None:
+        self.conn.send("stop")
+        crcs = self.conn.recv()
+        self.proc.join(30)
+        self.publisher.close()
+        versions = sorted(crcs)
+        same = all(crcs[v] == crcs[versions[0]] for v in versions) and len(versions) == 2 * self.args.repeats
+        bucket = self.args.bucket_mb * MiB
+        out = {"model": self.args.model, "dtype": self.args.dtype, "bucket_bytes": bucket, "model_bytes":
+               self.model_bytes, "largest_tensor_bytes": self.largest, "received_identical": same,
+               "rows": self.rows}  # fmt: skip
+        summary = {}
+        for mode in ("streamed", "gathered"):
+            later = [r for r in self.rows if r["mode"] == mode][1:] or [r for r in self.rows if r["mode"] == mode]
+            summary[mode] = {"peak_bytes": statistics.median(r["peak_bytes"] for r in later),
+                             "seconds": statistics.median(r["seconds"] for r in later)}  # fmt: skip
+        out["summary"] = summary
+        from inflight.machine import cpu_label
+
+        out["cpu"] = cpu_label()
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(out, indent=1) + "\n")
+        _print(out)
+
+
+def _names_and_locals(model):
+    """(HF name, local tensor) in the order learner/model.py:iter_full_pieces walks, without gathering anything."""
+    from learner.model import _WRAPPER_PREFIX
+
+    tied = getattr(model.hf.config, "tie_word_embeddings", False)
+    for name, t in model.state_dict().items():
+        hf_name = name.removeprefix(_WRAPPER_PREFIX)
+        if not (tied and hf_name == "lm_head.weight"):
+            yield hf_name, t
+
+
+def _print(out: dict) -> None:
+    bucket, s = out["bucket_bytes"], out["summary"]
+    print(f"\n{out['model']} ({out['model_bytes'] / MiB:.0f} MiB in {out['dtype']}, largest tensor "
+          f"{out['largest_tensor_bytes'] / MiB:.0f} MiB), 2-rank gloo FSDP2 learner, {bucket / MiB:.0f}-MiB buckets, "
+          f"{out['cpu']}:")  # fmt: skip
+    print("| publish | rank 0 peak extra MiB | in buckets | in model sizes | seconds |")
+    print("|---|---|---|---|---|")
+    for mode in ("streamed", "gathered"):
+        peak = s[mode]["peak_bytes"]
+        print(f"| {mode} | {peak / MiB:.0f} | {peak / bucket:.2f} | {peak / out['model_bytes']:.2f} | "
+              f"{s[mode]['seconds']:.2f} |")  # fmt: skip
+    print(
+        f"streamed / gathered peak: {s['streamed']['peak_bytes'] / max(1, s['gathered']['peak_bytes']):.2f}; "
+        f"every version received identical: {out['received_identical']}"
+    )
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.publish_memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the serve's dtype")
+    parser.add_argument("--repeats", type=int, default=3, help="publishes per mode (the first is not counted)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/publish_memory.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)  # before launching anything: a bad flag fails here, once
+    if "RANK" not in os.environ:  # launch ourselves under torchrun, two ranks on this host
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        cmd = [torchrun, "--nproc-per-node", "2", "-m", "benchmarks.publish_memory", *argv]
+        return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from inflight.models import prepare
+
+    args.model_dir = prepare(args.model)
+    _rank_main(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+/work/main/.venv/bin/python -m inflight.learn --model smollm2 --host 127.0.0.1 --rollouts-port 56239 --control-port 57331 --weights-port 44853 --groups-per-step 2 --steps 0 --max-lag 4 --temperature 1.0 --lr 3e-05 --seed 0 --run-dir benchmarks/results/ablate-swap/keep-pause --autocast auto --group-size 8 --report-to none --top-p 1.0 --top-k 0 --min-p 0.0

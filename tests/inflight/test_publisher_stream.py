@@ -1,0 +1,61 @@
+"""WeightPublisher.publish_stream (inflight/learn/publisher.py): a full update streamed piece by piece, as a sharded
+learner gathers it (learner/model.py:iter_full_pieces), arrives bitwise with its checksums in the trailer; the host
+snapshot kept for late serves is written in place, not reallocated per publish.
+
+Real ZeroMQ sockets and a real gloo weights group; the serve's end is test_publisher_deltas.py's ServeEnd thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from test_publisher_deltas import ServeEnd, states
+
+from inflight.learn.publisher import WeightPublisher
+from inflight.wire.endpoints import ControlServer
+from learner.model import Piece
+
+
+def pieces(state: dict[str, torch.Tensor]):
+    """`w` in three row blocks (as from two ranks), `b` whole."""
+    w = state["w"]
+    yield from (Piece("w", w.shape, 0, w[:20]), Piece("w", w.shape, 20, w[20:40]), Piece("w", w.shape, 40, w[40:]))
+    yield Piece("b", state["b"].shape, 0, state["b"])
+
+
+def test_a_streamed_update_arrives_bitwise_and_the_late_serve_snapshot_is_reused():
+    by_version = states([1, 2])
+    publisher = WeightPublisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, bucket_bytes=4096)
+    publisher.set_model({"w": by_version[1]["w"], "b": by_version[1]["b"]})
+    serve = ServeEnd(publisher.control.address)
+    serve.start()
+    try:
+        publisher.pump(2.0)
+        reports = []
+        for version in (1, 2):
+            reports.append(publisher.publish_stream(pieces(by_version[version]), version))
+            start = time.monotonic()
+            while serve.answers < version and time.monotonic() - start < 10.0:
+                publisher.pump(0.05)
+            if version == 1:
+                snapshot = publisher.latest[1]
+        publisher.close()
+    finally:
+        serve.stop.set()
+        serve.join(10.0)
+    assert [r.serves for r in reports] == [1, 1] and not serve.errors
+    for version in (1, 2):
+        assert all(torch.equal(serve.received[version][1][n], by_version[version][n]) for n in ("w", "b"))
+    assert reports[0].bytes >= 64 * 32 * 4 + 100 * 4  # every byte went through the buckets
+    assert publisher.latest[0] == 2 and publisher.latest[1] is snapshot, "the snapshot is written in place"
+    assert all(torch.equal(snapshot[n], by_version[2][n]) for n in ("w", "b"))
+
+
+def test_a_streamed_publish_with_no_serve_still_keeps_the_version_for_the_first_serve_to_join():
+    state = states([1])[1]
+    publisher = WeightPublisher(ControlServer(), timeout_s=20.0)
+    publisher.set_model(state)
+    assert publisher.publish_stream(pieces(state), 1).serves == 0
+    assert publisher.latest[0] == 1 and all(torch.equal(publisher.latest[1][n], state[n]) for n in state)
+    publisher.close()
