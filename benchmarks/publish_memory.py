@@ -130,7 +130,7 @@ class _Rank0:
         seconds = time.perf_counter() - start
         self.publisher._wait_for_commits(version)
         self.rows.append({"mode": mode, "version": version, "peak_bytes": peak.extra_bytes, "seconds": seconds,
-                          "bytes": report.bytes, "serves": report.serves})  # fmt: skip
+                          "bytes": report.bytes, "serves": report.serves, "measured": peak.measured})  # fmt: skip
         print(f"{mode} v{version}: peak extra {peak.extra_bytes / MiB:.0f} MiB, {seconds:.2f} s", flush=True)
 
     def report(self) -> None:

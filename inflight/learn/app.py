@@ -144,7 +144,7 @@ class Learner:
             return {}
         with PeakMeter(self.placement.weights_device) as peak:
             fields = self.service.publish_stream(pieces, self.version, start)
-        return {**fields, "publish_peak_bytes": peak.extra_bytes}
+        return {**fields, "publish_peak_bytes": peak.extra_bytes if peak.measured else None}
 
     def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]
              ) -> StepMetrics:  # fmt: skip

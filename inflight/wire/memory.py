@@ -103,8 +103,9 @@ def trim_heap_in_background(min_interval_s: float = 0.0) -> bool:
 class PeakMeter:
     """How much memory a block of code added at its peak, on `device`: for CUDA the caching allocator's peak over what
     was allocated when it started; elsewhere the process's resident high-water mark over its resident size then (Linux:
-    `/proc/self/clear_refs` resets the mark). `extra_bytes` is 0 where neither can be read. Not thread-aware: memory
-    another thread of the process allocates meanwhile counts too.
+    `/proc/self/clear_refs` resets the mark). `extra_bytes` is 0 and `measured` False where neither can be done (the
+    mark could not be reset: it would measure the process's whole life). Not thread-aware: memory another thread of
+    the process allocates meanwhile counts too.
 
         with PeakMeter(device) as meter:
             publish()
@@ -113,7 +114,7 @@ class PeakMeter:
 
     def __init__(self, device) -> None:
         self.cuda = str(device).startswith("cuda")
-        self.device, self.extra_bytes, self._base = device, 0, 0
+        self.device, self.extra_bytes, self._base, self.measured = device, 0, 0, self.cuda
 
     def __enter__(self) -> PeakMeter:
         if self.cuda:
@@ -124,7 +125,7 @@ class PeakMeter:
         else:
             trim_heap()  # freed pages from before the block would otherwise hide part of its peak
             self._base = _status_kib("VmRSS")
-            _reset_high_water_mark()
+            self.measured = bool(self._base) and _reset_high_water_mark()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -132,7 +133,7 @@ class PeakMeter:
             import torch
 
             self.extra_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
-        else:
+        elif self.measured:
             self.extra_bytes = max(0, _status_kib("VmHWM") - self._base) * 1024
 
 
@@ -147,9 +148,10 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def _reset_high_water_mark() -> None:
+def _reset_high_water_mark() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        return True
     except OSError:
-        pass
+        return False

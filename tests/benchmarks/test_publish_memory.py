@@ -18,6 +18,8 @@ def test_a_streamed_publish_from_two_fsdp_ranks_peaks_within_three_buckets_and_e
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
+    if not all(row["measured"] for row in result["rows"]):
+        pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
     print("\n" + "\n".join(line for line in run.stdout.splitlines() if line.startswith(("|", "smollm2", "streamed"))))
     streamed, gathered = result["summary"]["streamed"]["peak_bytes"], result["summary"]["gathered"]["peak_bytes"]
     assert result["received_identical"], "the streamed and gathered updates differ"
