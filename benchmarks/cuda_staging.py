@@ -76,31 +76,42 @@ def sender_main(address: GroupAddress, layers: int, rounds: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from vllm_patches.staging import StagedUpdate
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.cuda_staging needs CUDA")
-    dev = "cuda"
-    out: dict = {"device": torch.cuda.get_device_name()}
-
-    big = 1 << 30
-    src, dst = torch.empty(big, dtype=torch.uint8, device=dev), torch.empty(big, dtype=torch.uint8, device=dev)
-    out["d2d_ceiling_gbs"] = big / timed(lambda: dst.copy_(src)) / 1e9
-    host = torch.empty(big, dtype=torch.uint8, pin_memory=True)
-    out["h2d_ceiling_gbs"] = big / timed(lambda: dst.copy_(host, non_blocking=True)) / 1e9
-    src = dst = host = None  # free before the model-sized buffers
-
+    out: dict = {"device": torch.cuda.get_device_name(), **copy_ceilings("cuda")}
     host_state = model_state(args.layers, "cpu")  # the same numbers the sender process makes
     manifest = plan_manifest(host_state, 1, BUCKET, checksums=True)
-    state = {name: t.to(dev) for name, t in host_state.items()}
-    host_state = None
-    nbytes = manifest.total_bytes
-    out["update_bytes"], out["tensors"] = nbytes, len(manifest.tensors)
-    buckets = [pack_bucket(manifest, i, state, torch.empty(s, dtype=torch.uint8, device=dev))
+    state = {name: t.to("cuda") for name, t in host_state.items()}
+    del host_state
+    out["update_bytes"], out["tensors"] = manifest.total_bytes, len(manifest.tensors)
+    out.update(commit_rate(manifest, state, out["d2d_ceiling_gbs"]))
+    decode = decoder("cuda")
+    alone = decode_steps_alone(decode)
+    in_receive, in_verify = staging_rounds(manifest, state, args.layers, decode, out)
+    out.update(decode_figures(alone, in_receive, in_verify))
+    print_table(out, args.layers)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def copy_ceilings(dev: str) -> dict:
+    """Device-to-device and pinned host-to-device copy rates of 1 GiB, GB/s: what the commit and receive compare to."""
+    big = 1 << 30
+    src, dst = torch.empty(big, dtype=torch.uint8, device=dev), torch.empty(big, dtype=torch.uint8, device=dev)
+    d2d = big / timed(lambda: dst.copy_(src)) / 1e9
+    host = torch.empty(big, dtype=torch.uint8, pin_memory=True)
+    return {"d2d_ceiling_gbs": d2d, "h2d_ceiling_gbs": big / timed(lambda: dst.copy_(host, non_blocking=True)) / 1e9}
+
+
+def commit_rate(manifest, state: dict, d2d_gbs: float) -> dict:
+    """The commit: the staged views (device buckets, verified) copied into parameter tensors one by one."""
+    buckets = [pack_bucket(manifest, i, state, torch.empty(s, dtype=torch.uint8, device="cuda"))
                for i, s in enumerate(manifest.bucket_sizes)]  # fmt: skip
     views = unpack_buckets(manifest, buckets, verify=True)
     assert all(torch.equal(views[n], state[n]) for n in state), "a staged view differs from the state it packed"
@@ -110,12 +121,13 @@ def main(argv: list[str] | None = None) -> dict:
         for name, view in views.items():
             params[name].copy_(view)
 
-    out["commit_s"] = timed(commit)
-    out["commit_gbs"] = nbytes / out["commit_s"] / 1e9
-    out["commit_vs_d2d"] = out["commit_gbs"] / out["d2d_ceiling_gbs"]
-    buckets = views = params = None
+    seconds = timed(commit)
+    gbs = manifest.total_bytes / seconds / 1e9
+    return {"commit_s": seconds, "commit_gbs": gbs, "commit_vs_d2d": gbs / d2d_gbs}
 
-    # decode-shaped work on the default stream
+
+def decoder(dev: str):
+    """Decode-shaped work on the default stream: 20 MLP steps, then a wait for this stream only."""
     x = torch.randn(32, HIDDEN, device=dev, dtype=torch.bfloat16)
     w_up = torch.randn(HIDDEN, INTER, device=dev, dtype=torch.bfloat16)
     w_down = torch.randn(INTER, HIDDEN, device=dev, dtype=torch.bfloat16)
@@ -129,23 +141,34 @@ def main(argv: list[str] | None = None) -> dict:
         # also wait for the side stream's copies and measure the benchmark's own barrier, not the overlap
         torch.cuda.current_stream().synchronize()
 
+    return decode
+
+
+def decode_steps_alone(decode) -> list[float]:
     decode()
     alone = []
     for _ in range(100):
         c0 = time.perf_counter()
         decode()
         alone.append((time.perf_counter() - c0) / 20)
+    return alone
+
+
+def staging_rounds(manifest, state: dict, layers: int, decode, out: dict) -> tuple[list[float], list[float]]:
+    """Receive the update `rounds` times from a spawned CPU sender while decoding the whole time; per-round figures
+    and the receive rate go into `out`; returns the decode step times while buckets arrived and while CRCs ran."""
+    from vllm_patches.staging import StagedUpdate
 
     rounds = 5  # the first rounds also grow the caching allocator (cudaMalloc); later ones reuse its blocks
     address = GroupAddress("127.0.0.1", 0, 2, "bench-staging", "gloo", 300.0)
     store = open_store(address, is_host=True)
     address = GroupAddress("127.0.0.1", store.port, 2, "bench-staging", "gloo", 300.0)
-    sender = mp.get_context("spawn").Process(target=sender_main, args=(address, args.layers, rounds), daemon=True)
+    sender = mp.get_context("spawn").Process(target=sender_main, args=(address, layers, rounds), daemon=True)
     sender.start()
     group = WeightsGroup(address, 1, store)
     receive_s, in_receive, in_verify = [], [], []
     for _ in range(rounds):
-        stage = StagedUpdate(manifest, group, dev).start()
+        stage = StagedUpdate(manifest, group, "cuda").start()
         chunks = []  # (seconds, whether the buckets were still arriving when it ended)
         while not stage.finished:  # decode the whole time the update is received
             c0 = time.perf_counter()
@@ -154,34 +177,43 @@ def main(argv: list[str] | None = None) -> dict:
         assert stage.state.value == "staged", stage.error
         assert all(torch.equal(stage.tensors[n], state[n]) for n in list(state)[:4])
         receive_s.append(stage.receive_s)
-        steps = [c / 20 for c, _ in chunks]
-        out.setdefault("rounds", []).append({"receive_s": stage.receive_s, "chunks": len(chunks),
-                                             "step_median_ms": 1e3 * statistics.median(steps),
-                                             "step_mean_ms": 1e3 * statistics.fmean(steps),
-                                             "chunk_max_ms": 1e3 * max(c for c, _ in chunks),
-                                             "chunk_max_phase": "transfer" if max(chunks)[1] else "crc"})  # fmt: skip
+        out.setdefault("rounds", []).append(round_figures(stage.receive_s, chunks))
         in_receive += [c / 20 for c, receiving in chunks if receiving]
         in_verify += [c / 20 for c, receiving in chunks if not receiving]
     sender.join(60)
     group.close()
     out["receive_s"] = statistics.median(receive_s)
-    out["receive_gbs"] = nbytes / out["receive_s"] / 1e9
+    out["receive_gbs"] = manifest.total_bytes / out["receive_s"] / 1e9
     out["receive_vs_h2d"] = out["receive_gbs"] / out["h2d_ceiling_gbs"]
+    return in_receive, in_verify
+
+
+def round_figures(receive_s: float, chunks: list[tuple[float, bool]]) -> dict:
+    steps = [c / 20 for c, _ in chunks]
+    return {"receive_s": receive_s, "chunks": len(chunks), "step_median_ms": 1e3 * statistics.median(steps),
+            "step_mean_ms": 1e3 * statistics.fmean(steps), "chunk_max_ms": 1e3 * max(c for c, _ in chunks),
+            "chunk_max_phase": "transfer" if max(chunks)[1] else "crc"}  # fmt: skip
+
+
+def decode_figures(alone: list[float], in_receive: list[float], in_verify: list[float]) -> dict:
     during = in_receive + in_verify
     ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
-    out.update({
+    out = {
         "decode_step_alone_ms": ms(alone), "decode_step_alone_mean_ms": 1e3 * statistics.fmean(alone),
         "decode_step_alone_max_ms": 1e3 * max(alone),
         "decode_step_while_staging_ms": ms(during), "decode_step_while_staging_mean_ms": 1e3 * statistics.fmean(during),
         "decode_step_while_staging_max_ms": 1e3 * max(during),
         # the stage's two phases: buckets arriving (gloo, side stream), then the CRC check (host copies + zlib)
         "decode_step_during_transfer_ms": ms(in_receive), "decode_step_during_crc_ms": ms(in_verify),
-    })  # fmt: skip
+    }  # fmt: skip
     out["decode_slowdown"] = out["decode_step_while_staging_ms"] / out["decode_step_alone_ms"]
     out["decode_slowdown_mean"] = out["decode_step_while_staging_mean_ms"] / out["decode_step_alone_mean_ms"]
+    return out
 
-    print(f"device {out['device']}; update {nbytes / 2**30:.2f} GiB in {out['tensors']} tensors (Qwen2.5-1.5B shapes, "
-          f"{args.layers} layers, bf16)")  # fmt: skip
+
+def print_table(out: dict, layers: int) -> None:
+    print(f"device {out['device']}; update {out['update_bytes'] / 2**30:.2f} GiB in {out['tensors']} tensors "
+          f"(Qwen2.5-1.5B shapes, {layers} layers, bf16)")  # fmt: skip
     rows = [
         ("device-to-device copy ceiling", f"{out['d2d_ceiling_gbs']:.0f} GB/s", ""),
         ("pinned host-to-device ceiling", f"{out['h2d_ceiling_gbs']:.1f} GB/s", ""),
@@ -206,10 +238,6 @@ def main(argv: list[str] | None = None) -> dict:
             f"  round {i + 1}: receive {r['receive_s']:.2f} s, decode step median {r['step_median_ms']:.3f} ms, "
             f"mean {r['step_mean_ms']:.3f} ms, longest 20-step chunk {r['chunk_max_ms']:.1f} ms"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
 
 
 if __name__ == "__main__":
