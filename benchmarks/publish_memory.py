@@ -98,13 +98,14 @@ class _Rank0:
         from inflight.learn.publisher import WeightPublisher
         from inflight.wire.endpoints import ControlServer
         from inflight.wire.weights import DTYPES
+        from learner.model import local_hf_state
 
         self.args, self.model, self.rows = args, model, []
         self.publisher = WeightPublisher(ControlServer(), timeout_s=300, bucket_bytes=args.bucket_mb * MiB)
         dtype = DTYPES[args.dtype]
         # Names and shapes from the sharded model's own order (what iter_full_pieces walks), without gathering.
         specs = {name: torch.empty(t.shape, dtype=dtype, device="meta")  # a DTensor's shape is the full one
-                 for name, t in _names_and_locals(model)}  # fmt: skip
+                 for name, t in local_hf_state(model)}  # fmt: skip
         self.model_bytes = sum(t.numel() * t.element_size() for t in specs.values())
         self.largest = max(t.numel() * t.element_size() for t in specs.values())
         self.publisher.set_model(specs)
@@ -156,17 +157,6 @@ class _Rank0:
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
         self.args.out.write_text(json.dumps(out, indent=1) + "\n")
         _print(out)
-
-
-def _names_and_locals(model):
-    """(HF name, local tensor) in the order learner/model.py:iter_full_pieces walks, without gathering anything."""
-    from learner.model import _WRAPPER_PREFIX
-
-    tied = getattr(model.hf.config, "tie_word_embeddings", False)
-    for name, t in model.state_dict().items():
-        hf_name = name.removeprefix(_WRAPPER_PREFIX)
-        if not (tied and hf_name == "lm_head.weight"):
-            yield hf_name, t
 
 
 def _print(out: dict) -> None:

@@ -197,11 +197,7 @@ def iter_full_pieces(model: PolicyModel, max_piece_bytes: int = 16 << 20) -> Ite
     Collective when the model is sharded: every rank must exhaust it, in step. A yielded tensor may be the live
     parameter or rank 0's own shard: valid until the next piece is asked for; copy what must outlive that, never write.
     """
-    tied = getattr(model.hf.config, "tie_word_embeddings", False)
-    for name, t in model.state_dict().items():
-        hf_name = _hf_name(name)
-        if tied and hf_name == "lm_head.weight":
-            continue  # the embedding, sent once under its own name (as full_hf_state leaves it out)
+    for hf_name, t in local_hf_state(model):
         if not isinstance(t, DTensor):
             yield Piece(hf_name, t.shape, 0, t.detach())
         elif _row_sharded(t):
@@ -210,6 +206,16 @@ def iter_full_pieces(model: PolicyModel, max_piece_bytes: int = 16 << 20) -> Ite
             full = t.full_tensor().detach()  # another placement: gathered whole (collective)
             if dist.get_rank(t.device_mesh.get_group()) == 0:
                 yield Piece(hf_name, full.shape, 0, full)
+
+
+def local_hf_state(model: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, this rank's tensor — a DTensor when sharded, whose `shape` is the full one) in `full_hf_state`'s
+    names and order, gathering nothing; a tied LM head left out (it is the embedding, sent once under its own name)."""
+    tied = getattr(model.hf.config, "tie_word_embeddings", False)
+    for name, t in model.state_dict().items():
+        hf_name = _hf_name(name)
+        if not (tied and hf_name == "lm_head.weight"):
+            yield hf_name, t
 
 
 def _row_sharded(t: DTensor) -> bool:

@@ -234,22 +234,16 @@ class WeightPublisher:
         self.latest = (version, state)
         report = PublishReport(version)
         for _ in range(retries + 1):
-            self.pump(0)
-            if self.group is not None and previous is not None:
-                self._wait_for_commits(previous)  # the last version sent (not version - 1: --publish-every > 1)
-            if not self._ensure_group():
+            members = self._members_ready(previous)
+            if members is None:
                 return report
-            members = self.membership.members()
-            served = {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
+            served = _served(members)
             cast = {name: state[name].to(self.device, DTYPES[dtype]).contiguous()
                     for name, (dtype, _) in served.items()}  # fmt: skip
             base = self._delta_base(version, members, cast)
             manifest, payloads = plan_update(cast, version, self.bucket_bytes, weights_key=self.weights_key,
                                              base=base, keep_base=self.full_every > 1)  # fmt: skip
-            check_against(manifest, served)
-            for serve in members:
-                self.control.send(serve.identity, UpdateWeights(manifest=manifest.encode(), groups_consumed=(
-                    consumed or {}).get(serve.server_id, 0)))  # fmt: skip
+            self._announce(manifest, members, served, consumed)
             try:
                 stats = send_update(self.group, manifest, payloads)
             except WeightsGroupError as exc:
@@ -261,6 +255,21 @@ class WeightPublisher:
             report.delta = base is not None
             return report
         return report
+
+    def _members_ready(self, previous: int | None) -> list[Serve] | None:
+        """Wait until every member answered the last version sent (`previous`; not version - 1: --publish-every > 1),
+        form the group if membership changed; its members, or None when there is no serve to send to."""
+        self.pump(0)
+        if self.group is not None and previous is not None:
+            self._wait_for_commits(previous)
+        return self.membership.members() if self._ensure_group() else None
+
+    def _announce(self, manifest, members: list[Serve], served: dict, consumed: dict[str, int] | None) -> None:
+        """Check `manifest` against what the serves hold, then send it to every member before any bucket moves."""
+        check_against(manifest, served)
+        for serve in members:
+            self.control.send(serve.identity, UpdateWeights(manifest=manifest.encode(), groups_consumed=(
+                consumed or {}).get(serve.server_id, 0)))  # fmt: skip
 
     def _delta_base(self, version: int, members: list[Serve], cast: dict[str, torch.Tensor]):
         """(version, tensors) of the last version sent, when every member committed it and a full update is not due
@@ -285,20 +294,14 @@ class WeightPublisher:
         serves that went quiet, the others get the next version."""
         report, previous = PublishReport(version), self.latest[0] if self.latest is not None else None
         try:
-            self.pump(0)
-            if self.group is not None and previous is not None:
-                self._wait_for_commits(previous)
-            if not self._ensure_group():
+            members = self._members_ready(previous)
+            if members is None:
                 self._keep_latest(tensors, version, self.expected or {})
                 return report
-            members = self.membership.members()
-            served = {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
+            served = _served(members)
             order = {name: served[name] for name in (self.expected or served)}  # the learner's order, served dtypes
             manifest = plan_layout(order, version, self.bucket_bytes)
-            check_against(manifest, served)
-            for serve in members:
-                self.control.send(serve.identity, UpdateWeights(manifest=manifest.encode(), groups_consumed=(
-                    consumed or {}).get(serve.server_id, 0)))  # fmt: skip
+            self._announce(manifest, members, served, consumed)
             stats, error = self._stream(StreamSender(self.group, manifest, self.device, self.weights_key), tensors,
                                         self._snapshot(order), version)  # fmt: skip
             if error is not None:
@@ -362,6 +365,11 @@ class WeightPublisher:
         if self.group is not None and self.latest is not None:
             self._wait_for_commits(self.latest[0])
         self._break_group("learner shutting down")
+
+
+def _served(members: list[Serve]) -> dict[str, tuple[str, list[int]]]:
+    """Name -> (dtype, shape) of what the serves hold (all members announced the same: checked at Hello)."""
+    return {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
 
 
 def _copy_rows(dest: torch.Tensor, start: int, rows: torch.Tensor) -> None:
