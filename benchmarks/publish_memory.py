@@ -5,19 +5,18 @@ model first), from a 2-rank gloo FSDP2 learner, side by side in one run.
 
 (launches `torchrun --nproc-per-node 2` on itself). Every rank loads the model and shards it with FSDP2
 (learner/model.py:shard_policy) over gloo, as `inflight.learn` under torchrun does. Rank 0 hosts the learner's
-WeightPublisher; a spawned receiver process plays the serve: it says Hello with the checkpoint's tensors in `--dtype`,
-joins the weights group and unpacks + verifies every update as a serve's staging thread does (checksums from the
-update itself, or its trailer when streamed), then reports each tensor's CRC32. Per mode `--repeats` versions are
-published, each into a `PeakMeter` (inflight/wire/memory.py: the process's resident high-water mark on CPU); the first
-publish of the run allocates the host snapshot the publisher keeps for serves that join later, so the figure is the
-median of the later ones. Written to `--out` (JSON) and printed.
+WeightPublisher; a spawned receiver process plays the serve (benchmarks/receiver.py): it says Hello with the
+checkpoint's tensors in `--dtype`, joins the weights group and unpacks + verifies every update as a serve's staging
+thread does (checksums from the update itself, or its trailer when streamed), then reports each tensor's CRC32. Per
+mode `--repeats` versions are published, each into a `PeakMeter` (inflight/wire/memory.py: the process's resident
+high-water mark on CPU); the first publish of the run allocates the host snapshot the publisher keeps for serves that
+join later, so the figure is the median of the later ones. Written to `--out` (JSON) and printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -27,40 +26,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.receiver import Receiver
+
 MiB = 1 << 20
-
-
-def _receiver(address: str, specs: list[tuple[str, str, list[int]]], conn) -> None:
-    """The serve's part: Hello, join, verify every update; sends {version: {name: crc32}} when told to stop."""
-    import zmq
-
-    from inflight.wire.control import Hello, Joined, JoinGroup, TensorSpec, UpdateDone, UpdateWeights, decode_control
-    from inflight.wire.control import encode_control as encode
-    from inflight.wire.group import GroupAddress, WeightsGroup
-    from inflight.wire.transfer import receive_update
-    from inflight.wire.weights import UpdateManifest, tensor_crc32, unpack_buckets
-
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(address)
-    tensors = [TensorSpec(n, d, s) for n, d, s in specs]
-    sock.send(encode(Hello(server_id="receiver@0", model="m", workers=1, version=0, tensors=tensors)))
-    group, crcs = None, {}
-    while not conn.poll():
-        if not sock.poll(100):
-            continue
-        message = decode_control(sock.recv(), to="serve")
-        if isinstance(message, JoinGroup):
-            group = WeightsGroup(GroupAddress(message.host, message.port, message.world_size, message.group_name,
-                                              message.backend, message.timeout_s), message.rank)  # fmt: skip
-            sock.send(encode(Joined(server_id="receiver@0", group_name=message.group_name)))
-        elif isinstance(message, UpdateWeights):
-            manifest = UpdateManifest.decode(message.manifest)
-            got = unpack_buckets(manifest, receive_update(group, manifest), verify=True)
-            crcs[manifest.version] = {name: tensor_crc32(t) for name, t in got.items()}
-            sock.send(encode(UpdateDone(server_id="receiver@0", version=manifest.version)))
-    conn.send(crcs)
-    if group is not None:
-        group.close()
 
 
 def _rank_main(args) -> None:
@@ -109,11 +77,8 @@ class _Rank0:
         self.model_bytes = sum(t.numel() * t.element_size() for t in specs.values())
         self.largest = max(t.numel() * t.element_size() for t in specs.values())
         self.publisher.set_model(specs)
-        self.conn, child = mp.get_context("spawn").Pipe()
         spec_list = [(n, args.dtype, list(t.shape)) for n, t in specs.items()]
-        receiver_args = (self.publisher.control.address, spec_list, child)
-        self.proc = mp.get_context("spawn").Process(target=_receiver, args=receiver_args, daemon=True)
-        self.proc.start()
+        self.receiver = Receiver(self.publisher.control.address, spec_list)
         deadline = time.monotonic() + 120
         while not self.publisher.serves and time.monotonic() < deadline:
             self.publisher.pump(0.1)
@@ -135,9 +100,7 @@ class _Rank0:
         print(f"{mode} v{version}: peak extra {peak.extra_bytes / MiB:.0f} MiB, {seconds:.2f} s", flush=True)
 
     def report(self) -> None:
-        self.conn.send("stop")
-        crcs = self.conn.recv()
-        self.proc.join(30)
+        crcs = self.receiver.stop()
         self.publisher.close()
         versions = sorted(crcs)
         same = all(crcs[v] == crcs[versions[0]] for v in versions) and len(versions) == 2 * self.args.repeats

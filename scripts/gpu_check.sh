@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call, then one table. Run from the repository root on a CUDA machine:
 #   scripts/gpu_check.sh [out_dir]          (default: $OUT if set, else ./gpu-check)
-# Needs torch with CUDA, Triton, pytest, msgspec. Without CUDA the tests skip and the benchmarks refuse.
+# Needs torch with CUDA, Triton, pytest, msgspec, pyzmq, transformers. Without CUDA the tests skip and the benchmarks
+# refuse.
+#
+# The learner on CUDA (benchmarks/gpu_learner.py) trains from a recorded journal: INFLIGHT_GPU_JOURNAL names the run
+# directory of a live run recorded with --keep-journal (`python -m benchmarks.gpu_learner record` makes one on any
+# machine with vLLM, CPU included). Without it, on a machine with vLLM the script records one itself (a GPU serve when
+# there are two GPUs, else a CPU one); with neither, the learner check is skipped and says so.
+# With two or more GPUs it also runs the NCCL weights group between a learner GPU and a receiver GPU, and, when vLLM
+# is installed, the main job's smoke test `inflight.run --serve-gpus 0 --learn-gpus 1`.
 set -uo pipefail
 out=${1:-${OUT:-gpu-check}}
 mkdir -p "$out"
@@ -21,7 +29,43 @@ fused_rc=${PIPESTATUS[0]}
 $py -m benchmarks.cuda_staging --json "$out/cuda_staging.json" 2>&1 | tee "$out/cuda_staging.txt"
 staging_rc=${PIPESTATUS[0]}
 
-$py - "$out" "$tests_rc" "$fused_rc" "$staging_rc" <<'PY'
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+has_vllm=$($py -c "import vllm" 2>/dev/null && echo 1 || echo 0)
+journal=${INFLIGHT_GPU_JOURNAL:-}
+if [ -z "$journal" ] && [ "$has_vllm" = 1 ]; then
+  journal="$out/recorded"
+  serve_gpus=$([ "$gpus" -ge 2 ] && echo 1 || echo "")
+  $py -m benchmarks.gpu_learner record --run-dir "$journal" --duration-s 300 ${serve_gpus:+--serve-gpus $serve_gpus} \
+    > "$out/record.log" 2>&1 || journal=""
+fi
+learner_rc=0
+if [ -n "$journal" ]; then
+  $py -m benchmarks.gpu_learner --replay "$journal" --steps 20 --out "$out/learner" --json "$out/gpu_learner.json" \
+    2>&1 | tee "$out/gpu_learner.txt"
+  learner_rc=${PIPESTATUS[0]}
+else
+  echo "gpu_learner: skipped (no INFLIGHT_GPU_JOURNAL and no vLLM to record one)" | tee "$out/gpu_learner.txt"
+fi
+nccl_rc=0
+if [ "$gpus" -ge 2 ] && [ -n "$journal" ]; then  # the weights group over NCCL: learner on GPU 0, receiver on GPU 1
+  $py -m benchmarks.gpu_learner --replay "$journal" --steps 5 --backend nccl --out "$out/learner-nccl" \
+    --json "$out/gpu_learner_nccl.json" 2>&1 | tee "$out/gpu_learner_nccl.txt"
+  nccl_rc=${PIPESTATUS[0]}
+else
+  echo "nccl weights group: skipped ($gpus GPU(s); it needs two)" | tee "$out/gpu_learner_nccl.txt"
+fi
+run_rc=0
+if [ "$gpus" -ge 2 ] && [ "$has_vllm" = 1 ]; then  # the main job on split GPU pools
+  $py -m inflight.run --serve-gpus 0 --learn-gpus 1 --steps 3 --run-dir "$out/run-smoke" --echo none \
+    > "$out/run_smoke.log" 2>&1
+  run_rc=$?
+  echo "inflight.run --serve-gpus 0 --learn-gpus 1 --steps 3: exit $run_rc" | tee -a "$out/run_smoke.log"
+else
+  echo "inflight.run smoke test: skipped ($gpus GPU(s), vLLM installed: $has_vllm; it needs two GPUs and vLLM)" \
+    | tee "$out/run_smoke.log"
+fi
+
+$py - "$out" "$tests_rc" "$fused_rc" "$staging_rc" "$learner_rc" "$nccl_rc" "$run_rc" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 out, rcs = Path(sys.argv[1]), sys.argv[2:]
@@ -48,6 +92,9 @@ try:
           f"decode step while staging x{s['decode_slowdown']:.3f} (median), x{s['decode_slowdown_mean']:.3f} (mean)")
 except Exception as exc:
     print("cuda_staging: no result", exc)
-print("exit codes (tests, fused_loss, cuda_staging):", " ".join(rcs))
+for name in ("gpu_learner.txt", "gpu_learner_nccl.txt", "run_smoke.log"):
+    lines = (out / name).read_text().splitlines() if (out / name).exists() else ["(no output)"]
+    print(f"{name}: {lines[-1]}")
+print("exit codes (tests, fused_loss, cuda_staging, gpu_learner, nccl, run smoke):", " ".join(rcs))
 sys.exit(max(int(r) for r in rcs))
 PY

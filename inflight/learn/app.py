@@ -11,10 +11,12 @@ their slice; the new full weights go out as `version + 1` (`publish`). The loop 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import shutil
 import signal
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -83,6 +85,11 @@ class Learner:
         line, checkpoint (`--checkpoint-every`; at the end unless the last step wrote one), HF export. The exit code."""
         from inflight.learn.dist import broadcast_samples
 
+        # Everything loaded so far (torch, transformers, the model's modules) lives as long as the process: moved out of
+        # the collector's reach, a full collection no longer walks it. A step on a GPU is bound by the CPU launching
+        # kernels, and a multi-millisecond collection in the middle of one is a stall the GPU sits through.
+        gc.collect()
+        gc.freeze()
         while not self.cfg.steps or self.step < self.cfg.steps:
             started = time.perf_counter()
             batch = self.service.next_groups(self.version, lambda: self.stop_requested) if self.rank == 0 else None
@@ -142,9 +149,14 @@ class Learner:
             for _ in pieces:
                 pass
             return {}
-        with PeakMeter(self.placement.weights_device) as peak:
+        # A CUDA learner over gloo: the buckets are in host memory, the gathered pieces on its GPU; both are measured.
+        own = self.placement.device if self.placement.device != self.placement.weights_device else None
+        with PeakMeter(self.placement.weights_device) as peak, PeakMeter(own) if own else nullcontext() as on_gpu:
             fields = self.service.publish_stream(pieces, self.version, start)
-        return {**fields, "publish_peak_bytes": peak.extra_bytes if peak.measured else None}
+        fields["publish_peak_bytes"] = peak.extra_bytes if peak.measured else None
+        if on_gpu is not None and on_gpu.measured:
+            fields["publish_device_peak_bytes"] = on_gpu.extra_bytes
+        return fields
 
     def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]
              ) -> StepMetrics:  # fmt: skip

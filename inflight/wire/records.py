@@ -76,6 +76,9 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     # rank 0's peak extra memory while publishing (streamed full updates), on the weights device: CUDA allocator peak,
     # or the process's resident high-water mark on CPU (inflight/wire/memory.py:PeakMeter)
     publish_peak_bytes: int | None = None
+    # a CUDA learner publishing over gloo: its GPU's peak extra memory too (the CUDA allocator's), since the pieces are
+    # gathered on the GPU before they are cast into host buckets; None where the weights device is the learner's own
+    publish_device_peak_bytes: int | None = None
     # kv lag (learner version at training − version of the oldest KV the token attended to) → tokens; >= the lag
     kv_lag_histogram: dict[int, int] | None = None
     # Multi-turn episodes (present when the batch had environment tokens): environment tokens of the batch (context,
