@@ -318,12 +318,13 @@ class WeightPublisher:
         failed part-way: the serves that missed `version` get it from there); (stats, None) or (None, the error)."""
         error = None
         for name, _, start, tensor in tensors:
+            source = tensor
             if error is None:
-                try:
-                    stream.put(name, tensor, start)
+                try:  # the snapshot copies the bucket's host rows, already cast: no second trip from the device
+                    source = stream.put(name, tensor, start)
                 except WeightsGroupError as exc:
                     error = exc
-            _copy_rows(snapshot[name], start, tensor)
+            _copy_rows(snapshot[name], start, source)
         stats = None
         if error is None:
             try:
