@@ -6,12 +6,14 @@ No engine needed: the test plays the serve's part on a real PUSH socket, sending
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_serve import free_port
@@ -75,3 +77,67 @@ def test_torchrun_two_gloo_ranks_train_like_one_process(model_dirs, tmp_path):
     assert moved > 0.5 * LR  # the step really trained
     assert worst <= 0.1 * LR
     assert all(torch.equal(one[k].isfinite(), two[k].isfinite()) for k in one)
+
+
+@pytest.mark.engine
+def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_and_it_then_answers_like_the_export(
+    model_dirs, tmp_path
+):
+    """Issue 16's publish on CPU: `torchrun --nproc-per-node 2 -m inflight.learn` (gloo, FSDP2) trains SmolLM2 on a
+    real serve's rollouts and streams each update from its shards (learner/model.py:iter_full_pieces) into the serve.
+    Rank 0's peak extra memory during the second publish (the first also allocates the host snapshot kept for late
+    serves) stays within three buckets, as its metrics line says; the serve commits the last version and then
+    greedy-decodes exactly what transformers decodes from the learner's exported weights (prompts with a clear greedy
+    choice), the same check as test_learn.py makes for one rank."""
+    import openai
+    from serve_support import ServeProcess
+    from support import CONFIDENT_PROMPTS, greedy_transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, ports, http = model_dirs["smollm2"], [free_port() for _ in range(3)], free_port()
+    bucket_mb = 128  # >= the largest tensor in fp32 (the 113-MiB embedding): a bucket holds any whole tensor
+    torchrun = (os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2", "--master-port",
+                str(free_port()), "--no-python")  # fmt: skip
+    learn = ServeProcess(["--model", str(path), "--steps", "2", "--groups-per-step", "2", "--group-size", "4",
+                          "--run-dir", str(tmp_path), "--rollouts-port", str(ports[0]), "--control-port", str(ports[1]),
+                          "--weights-port", str(ports[2]), "--bucket-mb", str(bucket_mb), "--timeout-s", "120",
+                          "--lr", "1e-5", "--max-lag", "1"], module="inflight.learn", prefix=torchrun,
+                         env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    serve = None
+    try:
+        learn.wait_for("inflight.learn ready", timeout_s=180)
+        serve = ServeProcess(["--model", str(path), "--rollouts", f"tcp://127.0.0.1:{ports[0]}", "--control",
+                              f"tcp://127.0.0.1:{ports[1]}", "--group-size", "4", "--max-tokens", "12",
+                              "--groups-per-step", "2", "--max-lag", "1", "--reward", "serve_rewards:text_length",
+                              "--http-port", str(http)])  # fmt: skip
+        deadline = time.monotonic() + 600
+        while learn.proc.poll() is None:
+            assert time.monotonic() < deadline, learn.tail()
+            time.sleep(0.5)
+        assert learn.proc.returncode == 0, learn.tail()
+        steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        peak = steps[1]["publish_peak_bytes"]
+        if peak is None:
+            pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
+        mib, sent = 2**20, steps[1]
+        print(f"\nrank 0 peak extra memory, 2nd publish: {peak / mib:.0f} MiB = {peak / (bucket_mb * mib):.2f} "
+              f"buckets of {bucket_mb} MiB ({sent['publish_bytes'] / mib:.0f} MiB, {sent['publish_s']:.2f} s)")
+        assert steps[1]["publish_serves"] == 1 and peak <= 3 * (bucket_mb << 20)
+        serve.wait_for("weights v2 committed", timeout_s=120)
+        tok = AutoTokenizer.from_pretrained(path)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", timeout=120)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-final", dtype=torch.float32).eval()  # as served
+        for prompt in CONFIDENT_PROMPTS:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          return_dict=False)  # fmt: skip
+            create = client.completions.with_raw_response.create
+            raw = create(model="smollm2", prompt=list(ids), max_tokens=16, temperature=0.0,
+                         extra_body={"ignore_eos": True})  # fmt: skip
+            assert raw.headers["x-inflight-weight-version"] == "2"
+            with torch.no_grad():
+                want = tok.decode(greedy_transformers(model, torch.tensor([ids]), 16), skip_special_tokens=True)
+            assert raw.parse().choices[0].text == want, prompt
+    finally:
+        if serve is not None:
+            serve.stop()
+        learn.stop()
