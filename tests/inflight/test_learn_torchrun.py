@@ -120,8 +120,10 @@ def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_and_it_then_
         if peak is None:
             pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
         mib, sent = 2**20, steps[1]
-        print(f"\nrank 0 peak extra memory, 2nd publish: {peak / mib:.0f} MiB = {peak / (bucket_mb * mib):.2f} "
-              f"buckets of {bucket_mb} MiB ({sent['publish_bytes'] / mib:.0f} MiB, {sent['publish_s']:.2f} s)")
+        print(
+            f"\nrank 0 peak extra memory, 2nd publish: {peak / mib:.0f} MiB = {peak / (bucket_mb * mib):.2f} "
+            f"buckets of {bucket_mb} MiB ({sent['publish_bytes'] / mib:.0f} MiB, {sent['publish_s']:.2f} s)"
+        )
         assert steps[1]["publish_serves"] == 1 and peak <= 3 * (bucket_mb << 20)
         serve.wait_for("weights v2 committed", timeout_s=120)
         tok = AutoTokenizer.from_pretrained(path)
