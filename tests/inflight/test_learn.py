@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 from serve_support import ServeProcess
@@ -42,6 +43,30 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def assert_serve_answers_like_the_export(model_dir, export_dir, http_port: int, version: int) -> None:
+    """The serve behind `http_port`, at weight version `version`, greedy-decodes exactly what transformers decodes from
+    `export_dir` (the learner's `hf-final`, loaded in fp32 as the test serves run) on prompts with a clear greedy
+    choice."""
+    import openai
+    import torch
+    from support import CONFIDENT_PROMPTS, greedy_transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", timeout=120)
+    model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+    for prompt in CONFIDENT_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_dict=False)  # fmt: skip
+        create = client.completions.with_raw_response.create
+        raw = create(model=Path(model_dir).name, prompt=list(ids), max_tokens=16, temperature=0.0,
+                     extra_body={"ignore_eos": True})  # fmt: skip
+        assert raw.headers["x-inflight-weight-version"] == str(version)
+        with torch.no_grad():
+            want = tok.decode(greedy_transformers(model, torch.tensor([ids]), 16), skip_special_tokens=True)
+        assert raw.parse().choices[0].text == want, prompt
+
+
 def test_learner_matches_the_serves_logprobs_and_after_an_update_the_serve_answers_like_the_learners_model(
     model_dirs, tmp_path
 ):
@@ -51,11 +76,6 @@ def test_learner_matches_the_serves_logprobs_and_after_an_update_the_serve_answe
     transformers decodes from the learner's exported weights (prompts with a clear greedy choice). Both sides share a
     secret: the sockets run CURVE and the update arrives with keyed tags the serve verified (tests of forgeries:
     tests/vllm_patches/test_authenticated_updates.py)."""
-    import openai
-    import torch
-    from support import CONFIDENT_PROMPTS, greedy_transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path, port = model_dirs["smollm2"], free_port()
     secret = tmp_path / "secret"
     secret.write_bytes(b"a secret both sides were given, 40 bytes")
@@ -66,19 +86,7 @@ def test_learner_matches_the_serves_logprobs_and_after_an_update_the_serve_answe
         [step] = read_jsonl(tmp_path / "metrics.jsonl")
         assert step["probe_tokens"] == step["tokens"] > 0 and step["mismatch_lag0"] <= 5e-3, step
         serve.wait_for("weights v1 committed", timeout_s=60)
-        tok = AutoTokenizer.from_pretrained(path)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-final", dtype=torch.float32).eval()  # as served
-        for prompt in CONFIDENT_PROMPTS:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          return_dict=False)  # fmt: skip
-            create = client.completions.with_raw_response.create
-            raw = create(model="smollm2", prompt=list(ids), max_tokens=16, temperature=0.0,
-                         extra_body={"ignore_eos": True})  # fmt: skip
-            assert raw.headers["x-inflight-weight-version"] == "1"
-            with torch.no_grad():
-                want = tok.decode(greedy_transformers(model, torch.tensor([ids]), 16), skip_special_tokens=True)
-            assert raw.parse().choices[0].text == want, prompt
+        assert_serve_answers_like_the_export(path, tmp_path / "hf-final", port, version=1)
     finally:
         serve.stop()
         learn.stop()

@@ -89,10 +89,8 @@ def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_and_it_then_
     serves) stays within three buckets, as its metrics line says; the serve commits the last version and then
     greedy-decodes exactly what transformers decodes from the learner's exported weights (prompts with a clear greedy
     choice), the same check as test_learn.py makes for one rank."""
-    import openai
     from serve_support import ServeProcess
-    from support import CONFIDENT_PROMPTS, greedy_transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from test_learn import assert_serve_answers_like_the_export
 
     path, ports, http = model_dirs["smollm2"], [free_port() for _ in range(3)], free_port()
     bucket_mb = 128  # >= the largest tensor in fp32 (the 113-MiB embedding): a bucket holds any whole tensor
@@ -126,19 +124,7 @@ def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_and_it_then_
         )
         assert steps[1]["publish_serves"] == 1 and peak <= 3 * (bucket_mb << 20)
         serve.wait_for("weights v2 committed", timeout_s=120)
-        tok = AutoTokenizer.from_pretrained(path)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", timeout=120)
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-final", dtype=torch.float32).eval()  # as served
-        for prompt in CONFIDENT_PROMPTS:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          return_dict=False)  # fmt: skip
-            create = client.completions.with_raw_response.create
-            raw = create(model="smollm2", prompt=list(ids), max_tokens=16, temperature=0.0,
-                         extra_body={"ignore_eos": True})  # fmt: skip
-            assert raw.headers["x-inflight-weight-version"] == "2"
-            with torch.no_grad():
-                want = tok.decode(greedy_transformers(model, torch.tensor([ids]), 16), skip_special_tokens=True)
-            assert raw.parse().choices[0].text == want, prompt
+        assert_serve_answers_like_the_export(path, tmp_path / "hf-final", http, version=2)
     finally:
         if serve is not None:
             serve.stop()
