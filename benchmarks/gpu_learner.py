@@ -278,10 +278,13 @@ def record(argv: list[str]) -> int:
     parser.add_argument("--run-dir", default="runs/gpu-rec")
     parser.add_argument("--duration-s", type=float, default=420)
     parser.add_argument("--serve-gpus", default="", help="record on a GPU serve (a machine with vLLM on CUDA)")
+    parser.add_argument("--learn-gpus", default="", help="the recording learner's GPUs (default: the CPU)")
     ns = parser.parse_args(argv)
     cmd = [sys.executable, "-m", "inflight.run", "--run-dir", ns.run_dir, "--groups-per-step", "2", "--max-tokens",
            "48", "--max-lag", "64", "--admit-lag", "64", "--duration-s", str(ns.duration_s),
            "--learn-args=--keep-journal", "--echo", "progress"]  # fmt: skip
+    if ns.learn_gpus:
+        cmd += ["--learn-gpus", ns.learn_gpus]
     if ns.serve_gpus:
         cmd += ["--serve-gpus", ns.serve_gpus]
     else:

@@ -6,8 +6,8 @@
 #
 # The learner on CUDA (benchmarks/gpu_learner.py) trains from a recorded journal: INFLIGHT_GPU_JOURNAL names the run
 # directory of a live run recorded with --keep-journal (`python -m benchmarks.gpu_learner record` makes one on any
-# machine with vLLM, CPU included). Without it, on a machine with vLLM the script records one itself (a GPU serve when
-# there are two GPUs, else a CPU one); with neither, the learner check is skipped and says so.
+# machine with vLLM, CPU included). Without it, on a machine with vLLM the script records one itself (the serve on GPU
+# 0, the learner on GPU 1 or the CPU); with neither, the learner check is skipped and says so.
 # With two or more GPUs it also runs the NCCL weights group between a learner GPU and a receiver GPU, and, when vLLM
 # is installed, the main job's smoke test `inflight.run --serve-gpus 0 --learn-gpus 1`.
 set -uo pipefail
@@ -22,7 +22,8 @@ $py -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 
 $py -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$out/pytest.xml" \
   tests/learner/test_fused_loss.py tests/wire/test_cuda_staging.py tests/learner/test_logprobs.py \
-  tests/learner/test_losses.py 2>&1 | tee "$out/pytest.log"
+  tests/learner/test_losses.py tests/wire/test_transfer.py tests/inflight/test_publisher_stream.py 2>&1 \
+  | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 $py -m benchmarks.fused_loss --json "$out/fused_loss.json" 2>&1 | tee "$out/fused_loss.txt"
 fused_rc=${PIPESTATUS[0]}
@@ -34,9 +35,10 @@ has_vllm=$($py -c "import vllm" 2>/dev/null && echo 1 || echo 0)
 journal=${INFLIGHT_GPU_JOURNAL:-}
 if [ -z "$journal" ] && [ "$has_vllm" = 1 ]; then
   journal="$out/recorded"
-  serve_gpus=$([ "$gpus" -ge 2 ] && echo 1 || echo "")
-  $py -m benchmarks.gpu_learner record --run-dir "$journal" --duration-s 300 ${serve_gpus:+--serve-gpus $serve_gpus} \
-    > "$out/record.log" 2>&1 || journal=""
+  # vLLM's CUDA build serves on a GPU only: the serve on GPU 0, the learner on GPU 1 where there is one (else CPU)
+  learn_gpus=$([ "$gpus" -ge 2 ] && echo 1 || echo "")
+  $py -m benchmarks.gpu_learner record --run-dir "$journal" --duration-s 300 --serve-gpus 0 \
+    ${learn_gpus:+--learn-gpus $learn_gpus} > "$out/record.log" 2>&1 || journal=""
 fi
 learner_rc=0
 if [ -n "$journal" ]; then
