@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from inflight.learn.config import LearnConfig
 from inflight.learn.journal import RolloutJournal
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "inflight"))
 from test_replay import GROUP, interleaved_records  # noqa: E402  (tests/inflight: the replay tests' records)
 
 STEPS = 3
+pytestmark = pytest.mark.engine  # slow (three learner runs); no engine, but the same budget class
 
 
 def recorded_run(root: Path) -> Path:
