@@ -70,7 +70,7 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
     with (tmp_path / "metrics.jsonl").open("a") as metrics_file:
         learner = SimpleNamespace(rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(),
                                   service=Socketless(metrics_file), cfg=SimpleNamespace(full_every=1),
-                                  placement=SimpleNamespace(weights_device="cpu"))  # fmt: skip
+                                  placement=SimpleNamespace(weights_device="cpu", device="cpu"))  # fmt: skip
         learner.optimizer = make_optimizer(model, learner.train_cfg)
         metrics = Learner._train(learner, samples)
         Learner._log(learner, gate, metrics, Learner._publish(learner), 0.5, 2.0, [3, 3])
@@ -81,7 +81,10 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
     # a publishing step with lag-0 tokens: every field but the episode ones, written only for batches with environment
     # tokens (tests/inflight/test_run.py's calculator run reads them)
     episode_fields = {"env_tokens", "turns_mean", "turns", "env_lengths"}
-    assert set(written) == set(StepMetrics.__struct_fields__) - episode_fields
+    # and the GPU's publish peak, written only by a CUDA learner publishing over gloo (benchmarks/results/gpu: the H100
+    # runs' metrics lines carry it)
+    gpu_fields = {"publish_device_peak_bytes"}
+    assert set(written) == set(StepMetrics.__struct_fields__) - episode_fields - gpu_fields
     assert published.lag_histogram == {0: 6} and published.tokens == published.probe_tokens == 6
     assert published.rejected == {"duplicate": 2, "wire:size": 1} and published.publish_bytes_per_s == 128
     assert published.time <= time.time() and published.mismatch_lag0 >= 0
