@@ -57,6 +57,77 @@ def model_dir(args) -> Path:
     return out
 
 
+class _Steps:
+    """The plain model and the learner's policy side by side on one device, each step callable by name."""
+
+    def __init__(self, path: Path, recorded: dict, device):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from learner.losses import LossConfig
+        from learner.model import load_policy
+        from learner.step import TrainConfig, make_optimizer
+
+        self.device, self.recorded = device, recorded
+        self.plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+        self.plain_opt = torch.optim.AdamW(self.plain.parameters(), lr=recorded["lr"])
+        self.policy = load_policy(path, device=device)
+        loss = LossConfig(kind=recorded["loss"], tis_cap=recorded["tis_cap"], aggregation=recorded["aggregation"])
+        self.variants = {fused: TrainConfig(lr=recorded["lr"], autocast="bfloat16", loss=loss, fused_loss=fused)
+                         for fused in ("auto", "off")}  # fmt: skip
+        self.opts = {fused: make_optimizer(self.policy, cfg) for fused, cfg in self.variants.items()}
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run(self, name: str, batch, probe) -> None:
+        import torch
+
+        from benchmarks.gpu_learner import _plain_step
+        from learner.step import train_step
+
+        if name == "plain":
+            _plain_step(self.plain, self.plain_opt, batch.to(self.device), self.recorded, torch.bfloat16)
+        elif name == "learner (as run)":
+            train_step(self.policy, self.opts["auto"], batch, self.variants["auto"], probe_mask=probe)
+        elif name == "learner, fused off":
+            train_step(self.policy, self.opts["off"], batch, self.variants["off"], probe_mask=probe)
+        else:  # "learner, no probe"
+            train_step(self.policy, self.opts["auto"], batch, self.variants["auto"])
+
+    def timed(self, name: str, batch, probe) -> float:
+        self.sync()
+        start = time.perf_counter()
+        self.run(name, batch, probe)
+        self.sync()
+        return time.perf_counter() - start
+
+
+NAMES = ("plain", "learner (as run)", "learner, fused off", "learner, no probe")
+
+
+def profile(steps: _Steps, batch, probe) -> dict[str, list[str]]:
+    """For one step of the plain loop and of the learner: where it synchronises with the GPU (file:line), and
+    torch.profiler's top CPU-side ops, printed; the synchronisation points returned."""
+    import torch
+
+    syncs = {}
+    for name in NAMES[:2]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if steps.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            steps.run(name, batch, probe)
+            if steps.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+        syncs[name] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        print(f"{name}: {len(syncs[name])} host-device synchronisations", *syncs[name][:12], sep="\n  ")
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            steps.run(name, batch, probe)
+            steps.sync()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    return syncs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--replay", type=Path, required=True)
@@ -67,72 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from benchmarks.gpu_learner import _plain_step
-    from learner.losses import LossConfig
-    from learner.model import load_policy
-    from learner.step import TrainConfig, make_optimizer, train_step
-
     recorded = json.loads((args.replay / "learn-config.json").read_text())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a dry run of this script
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    path = model_dir(args)
-    steps = batches(args.replay, recorded["groups_per_step"], recorded["max_lag"], args.steps)
-    from transformers import AutoModelForCausalLM
-
-    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=recorded["lr"])
-    policy = load_policy(path, device=device)
-    loss = LossConfig(kind=recorded["loss"], tis_cap=recorded["tis_cap"], aggregation=recorded["aggregation"])
-    variants = {
-        "learner (as run)": TrainConfig(lr=recorded["lr"], autocast="bfloat16", loss=loss, fused_loss="auto"),
-        "learner, fused off": TrainConfig(lr=recorded["lr"], autocast="bfloat16", loss=loss, fused_loss="off"),
-    }
-    opts = {name: make_optimizer(policy, cfg) for name, cfg in variants.items()}
-    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in variants}, "learner, no probe": []}
-
-    def timed(name, fn):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times[name].append(time.perf_counter() - start)
-
-    cfg_plain = {**recorded}
-    autocast = torch.bfloat16
-    for batch, probe in steps:
-        timed("plain", lambda b=batch: _plain_step(plain, plain_opt, b.to(device), cfg_plain, autocast))
-        for name, cfg in variants.items():
-            timed(name, lambda b=batch, p=probe, c=cfg, n=name: train_step(policy, opts[n], b, c, probe_mask=p))
-        cfg = variants["learner (as run)"]
-        timed("learner, no probe", lambda b=batch, c=cfg: train_step(policy, opts["learner (as run)"], b, c))
-    tokens = statistics.median(int(b.mask.sum()) for b, _ in steps[2:])
+    batches_ = batches(args.replay, recorded["groups_per_step"], recorded["max_lag"], args.steps)
+    steps = _Steps(model_dir(args), recorded, device)
+    times: dict[str, list[float]] = {name: [] for name in NAMES}
+    for batch, probe in batches_:  # each variant in turn on every batch: drift in the machine hits them alike
+        for name in NAMES:
+            times[name].append(steps.timed(name, batch, probe))
+    tokens = statistics.median(int(b.mask.sum()) for b, _ in batches_[2:])
     result = {name: statistics.median(t[2:]) for name, t in times.items()}
     where = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU dry run"
-    print(f"\n{where}; {len(steps)} steps, median {tokens} trained tokens per step")
+    print(f"\n{where}; {len(batches_)} steps, median {tokens} trained tokens per step")
     print("| step | median ms | vs plain |")
     print("|---|---|---|")
     for name, seconds in result.items():
         print(f"| {name} | {seconds * 1e3:.1f} | {result['plain'] / seconds:.2f} |")
-    batch, probe = steps[-1]
-    syncs = {}
-    as_run = variants["learner (as run)"]
-    for name, fn in (("plain", lambda: _plain_step(plain, plain_opt, batch.to(device), cfg_plain, autocast)),
-                     ("learner (as run)", lambda: train_step(policy, opts["learner (as run)"], batch, as_run,
-                                                             probe_mask=probe))):  # fmt: skip
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode("warn")
-            fn()
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode(0)
-        syncs[name] = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-        print(f"{name}: {len(syncs[name])} host-device synchronisations", *syncs[name][:12], sep="\n  ")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
-            fn()
-            sync()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    syncs = profile(steps, *batches_[-1])
     if args.json:
         args.json.write_text(json.dumps({"median_s": result, "tokens": tokens, "syncs": syncs}, indent=1))
     return 0
