@@ -298,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         return record(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_learner", description=__doc__.split("\n\n")[0])
     parser.add_argument("--replay", type=Path, required=True, help="a run directory recorded with --keep-journal")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--bucket-mb", type=int, default=64)
-    parser.add_argument("--serve-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--out", type=Path, default=Path("runs/gpu-learner"))
+    parser.add_argument("--steps", type=int, default=20, help="learner steps on the GPU (the journal must hold them)")
+    parser.add_argument("--bucket-mb", type=int, default=64, help="the learner's --bucket-mb")
+    parser.add_argument("--serve-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the dtype the receiver announces, as a serve of that dtype would")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu-learner"), help="the three runs' directories")
     parser.add_argument("--json", type=Path, default=None, help="write the summary here too")
     parser.add_argument("--learn-args", default="", help="more flags for the CUDA learner, e.g. '--publish-every 5'")
     parser.add_argument(
@@ -314,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu: the same three runs without a GPU (fp32 throughout), to check the flow")  # fmt: skip
     args = parser.parse_args(argv)
     args.autocast = "bfloat16" if args.device == "cuda" else "none"
+    try:
+        training_flags(args.replay)  # a missing journal or config fails here, before anything starts
+    except ValueError as exc:
+        parser.error(str(exc))
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
