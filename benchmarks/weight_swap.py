@@ -5,11 +5,15 @@
    engine thread, swapped in) and `low` (vLLM's layerwise reload in place) — next to keep-pause's whole pause, for
    tiny-llama, SmolLM2 and a random model of SmolLM2's family at ~360M parameters (built once, cached); the worker's
    extra resident memory during an update of each path.
-3. Generation tokens/s under an update every few seconds — never-stop (both paths) vs keep-pause — as a ratio to no
-   updates on the same engine, and the generated tokens each update costs (stall + slowdown while it is prepared).
-   Tokens are counted as they stream out of the engine (finished requests or not) inside the window.
+3. Generation under updates on SmolLM2 — never-stop on both paths, keep-pause on the in-place one: the generated
+   tokens each update costs (stall + slowdown while it is received and prepared). One continuous workload per mode,
+   `--cycles` cycles of 2 x `--half` s with an update at each cycle's start; an update's cost is the tokens of the
+   quiet half that follows minus those of its own half (paired: each update has its own baseline, seconds later on
+   the same engine and workload). Requests ignore EOS and have lengths drawn from one seeded range, so the work does
+   not depend on which weights are live (with EOS, checkpoint A ends its answers in a few tokens and B never does,
+   and the throughput measured which one was live, not the update).
 
-    python -m benchmarks.weight_swap [--duration 20] [--update-every 3] [--concurrency 16] [--dtype auto]
+    python -m benchmarks.weight_swap [--cycles 16] [--half 3.5] [--concurrency 16] [--dtype auto]
 
 Every figure is printed and appended (markdown to `--out`, one JSON line per figure next to it) as soon as it is
 measured, so a crash later loses nothing. A figure that cannot be measured (no token in the window, no update
@@ -197,14 +201,16 @@ def ratio_table() -> Table:
 
 
 def generation_table(args) -> Table:
-    title = (f"Generation, an update every {args.update_every:g} s ({args.duration:g} s window, "
-             f"{args.concurrency} in flight, SmolLM2 {args.precision.dtype})")  # fmt: skip
+    title = (f"Generation under updates, SmolLM2 {args.precision.dtype}, {args.concurrency} in flight: an update "
+             f"every {2 * args.half:g} s, {args.cycles} per mode")  # fmt: skip
     note = (
-        "tokens/s = tokens streamed out of the engine inside the window, finished requests or not (requests "
-        "still running at the end are aborted). Stall = commit only for never-stop, whole pause for keep-pause. "
-        "Ratios and tokens lost are against the no-update run on the same engine."
+        "tokens lost / update = tokens streamed in the quiet half after the update's half minus those in the update's "
+        f"half ({args.half:g} s each), mean over updates, ± its standard error; ratio = update halves' tokens / quiet "
+        "halves'. Stall = commit only for never-stop, whole pause for keep-pause; update s = from the push to the "
+        "commit."
     )
-    columns = ("mode (engine)", "tokens/s", "ratio to no updates", "updates", "mean stall ms", "tokens lost / update")
+    columns = ("mode (engine)", "updates", "update s", "mean stall ms", "quiet tokens/s", "ratio",
+               "tokens lost / update", "± SE")  # fmt: skip
     return Table("generation", title, columns, note)
 
 
@@ -368,101 +374,124 @@ async def model_benches(rec: Recorder, name: str, args, update_memory: str, gen_
 
 
 async def _warm_up(engine, prompts, params, concurrency: int) -> None:
-    """One short batch first, so the baseline (measured first) does not pay the engine's first-batch costs."""
+    """One short batch first, so the measurements do not pay the engine's first-batch costs."""
     warm = params.clone()
     warm.max_tokens = 4
     await asyncio.gather(*(engine.generate(prompts[i % len(prompts)], warm, f"warm-{i}") for i in range(concurrency)))
 
 
-async def _workload(engine, prompts, params, duration: float, concurrency: int, on_tick=None) -> tuple[int, float]:
-    """Keep `concurrency` requests in flight for `duration` s: (tokens streamed in the window, window seconds).
+@contextlib.asynccontextmanager
+async def _workload(engine, prompts, concurrency: int, tag: str):
+    """Keep `concurrency` requests in flight until the block ends (then they are aborted). Each ignores EOS and has a
+    length drawn from 24-104 tokens by a seeded generator: the work is the same whichever weights are live, and the
+    requests finish at scattered times, so no step prefills a whole batch at once."""
+    import random
 
-    Streamed, not finished: on a slow CPU a 64-token request can outlast the whole window, and counting finished
-    requests only then reads 0 tokens/s. Requests still running at the deadline are cancelled (vLLM aborts them).
-    """
-    counter = 0
+    from vllm import SamplingParams
+
+    lengths, counter = random.Random(0), 0
 
     async def worker(w: int):
         nonlocal counter
         while True:
             counter += 1
-            await engine.generate(prompts[counter % len(prompts)], params, f"w{w}-{counter}")
+            params = SamplingParams(max_tokens=lengths.randint(24, 104), temperature=1.0, ignore_eos=True)
+            await engine.generate(prompts[counter % len(prompts)], params, f"{tag}-w{w}-{counter}")
 
-    start_tokens, start = engine.tokens_generated, time.monotonic()
-    deadline = start + duration
     workers = [asyncio.ensure_future(worker(w)) for w in range(concurrency)]
-    ticker = asyncio.ensure_future(on_tick(deadline)) if on_tick is not None else None
     try:
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-        tokens, window = engine.tokens_generated - start_tokens, time.monotonic() - start
-        if ticker is not None:
-            await ticker  # an update begun inside the window finishes before its requests are aborted
+        yield
     finally:
-        for task in [*workers, *([ticker] if ticker is not None else [])]:
+        for task in workers:
             task.cancel()
         results = await asyncio.gather(*workers, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, Exception) and not isinstance(r, asyncio.CancelledError)]
-    if errors:
-        raise errors[0]
-    return tokens, window
+        errors = [r for r in results if isinstance(r, Exception) and not isinstance(r, asyncio.CancelledError)]
+        if errors:
+            raise errors[0]
 
 
-async def measure_generation(engine, sender, states, model_dir, args, update_memory: str) -> list[tuple]:
-    """(label, tokens/s, reports, window s, baseline tokens/s) per mode on this engine: no updates first (the baseline),
-    never-stop, and keep-pause on the in-place engine (today's keep-pause)."""
+@dataclass
+class GenerationRun:
+    """One mode's paired cycles: tokens streamed in each update's half and in the quiet half after it."""
+
+    label: str
+    half_s: float
+    update_tokens: list[int] = field(default_factory=list)
+    quiet_tokens: list[int] = field(default_factory=list)
+    reports: list = field(default_factory=list)
+
+
+async def measure_generation(engine, sender, states, model_dir, args, update_memory: str) -> list[GenerationRun]:
+    """Never-stop on this engine, and keep-pause too on the in-place engine (today's keep-pause): `args.cycles`
+    paired cycles each, one continuous workload per mode, after `SETTLE_S` for the requests' ends to scatter."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=64, temperature=1.0)
     prompts = _prompts(model_dir)
-    await _warm_up(engine, prompts, params, args.concurrency)
-    rows, base = [], None
-    for mode in ("none", "never-stop", *(("keep-pause",) if update_memory == "low" else ())):
-        tok_s, reports, window = await _measure_mode(engine, sender, states, prompts, params, args, mode)
-        base = tok_s if mode == "none" else base
-        rows.append((f"{mode} ({update_memory})", tok_s, reports, window, base))
-    return rows
+    await _warm_up(engine, prompts, SamplingParams(max_tokens=4), args.concurrency)
+    runs = []
+    for mode in ("never-stop", *(("keep-pause",) if update_memory == "low" else ())):
+        run = GenerationRun(f"{mode} ({update_memory})", args.half)
+        async with _workload(engine, prompts, args.concurrency, mode):
+            await asyncio.sleep(SETTLE_S)
+            for _ in range(args.cycles):
+                await _cycle(engine, sender, states, run, mode)
+        runs.append(run)
+    return runs
 
 
-def emit_generation(rec: Recorder, table: Table, rows: list[tuple]) -> None:
+SETTLE_S = 4.0
+
+
+async def _cycle(engine, sender, states, run: GenerationRun, mode: str) -> None:
+    """One update at the start of a 2 x half cycle; the tokens of both halves."""
+    start, tokens = time.monotonic(), engine.tokens_generated
+    run.reports.append(await sender.push(engine, states[engine.version % 2], engine.version + 1, mode=mode))
+    await asyncio.sleep(max(0.0, start + run.half_s - time.monotonic()))
+    middle = engine.tokens_generated
+    await asyncio.sleep(max(0.0, start + 2 * run.half_s - time.monotonic()))
+    run.update_tokens.append(middle - tokens)
+    run.quiet_tokens.append(engine.tokens_generated - middle)
+
+
+def emit_generation(rec: Recorder, table: Table, runs: list[GenerationRun]) -> None:
     rec.open(table)
-    for label, tok_s, reports, window, base in rows:
-        _generation_row(rec, table, label, tok_s, reports, base, window)
+    lost = {}
+    for run in runs:
+        lost[run.label] = _generation_row(rec, table, run)
+    swap, in_place = lost.get("never-stop (double)"), lost.get("never-stop (low)")
+    if swap is not None and in_place:
+        rec.emit()
+        rec.emit(f"Tokens lost per update, prepared swap / in-place commit (never-stop): {swap / in_place:.2f} "
+                 f"({swap:.0f} vs {in_place:.0f})")  # fmt: skip
+        rec.record(table, "lost-ratio", {"prepared_over_in_place": swap / in_place, "prepared": swap,
+                                         "in_place": in_place})  # fmt: skip
 
 
-async def _measure_mode(engine, sender, states, prompts, params, args, mode: str) -> tuple[float, list]:
-    reports = []
-
-    async def updates(deadline):
-        while time.monotonic() + args.update_every < deadline:
-            await asyncio.sleep(args.update_every)
-            reports.append(await sender.push(engine, states[len(reports) % 2], engine.version + 1, mode=mode))
-
-    tick = None if mode == "none" else updates
-    tokens, window = await _workload(engine, prompts, params, args.duration, args.concurrency, tick)
-    return tokens / window, reports, window
-
-
-def _generation_row(rec: Recorder, table: Table, label: str, tok_s: float, reports: list, base: float | None,
-                    window: float) -> None:  # fmt: skip
-    """One mode's row. Tokens lost per update = (baseline − this) tokens/s × window / updates: the stall and the
-    slowdown while an update is received and prepared, both."""
-    if tok_s <= 0:
-        rec.not_measured(table, label, "0 tokens streamed in the window (engine too slow here? raise --duration)")
-        return
-    if not label.startswith("none") and not reports:
-        rec.not_measured(table, label, "no update committed in the window (--update-every must be < --duration)")
-        return
-    stall_ms = 1e3 * statistics.mean(r.stall_s for r in reports) if reports else 0.0
-    ratio = tok_s / base if base else None
-    lost = (base - tok_s) * window / len(reports) if base and reports else 0.0
-    cells = [f"{tok_s:.1f}", f"{ratio:.3f}" if ratio is not None else "not measured: no baseline", str(len(reports)),
-             f"{stall_ms:.1f}", f"{lost:.0f}" if reports else "—"]  # fmt: skip
-    if ratio is None:
-        rec.not_measured_count += 1
-    rec.row(table, label, cells,
-            {"tok_s": tok_s, "ratio": ratio, "updates": len(reports), "mean_stall_ms": stall_ms,
-             "tokens_lost_per_update": lost, "window_s": window, "stall_s": [r.stall_s for r in reports],
-             "commit_s": [r.commit_s for r in reports]})  # fmt: skip
+def _generation_row(rec: Recorder, table: Table, run: GenerationRun) -> float | None:
+    """One mode's row; returns its mean tokens lost per update (None when not measured)."""
+    slow = [r.total_s for r in run.reports if r.total_s > run.half_s]
+    if not run.reports or sum(run.quiet_tokens) == 0:
+        rec.not_measured(table, run.label, "no update or no token in the quiet halves (engine too slow here?)")
+        return None
+    if slow:
+        why = f"{len(slow)} update(s) outlasted their half ({max(slow):.1f} s > {run.half_s:g} s): raise --half"
+        rec.not_measured(table, run.label, why)
+        return None
+    lost = [q - u for q, u in zip(run.quiet_tokens, run.update_tokens, strict=True)]
+    mean = statistics.mean(lost)
+    se = statistics.stdev(lost) / len(lost) ** 0.5 if len(lost) > 1 else float("nan")
+    quiet_tok_s = sum(run.quiet_tokens) / (run.half_s * len(lost))
+    ratio = sum(run.update_tokens) / sum(run.quiet_tokens)
+    stall_ms = 1e3 * statistics.mean(r.stall_s for r in run.reports)
+    update_s = statistics.mean(r.total_s for r in run.reports)
+    cells = [str(len(lost)), f"{update_s:.2f}", f"{stall_ms:.1f}", f"{quiet_tok_s:.1f}", f"{ratio:.3f}",
+             f"{mean:.0f}", f"{se:.0f}"]  # fmt: skip
+    rec.row(table, run.label, cells,
+            {"updates": len(lost), "update_s": update_s, "mean_stall_ms": stall_ms, "quiet_tok_s": quiet_tok_s,
+             "ratio": ratio, "tokens_lost_per_update": mean, "tokens_lost_se": se, "lost": lost,
+             "update_tokens": run.update_tokens, "quiet_tokens": run.quiet_tokens,
+             "stall_s": [r.stall_s for r in run.reports], "prepare_s": [r.prepare_s for r in run.reports]})  # fmt: skip
+    return mean
 
 
 def _prompts(model_dir, n: int = 32) -> list[list[int]]:
@@ -480,8 +509,9 @@ def _prompts(model_dir, n: int = 32) -> list[list[int]]:
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.weight_swap", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds per generation mode; 0 = no generation")
-    parser.add_argument("--update-every", type=float, default=3.0, help="seconds between updates")
+    parser.add_argument("--cycles", type=int, default=16, help="updates per generation mode; 0 = no generation")
+    half_help = "seconds per half cycle (the update's half, then the quiet one); an update must land within it"
+    parser.add_argument("--half", type=float, default=3.5, help=half_help)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--commits", type=int, default=5, help="updates per model for the commit-stall figure")
     models_help = f"models for the commit-stall table; {RANDOM_360M} is built on first use (~1.4 GB, a minute)"
@@ -494,9 +524,9 @@ def parse_args(argv: list[str] | None):
     out_help = "markdown file the tables are appended to; one JSON line per figure goes to the same name .jsonl"
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_swap.md"), help=out_help)
     args = parser.parse_args(argv)
-    if args.duration < 0 or args.update_every <= 0 or args.concurrency < 1:
-        given = f"--duration {args.duration}, --update-every {args.update_every}, --concurrency {args.concurrency}"
-        parser.error(f"{given}: all must be positive, e.g. --duration 20 --update-every 3 --concurrency 16")
+    if args.cycles < 0 or args.half <= 0 or args.concurrency < 1:
+        given = f"--cycles {args.cycles}, --half {args.half}, --concurrency {args.concurrency}"
+        parser.error(f"{given}: all must be positive, e.g. --cycles 16 --half 3.5 --concurrency 16")
     return args
 
 
@@ -530,7 +560,7 @@ def run(args, argv: list[str]) -> Recorder:
     stalls, gen_rows = {}, []
     for name in args.models:
         for update_memory in ("double", "low"):
-            rows = gen_rows if name == "smollm2" and args.duration > 0 else None
+            rows = gen_rows if name == "smollm2" and args.cycles > 0 else None
             got = asyncio.run(model_benches(rec, name, args, update_memory, rows))
             stalls[name, update_memory] = got.stalls
             # Collected now, while modules are intact: left to interpreter teardown, AsyncLLM.__del__ shuts the

@@ -45,7 +45,7 @@ from inflight.wire.weights import UPDATE_MEMORY, ManifestError, UpdateManifest, 
 from vllm_patches import faults
 from vllm_patches.prepared import prepare
 from vllm_patches.rpc import CommitApplied, GroupJoined, HeldWeights, StageStatus
-from vllm_patches.staging import StagedUpdate, StageState
+from vllm_patches.staging import StagedUpdate, StageState, on_spare_cores
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 _FLOATS = frozenset(_SAFETENSORS_DTYPES.values())
@@ -77,7 +77,8 @@ class InflightWorkerExtension:
         if old is not None:
             old.close()
         address = GroupAddress(host, port, world_size, group_name, backend, timeout_s)
-        self._inflight_group = WeightsGroup(address, rank)
+        with on_spare_cores():  # the group's transport thread receives every update's bytes: not on the decode's core
+            self._inflight_group = WeightsGroup(address, rank)
         return GroupJoined(rank, group_name)
 
     def inflight_set_weights_key(self, key: bytes) -> bool:
