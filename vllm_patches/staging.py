@@ -154,7 +154,7 @@ def leave_the_engines_core() -> None:
     preparation for tens of seconds under load; a niced thread holding the GIL cannot starve the engine: the engine
     blocks on the GIL, not runnable, so the holder runs until Python's switch interval hands the GIL over.)
 
-    Measured on 2 cores (SmolLM2, 16 requests decoding): on the EngineCore's core instead of either, a prepared update
+    Measured on 2 cores (SmolLM2, 16 requests decoding): on the EngineCore's core instead of on both, a prepared update
     was built in 0.5-0.7 s instead of 1.6-2.9 s, and the tokens an update cost the decode fell from ~155 to ~95 (8
     updates each, against the quiet seconds after each). Settings of this thread only; threads it starts inherit
     them."""
