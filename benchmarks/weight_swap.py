@@ -382,10 +382,11 @@ async def model_benches(rec: Recorder, name: str, args, update_memory: str, gen_
     return got
 
 
-async def _warm_up(engine, prompts, params, concurrency: int) -> None:
+async def _warm_up(engine, prompts, concurrency: int) -> None:
     """One short batch first, so the measurements do not pay the engine's first-batch costs."""
-    warm = params.clone()
-    warm.max_tokens = 4
+    from vllm import SamplingParams
+
+    warm = SamplingParams(max_tokens=4)
     await asyncio.gather(*(engine.generate(prompts[i % len(prompts)], warm, f"warm-{i}") for i in range(concurrency)))
 
 
@@ -433,10 +434,8 @@ class GenerationRun:
 async def measure_generation(engine, sender, states, model_dir, args, update_memory: str) -> list[GenerationRun]:
     """Never-stop on this engine, and keep-pause too on the in-place engine (today's keep-pause): `args.cycles`
     paired cycles each, one continuous workload per mode, after `SETTLE_S` for the requests' ends to scatter."""
-    from vllm import SamplingParams
-
     prompts = _prompts(model_dir)
-    await _warm_up(engine, prompts, SamplingParams(max_tokens=4), args.concurrency)
+    await _warm_up(engine, prompts, args.concurrency)
     runs = []
     for mode in ("never-stop", *(("keep-pause",) if update_memory == "low" else ())):
         run = GenerationRun(f"{mode} ({update_memory})", args.half)
