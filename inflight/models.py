@@ -196,16 +196,20 @@ def resolve_model(name_or_path: str) -> Path:
     if name_or_path in MODEL_NAMES:
         path = model_dir(name_or_path)
         if not is_prepared(path):
-            raise SystemExit(f"model {name_or_path} is not prepared: run `python -m inflight.models prepare "
-                             f"{name_or_path}` (or `make models`)")  # fmt: skip
+            raise SystemExit(
+                f"model {name_or_path} is not prepared: run `python -m inflight.models prepare "
+                f"{name_or_path}` (or `make models`)"
+            )
         return path
     path = Path(name_or_path)
     if (path / "config.json").is_file():
         return path
     if HUB_ID.fullmatch(name_or_path) and not path.exists():
         return _from_hf_cache(name_or_path)
-    raise SystemExit(f"--model {name_or_path!r} is neither a prepared model name ({', '.join(MODEL_NAMES)}), an HF "
-                     "directory with a config.json, nor a Hugging Face id (org/name)")  # fmt: skip
+    raise SystemExit(
+        f"--model {name_or_path!r} is neither a prepared model name ({', '.join(MODEL_NAMES)}), an HF "
+        "directory with a config.json, nor a Hugging Face id (org/name)"
+    )
 
 
 def _from_hf_cache(repo_id: str) -> Path:
@@ -215,11 +219,15 @@ def _from_hf_cache(repo_id: str) -> Path:
     try:
         path = Path(snapshot_download(repo_id, local_files_only=True))
     except Exception as exc:  # LocalEntryNotFoundError and friends: all mean "not in the cache"
-        raise SystemExit(f"--model {repo_id!r} is not in the local Hugging Face cache ({type(exc).__name__}); "
-                         f"download it once with: hf download {repo_id}") from exc  # fmt: skip
+        raise SystemExit(
+            f"--model {repo_id!r} is not in the local Hugging Face cache ({type(exc).__name__}); "
+            f"download it once with: hf download {repo_id}"
+        ) from exc
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {repo_id!r}: the cached snapshot {path} has no config.json; download it whole "
-                         f"with: hf download {repo_id}")  # fmt: skip
+        raise SystemExit(
+            f"--model {repo_id!r}: the cached snapshot {path} has no config.json; download it whole "
+            f"with: hf download {repo_id}"
+        )
     return path
 
 

@@ -62,8 +62,9 @@ def triton_available() -> bool:
     return _TRITON
 
 
-def aggregation_weights(mask: torch.Tensor, seq_ids: torch.Tensor, aggregation: str,
-                        normalizer: float | None = None) -> torch.Tensor:  # fmt: skip
+def aggregation_weights(
+    mask: torch.Tensor, seq_ids: torch.Tensor, aggregation: str, normalizer: float | None = None
+) -> torch.Tensor:
     """Per-token weight w_t such that Σ_t w_t · ℓ_t equals `policy_loss`'s aggregated loss (0 where masked); float64,
     one value per token, so a float64 loss is not rounded through it."""
     maskf = mask.to(torch.float64)
@@ -78,17 +79,30 @@ def aggregation_weights(mask: torch.Tensor, seq_ids: torch.Tensor, aggregation: 
     return maskf / counts.clamp(min=1)[seq_index] / normalizer
 
 
-def fused_policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor,
-                      behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                      seq_ids: torch.Tensor, cfg: LossConfig, temperature: float = 1.0,
-                      normalizer: float | None = None, chunk_tokens: int = 2048,
-                      backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:  # fmt: skip
+def fused_policy_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    cfg: LossConfig,
+    temperature: float = 1.0,
+    normalizer: float | None = None,
+    chunk_tokens: int = 2048,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(loss, logp, metrics): the scalar loss (differentiable w.r.t. hidden and the LM head weight), the detached
     fp32 per-token logprobs, and `policy_loss`'s metrics. backend: 'auto' (Triton on CUDA when it is there, else
     torch), 'triton' or 'torch'."""
     _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_tokens, None)
-    for name, t in (("behaviour_logp", behaviour_logp), ("advantages", advantages), ("mask", mask),
-                    ("seq_ids", seq_ids)):  # fmt: skip
+    for name, t in (
+        ("behaviour_logp", behaviour_logp),
+        ("advantages", advantages),
+        ("mask", mask),
+        ("seq_ids", seq_ids),
+    ):
         if t.shape != targets.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(targets.shape)} (one per token)")
     if backend not in ("auto", "triton", "torch"):
@@ -97,9 +111,18 @@ def fused_policy_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, target
     if use_triton and not (hidden.is_cuda and triton_available()):
         raise ValueError("backend='triton' needs Triton and CUDA tensors; use backend='torch' (or 'auto') here")
     weight = aggregation_weights(mask, seq_ids, cfg.aggregation, normalizer).to(hidden.device)
-    loss, logp, hit = _FusedPolicyLoss.apply(hidden, lm_head_weight, targets, behaviour_logp.detach(),
-                                             advantages.detach(), weight, cfg, float(temperature), chunk_tokens,
-                                             use_triton)  # fmt: skip
+    loss, logp, hit = _FusedPolicyLoss.apply(
+        hidden,
+        lm_head_weight,
+        targets,
+        behaviour_logp.detach(),
+        advantages.detach(),
+        weight,
+        cfg,
+        float(temperature),
+        chunk_tokens,
+        use_triton,
+    )
     log_ratio = torch.where(mask, logp - behaviour_logp.detach().float(), 0.0)
     return loss, logp, _metrics(log_ratio, mask, hit.bool())
 
@@ -112,8 +135,21 @@ def _params(cfg: LossConfig) -> tuple[float, float]:
     return cfg.mask_low, cfg.mask_high
 
 
-def _torch_row_pass(logits, targets, behaviour, adv, weight, logp, loss, hit, temperature: float, kind: str,
-                    p1: float, p2: float, write_grad: bool) -> None:  # fmt: skip
+def _torch_row_pass(
+    logits,
+    targets,
+    behaviour,
+    adv,
+    weight,
+    logp,
+    loss,
+    hit,
+    temperature: float,
+    kind: str,
+    p1: float,
+    p2: float,
+    write_grad: bool,
+) -> None:
     """The Triton row kernel's arithmetic in torch (fp32 or fp64 internally), writing the same outputs."""
     acc = torch.promote_types(logits.dtype, torch.float32)
     x = logits.to(acc) / temperature
@@ -146,8 +182,19 @@ def _torch_row_pass(logits, targets, behaviour, adv, weight, logp, loss, hit, te
 
 class _FusedPolicyLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, behaviour, adv, token_w, cfg: LossConfig, temperature: float,
-                chunk_tokens: int, use_triton: bool):  # fmt: skip
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        behaviour,
+        adv,
+        token_w,
+        cfg: LossConfig,
+        temperature: float,
+        chunk_tokens: int,
+        use_triton: bool,
+    ):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         write_grad = need_hidden or need_weight
         acc = torch.promote_types(hidden.dtype, torch.float32)
@@ -167,9 +214,21 @@ class _FusedPolicyLoss(torch.autograd.Function):
             stop = min(start + chunk_tokens, T)
             h = hidden[start:stop]
             logits = h @ weight.t()  # the model's dtype, as its LM head; overwritten with the logit gradient
-            row_pass(logits, targets[start:stop], behaviour[start:stop], adv[start:stop], token_w[start:stop],
-                     logp[start:stop], loss_tok[start:stop], hit[start:stop], temperature, cfg.kind, p1, p2,
-                     write_grad)  # fmt: skip
+            row_pass(
+                logits,
+                targets[start:stop],
+                behaviour[start:stop],
+                adv[start:stop],
+                token_w[start:stop],
+                logp[start:stop],
+                loss_tok[start:stop],
+                hit[start:stop],
+                temperature,
+                cfg.kind,
+                p1,
+                p2,
+                write_grad,
+            )
             if need_hidden:
                 torch.mm(logits, weight, out=grad_hidden[start:stop])
             if need_weight:

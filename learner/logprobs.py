@@ -56,8 +56,9 @@ def token_logprobs(
     """
     _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_tokens, lm_head_bias)
     rule = truncation if truncation is not None and truncation.active else None
-    return _ChunkedTokenLogprobs.apply(hidden, lm_head_weight, lm_head_bias, targets, float(temperature), chunk_tokens,
-                                       rule)  # fmt: skip
+    return _ChunkedTokenLogprobs.apply(
+        hidden, lm_head_weight, lm_head_bias, targets, float(temperature), chunk_tokens, rule
+    )
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):

@@ -68,8 +68,10 @@ class PolicyModel(torch.nn.Module):
         the fused loss computes full-softmax logprobs only, so the two are refused together.
         """
         if fused is not None and truncation is not None and truncation.active:
-            raise ValueError("the fused loss computes full-softmax logprobs: with top-k/top-p/min-p sampling set "
-                             "TrainConfig.fused_loss='off'")  # fmt: skip
+            raise ValueError(
+                "the fused loss computes full-softmax logprobs: with top-k/top-p/min-p sampling set "
+                "TrainConfig.fused_loss='off'"
+            )
         if input_ids.dim() != 2 or targets.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids has shape {tuple(input_ids.shape)} and targets {tuple(targets.shape)}, "
@@ -91,8 +93,15 @@ class PolicyModel(torch.nn.Module):
             hidden, flat_targets = hidden.index_select(0, index), flat_targets.index_select(0, index)
         with torch.autocast(device, enabled=False):
             if fused is None:
-                logp = token_logprobs(hidden, lm_head.weight, flat_targets, temperature, chunk_tokens,
-                                      getattr(lm_head, "bias", None), truncation)  # fmt: skip
+                logp = token_logprobs(
+                    hidden,
+                    lm_head.weight,
+                    flat_targets,
+                    temperature,
+                    chunk_tokens,
+                    getattr(lm_head, "bias", None),
+                    truncation,
+                )
             else:
                 if getattr(lm_head, "bias", None) is not None:
                     raise ValueError("the fused loss takes an LM head without bias: set TrainConfig.fused_loss='off'")
@@ -120,8 +129,9 @@ class PolicyModel(torch.nn.Module):
         return logp if fused is None else (logp, loss, metrics)
 
 
-def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> PolicyModel:  # fmt: skip
+def load_policy(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> PolicyModel:
     """The HF checkpoint in `model_dir` as a PolicyModel in `dtype` on `device` (the learner passes its
     `learner/world.py:World.device`), dropout off, no KV cache."""
     from transformers import AutoModelForCausalLM  # heavy import, kept off the module import path
@@ -133,8 +143,9 @@ def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     return model
 
 
-def shard_policy(model: PolicyModel, mesh: torch.distributed.DeviceMesh,
-                 compute_dtype: torch.dtype | None = None) -> PolicyModel:  # fmt: skip
+def shard_policy(
+    model: PolicyModel, mesh: torch.distributed.DeviceMesh, compute_dtype: torch.dtype | None = None
+) -> PolicyModel:
     """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, final norm, LM head).
 
     Sharding the root last gives it every parameter no layer took; tied embeddings stay one parameter there.
@@ -231,8 +242,10 @@ def _rows_to_rank0(name: str, t: DTensor, max_piece_bytes: int) -> Iterator[Piec
     rows += [0] * (world - len(rows))  # FSDP2 splits dim 0 as torch.chunk does: trailing ranks may hold none
     local = t.to_local()
     if local.shape[0] != rows[me]:
-        raise RuntimeError(f"{name}: rank {me} holds {local.shape[0]} rows, torch.chunk of {t.shape[0]} rows over "
-                           f"{world} ranks gives {rows[me]}: FSDP2 sharded it differently than expected")  # fmt: skip
+        raise RuntimeError(
+            f"{name}: rank {me} holds {local.shape[0]} rows, torch.chunk of {t.shape[0]} rows over "
+            f"{world} ranks gives {rows[me]}: FSDP2 sharded it differently than expected"
+        )
     row_bytes = max(1, math.prod(t.shape[1:]) * local.element_size())  # from the global shape: the same on every rank
     step = max(1, max_piece_bytes // row_bytes)
     offset = 0

@@ -188,13 +188,26 @@ def train_step(
 
     positions = batch.mask if probe_mask is None else batch.mask | probe_mask  # the LM head runs only where needed
     if fused_enabled(cfg.fused_loss, batch.input_ids.device) and not cfg.truncation.active:
-        fused = FusedLossInputs(batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg.loss,
-                                normalizer)  # fmt: skip
-        logp, loss, metrics = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens,
-                                    positions=positions, autocast=AUTOCAST[cfg.autocast], fused=fused)  # fmt: skip
+        fused = FusedLossInputs(batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg.loss, normalizer)
+        logp, loss, metrics = model(
+            batch.input_ids,
+            batch.targets,
+            cfg.temperature,
+            cfg.chunk_tokens,
+            positions=positions,
+            autocast=AUTOCAST[cfg.autocast],
+            fused=fused,
+        )
     else:
-        logp = model(batch.input_ids, batch.targets, cfg.temperature, cfg.chunk_tokens, positions=positions,
-                     autocast=AUTOCAST[cfg.autocast], truncation=cfg.truncation)  # fmt: skip
+        logp = model(
+            batch.input_ids,
+            batch.targets,
+            cfg.temperature,
+            cfg.chunk_tokens,
+            positions=positions,
+            autocast=AUTOCAST[cfg.autocast],
+            truncation=cfg.truncation,
+        )
         flat = [t.reshape(-1) for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
         loss, metrics = policy_loss(*flat, cfg.loss, normalizer=normalizer)
     if probe_mask is not None:

@@ -90,12 +90,40 @@ def _row_kernel(
             tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < vocab)
 
 
-def row_pass(logits, targets, behaviour, adv, weight, logp, loss, hit, temperature: float, kind: str, p1: float,
-             p2: float, write_grad: bool) -> None:  # fmt: skip
+def row_pass(
+    logits,
+    targets,
+    behaviour,
+    adv,
+    weight,
+    logp,
+    loss,
+    hit,
+    temperature: float,
+    kind: str,
+    p1: float,
+    p2: float,
+    write_grad: bool,
+) -> None:
     rows, vocab = logits.shape
     if rows == 0:
         return
     _row_kernel[(rows,)](
-        logits, logits.stride(0), targets, behaviour, adv, weight, logp, loss, hit, vocab, 1.0 / temperature,
-        kind=KINDS[kind], p1=p1, p2=p2, write_grad=write_grad, BLOCK_V=4096, num_warps=8,
-    )  # fmt: skip
+        logits,
+        logits.stride(0),
+        targets,
+        behaviour,
+        adv,
+        weight,
+        logp,
+        loss,
+        hit,
+        vocab,
+        1.0 / temperature,
+        kind=KINDS[kind],
+        p1=p1,
+        p2=p2,
+        write_grad=write_grad,
+        BLOCK_V=4096,
+        num_warps=8,
+    )

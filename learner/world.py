@@ -93,8 +93,10 @@ def resolve_device(device: str) -> str:
         build = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
-        raise WorldError(f"--device is 'cuda', but torch sees no CUDA device ({build}{where}): pass --device cpu "
-                         "(or auto), or run on a GPU machine with a CUDA build of torch")  # fmt: skip
+        raise WorldError(
+            f"--device is 'cuda', but torch sees no CUDA device ({build}{where}): pass --device cpu "
+            "(or auto), or run on a GPU machine with a CUDA build of torch"
+        )
     return device
 
 
@@ -107,8 +109,10 @@ def start_world(device: str = "auto", weights_backend: str = "gloo") -> World:
     if weights_backend not in WEIGHTS_BACKENDS:
         raise WorldError(f"--backend is {weights_backend!r}, expected one of {', '.join(WEIGHTS_BACKENDS)}")
     if weights_backend == "nccl" and device_type != "cuda":
-        raise WorldError("--backend is 'nccl', but the learner runs on the CPU (--device " + device + "): NCCL moves "
-                         "GPU memory only; pass --backend gloo, or --device cuda on a GPU machine")  # fmt: skip
+        raise WorldError(
+            "--backend is 'nccl', but the learner runs on the CPU (--device " + device + "): NCCL moves "
+            "GPU memory only; pass --backend gloo, or --device cuda on a GPU machine"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         _use_gpu(local_rank)
@@ -128,7 +132,9 @@ def _use_gpu(local_rank: int) -> None:
     count = torch.cuda.device_count()
     if local_rank >= count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
-        raise WorldError(f"LOCAL_RANK is {local_rank}, but only {count} CUDA device(s) are visible "
-                         f"(CUDA_VISIBLE_DEVICES={visible}): start at most {count} ranks per node "
-                         "(torchrun --nproc-per-node), one per GPU")  # fmt: skip
+        raise WorldError(
+            f"LOCAL_RANK is {local_rank}, but only {count} CUDA device(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={visible}): start at most {count} ranks per node "
+            "(torchrun --nproc-per-node), one per GPU"
+        )
     torch.cuda.set_device(local_rank)

@@ -115,8 +115,10 @@ def check_engine_config(cfg: EngineConfig) -> None:
     if not cfg.kv_cache_gib > 0:
         raise ValueError(f"kv_cache_gib must be > 0 (got {cfg.kv_cache_gib}): the KV cache size in GiB, e.g. 0.25")
     if not 0 < cfg.gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {cfg.gpu_memory_utilization}): the fraction "
-                         "of the GPU's memory vLLM may take, e.g. 0.9")  # fmt: skip
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1] (got {cfg.gpu_memory_utilization}): the fraction "
+            "of the GPU's memory vLLM may take, e.g. 0.9"
+        )
     if cfg.head_dtype not in HEAD_DTYPES:
         raise ValueError(f"head_dtype is {cfg.head_dtype!r}, expected one of {list(HEAD_DTYPES)}")
     check_graph_safe_updates(cfg.enforce_eager, cfg.update_memory)
@@ -134,9 +136,11 @@ def memory_kwargs(cfg: EngineConfig, device: str) -> dict:
     if not cfg.enforce_eager:
         # On CPU there are no CUDA graphs to allow: vLLM compiles with Inductor instead, whose freezing may fold the
         # weights into the compiled graph as constants, where no commit path reaches them (notes: vllm-0.32.md).
-        raise ValueError("--enforce-eager false on a CPU serve: it enables CUDA graphs on a GPU; on CPU it compiles "
-                         "the model with Inductor, which may freeze the weights into the graph where updates do not "
-                         "reach. Keep --enforce-eager true on CPU")  # fmt: skip
+        raise ValueError(
+            "--enforce-eager false on a CPU serve: it enables CUDA graphs on a GPU; on CPU it compiles "
+            "the model with Inductor, which may freeze the weights into the graph where updates do not "
+            "reach. Keep --enforce-eager true on CPU"
+        )
     # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB) overrides it when set.
     return {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * (1 << 30))}
 
@@ -294,13 +298,21 @@ class InflightEngine:
 
     async def join_weights_group(self, host: str, port: int, rank: int, world_size: int, **kw) -> list[GroupJoined]:
         """Join the weights group as `rank` (TP workers take consecutive ranks). Blocks until rank 0 joins."""
-        args = (host, port, rank, world_size, kw.get("group_name", "inflight-weights-0"),
-                kw.get("backend", "gloo"), kw.get("timeout_s", 60.0))  # fmt: skip
+        args = (
+            host,
+            port,
+            rank,
+            world_size,
+            kw.get("group_name", "inflight-weights-0"),
+            kw.get("backend", "gloo"),
+            kw.get("timeout_s", 60.0),
+        )
         joined = await self.llm.collective_rpc("inflight_init_weights_group", args=args)
         return rpc_result(joined, list[GroupJoined], "inflight_init_weights_group")
 
-    async def update(self, manifest_bytes: bytes, mode: str = "never-stop", kv: str = "keep",
-                     timeout_s: float = 120.0) -> UpdateReport:  # fmt: skip
+    async def update(
+        self, manifest_bytes: bytes, mode: str = "never-stop", kv: str = "keep", timeout_s: float = 120.0
+    ) -> UpdateReport:
         """Receive and commit one update in `mode`. Raises `UpdateError` with weights and version unchanged."""
         if mode not in MODES:
             raise ValueError(f"mode is {mode!r}, expected one of {MODES}")

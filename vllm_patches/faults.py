@@ -24,8 +24,10 @@ def _parse(spec: str) -> dict[str, frozenset[int]]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         phase, _, n = item.partition("@")
         if phase not in PHASES or not n.isdigit() or int(n) < 1:
-            raise ValueError(f"INFLIGHT_FAULT_UPDATE has {item!r}: expected <phase>@<n> with phase one of {PHASES} "
-                             "and n >= 1, e.g. 'prepare@1,swap@2'")  # fmt: skip
+            raise ValueError(
+                f"INFLIGHT_FAULT_UPDATE has {item!r}: expected <phase>@<n> with phase one of {PHASES} "
+                "and n >= 1, e.g. 'prepare@1,swap@2'"
+            )
         planned.setdefault(phase, set()).add(int(n))
     return {phase: frozenset(ns) for phase, ns in planned.items()}
 

@@ -84,8 +84,12 @@ def _exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        print(f"inflight: parent process {parent} is gone; stopping {multiprocessing.current_process().name} "
-              f"(pid {os.getpid()})", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"inflight: parent process {parent} is gone; stopping {multiprocessing.current_process().name} "
+            f"(pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         os._exit(1)

@@ -256,8 +256,11 @@ def _tied_layers(pairs: dict, processed: list) -> list[tuple[torch.nn.Module, di
     """A tied `lm_head` shares the embedding's parameter and receives no weight of its own, but on CPU it keeps its
     own packed copy of it: every live layer whose weight *is* a processed layer's old weight gets a fresh shadow with
     the new one, processed as a first load would."""
-    new_weight = {id(live._parameters["weight"]): shadow._parameters["weight"]
-                  for live, shadow in processed if live._parameters.get("weight") is not None}  # fmt: skip
+    new_weight = {
+        id(live._parameters["weight"]): shadow._parameters["weight"]
+        for live, shadow in processed
+        if live._parameters.get("weight") is not None
+    }
     done = {live for live, _ in processed}
     layers = []
     for live in pairs:

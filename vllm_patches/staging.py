@@ -40,9 +40,15 @@ class StageState(str, Enum):
 class StagedUpdate:
     """Receives `manifest`'s buckets from `group` on a background thread and holds the verified tensors."""
 
-    def __init__(self, manifest: UpdateManifest, group: WeightsGroup, device: torch.device | str = "cpu",
-                 weights_key: bytes | None = None, prepare: Callable[[dict], object] | None = None,
-                 base: tuple[int, dict[str, torch.Tensor]] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        manifest: UpdateManifest,
+        group: WeightsGroup,
+        device: torch.device | str = "cpu",
+        weights_key: bytes | None = None,
+        prepare: Callable[[dict], object] | None = None,
+        base: tuple[int, dict[str, torch.Tensor]] | None = None,
+    ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`, e.g.
         vllm_patches/prepared.py:prepare), then release the tensors unless the manifest says `keep_base`; the update is
@@ -86,8 +92,9 @@ class StagedUpdate:
                     self._ready.synchronize()  # receive_s is the transfer's, not the time to queue it
                 self.receive_s = time.perf_counter() - self.started
                 # CUDA: host copies, side stream
-                self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=self.weights_key,
-                                              base=self.base)  # fmt: skip
+                self.tensors = unpack_buckets(
+                    self.manifest, buckets, verify=True, weights_key=self.weights_key, base=self.base
+                )
             self.base = None  # a delta's new tensors are copies: the base is no longer needed here
             self.verify_s = time.perf_counter() - self.started - self.receive_s
             if self.prepare is not None:
@@ -199,8 +206,11 @@ def _stall_hook_from_env() -> Callable[[int, int], None] | None:
 
     def stall(index: int, version: int) -> None:
         if index == int(bucket) and (not only or int(only[0]) == version):
-            print(f"inflight fault injection: stalling the receive of v{version} after bucket {index} for {seconds}s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"inflight fault injection: stalling the receive of v{version} after bucket {index} for {seconds}s",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(seconds)
 
     return stall

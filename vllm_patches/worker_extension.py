@@ -271,8 +271,11 @@ def _experts_set_up_afresh(model: torch.nn.Module) -> Iterator[int]:
     """
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    methods = [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None),
-                                                                     UnquantizedFusedMoEMethod)]  # fmt: skip
+    methods = [
+        m.quant_method
+        for m in model.modules()
+        if isinstance(getattr(m, "quant_method", None), UnquantizedFusedMoEMethod)
+    ]
     kernels = [method.moe_kernel for method in methods]
     for method in methods:
         method.moe_kernel = None

@@ -79,8 +79,7 @@ def check_messages(value: Any, where: str) -> list[Message]:
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise EnvError(f"{where} message {i} is {m!r:.80}, expected {{'role': one of {ROLES}, "
-                                    "'content': str}")  # fmt: skip
+            raise EnvError(f"{where} message {i} is {m!r:.80}, expected {{'role': one of {ROLES}, 'content': str}}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -91,7 +90,11 @@ def check_feedback(value: Any) -> Feedback:
         raise EnvError(f"step returned {value!r:.80}, expected inflight.envs.base.Feedback")
     messages = check_messages(value.messages, "step") if value.messages else None
     reward = value.reward
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward
-                               or abs(reward) == float("inf")):  # fmt: skip
+    if reward is not None and (
+        isinstance(reward, bool)
+        or not isinstance(reward, int | float)
+        or reward != reward
+        or abs(reward) == float("inf")
+    ):
         raise EnvError(f"step returned reward {reward!r:.40}, expected a finite number or None")
     return Feedback(messages, None if reward is None else float(reward), bool(value.done), int(value.tool_errors))

@@ -29,11 +29,20 @@ MAX_NODES = 64
 MAX_VALUE = 10**15
 MAX_EXPONENT = 16
 CALL = re.compile(r"<calc>(.*?)</calc>\s*$", re.DOTALL)
-INSTRUCTIONS = ("You can use a calculator: write <calc>expression</calc> (numbers, + - * / and parentheses) and "
-                "wait for the <result>. When you know the answer, reply with only the number.")  # fmt: skip
+INSTRUCTIONS = (
+    "You can use a calculator: write <calc>expression</calc> (numbers, + - * / and parentheses) and "
+    "wait for the <result>. When you know the answer, reply with only the number."
+)
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}  # fmt: skip
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -125,8 +134,9 @@ class Calculator:
             wrong = reward(completion, state.problem.answer) == 0.0
             tries = state.data["retries"] = state.data.get("retries", 0) + wrong
             if wrong and tries <= self.retries:
-                return Feedback([{"role": "user", "content": "That is not right. Try again: reply with only the "
-                                  "number."}])  # fmt: skip
+                return Feedback(
+                    [{"role": "user", "content": "That is not right. Try again: reply with only the number."}]
+                )
             return Feedback(done=True)
         calls = state.data["calls"] = state.data.get("calls", 0) + 1
         try:

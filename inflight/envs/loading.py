@@ -38,8 +38,9 @@ def parse_env_args(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"env_args is {text!r:.80}: not JSON ({exc.msg}); pass an object, e.g. "
-                         "'{\"max_calls\": 4}'") from None  # fmt: skip
+        raise ValueError(
+            f"env_args is {text!r:.80}: not JSON ({exc.msg}); pass an object, e.g. '{{\"max_calls\": 4}}'"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(f"env_args is {text!r:.80}, expected a JSON object of keyword arguments")
     return value
@@ -55,8 +56,9 @@ def load_env(spec: str, env_args: str = ""):
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"env {spec!r} could not be loaded ({exc}); is {module!r} importable from here "
-                             "(PYTHONPATH)?") from exc  # fmt: skip
+            raise ValueError(
+                f"env {spec!r} could not be loaded ({exc}); is {module!r} importable from here (PYTHONPATH)?"
+            ) from exc
     args = parse_env_args(env_args)
     try:
         env = cls(**args)

@@ -54,9 +54,15 @@ class Learner:
             shard_policy(self.model, world.mesh, world.layer_compute_dtype(AUTOCAST[cfg.autocast]))
         loss = LossConfig(kind=cfg.loss, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation)
         truncation = Truncation(top_k=max(cfg.top_k, 0), top_p=cfg.top_p, min_p=cfg.min_p)
-        self.train_cfg = TrainConfig(lr=cfg.lr, grad_clip=cfg.grad_clip, temperature=cfg.temperature,
-                                     autocast=cfg.autocast, fused_loss=cfg.fused_loss, loss=loss,
-                                     truncation=truncation)  # fmt: skip
+        self.train_cfg = TrainConfig(
+            lr=cfg.lr,
+            grad_clip=cfg.grad_clip,
+            temperature=cfg.temperature,
+            autocast=cfg.autocast,
+            fused_loss=cfg.fused_loss,
+            loss=loss,
+            truncation=truncation,
+        )
         self.optimizer = make_optimizer(self.model, self.train_cfg)
         self.version, self.step, consumed, by_server = 0, 0, [], {}
         if cfg.resume:
@@ -64,11 +70,17 @@ class Learner:
         self.stop_requested = False  # set by SIGTERM/SIGINT: rank 0 stops waiting for groups, every rank then stops
         # Rank 0's tracker (--report-to), opened before the service binds: a serve started on its ready line is
         # followed from its first progress line on.
-        self.reporting = Reporting(cfg.report_to, self.run_dir, dataclasses.asdict(cfg), cfg.model,
-                                   cfg.log_samples_every) if world.rank == 0 else None  # fmt: skip
+        self.reporting = (
+            Reporting(cfg.report_to, self.run_dir, dataclasses.asdict(cfg), cfg.model, cfg.log_samples_every)
+            if world.rank == 0
+            else None
+        )
         state = full_hf_state(self.model)  # collective: every rank gathers
-        self.service = (LearnerService(cfg, state, self.version, consumed, by_server, world.weights_device)
-                        if world.rank == 0 else None)  # fmt: skip
+        self.service = (
+            LearnerService(cfg, state, self.version, consumed, by_server, world.weights_device)
+            if world.rank == 0
+            else None
+        )
 
     def _resume(self):
         from learner.checkpoint import latest_checkpoint, load_checkpoint
@@ -102,8 +114,14 @@ class Learner:
             self.step += 1
             publish = self._publish() if self.version % self.cfg.publish_every == 0 else {}
             if self.rank == 0:
-                record = self._log(batch[1], metrics, publish, waited, time.perf_counter() - started,
-                                   [len(s.completion_ids) for s in samples])  # fmt: skip
+                record = self._log(
+                    batch[1],
+                    metrics,
+                    publish,
+                    waited,
+                    time.perf_counter() - started,
+                    [len(s.completion_ids) for s in samples],
+                )
                 # metrics.jsonl has the line; the tracker mirrors it (and never raises)
                 self.reporting.step(record)
                 self.reporting.samples(samples, batch[1].rewards, self.version - 1, self.step)  # gated at version - 1
@@ -118,16 +136,25 @@ class Learner:
         from learner.step import Sample, make_batch, train_step
 
         mine = samples[self.rank :: self.world]
-        as_train = [Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.token_mask)
-                    for s in mine]  # fmt: skip
+        as_train = [
+            Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.token_mask) for s in mine
+        ]
         tokens = sum(sum(s.token_mask) for s in samples)
         batch = make_batch(as_train, pad_id=0)  # on the CPU: train_step moves it to the model's device
         fresh = [t._replace(token_mask=s.on_policy_prefix) for t, s in zip(as_train, mine, strict=True)]
         lag0 = make_batch(fresh, pad_id=0).mask
         start = time.perf_counter()
         sequences = sum(any(s.token_mask) for s in samples)  # a wholly gated sample does not count
-        metrics = train_step(self.model, self.optimizer, batch, self.train_cfg, self.world, global_tokens=tokens,
-                             global_sequences=sequences, probe_mask=lag0 & batch.mask)  # fmt: skip
+        metrics = train_step(
+            self.model,
+            self.optimizer,
+            batch,
+            self.train_cfg,
+            self.world,
+            global_tokens=tokens,
+            global_sequences=sequences,
+            probe_mask=lag0 & batch.mask,
+        )
         metrics["train_s"] = time.perf_counter() - start
         if metrics.get("probe_tokens"):
             metrics["mismatch_lag0"] = metrics["probe_abs_logratio_sum"] / metrics["probe_tokens"]
@@ -158,23 +185,40 @@ class Learner:
             fields["publish_device_peak_bytes"] = on_gpu.extra_bytes
         return fields
 
-    def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]
-             ) -> StepMetrics:  # fmt: skip
+    def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]) -> StepMetrics:
         """One StepMetrics line (inflight/wire/records.py): train_step's metrics and the publish report are fields of
         it, so a metric added or renamed there without the record fails here, in the first step of any learner test."""
         rewards = gate.rewards
         # `tokens` is train_step's (rank 0's trained tokens); the batch's, gated included, is the lag histogram's sum.
-        record = self.service.write_step({
-            "step": self.step, "version": self.version, "time": time.time(), "reward": sum(rewards) / len(rewards),
-            "lag_histogram": dict(sorted(gate.lag_histogram.items())),
-            "kv_lag_histogram": dict(sorted(gate.kv_lag_histogram.items())),
-            "groups": gate.group_ids, "lengths": lengths,
-            "gated_fraction": gate.gated / max(gate.tokens, 1), "wait_s": waited,
-            "step_s": step_s, "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
-            **metrics, **publish, **_episodes(gate),
-        })  # fmt: skip
-        log.info("step %d v%d reward %.3f loss %.4f wait %.2fs train %.2fs publish %.2fs", self.step, self.version,
-                 record.reward, metrics.get("loss", 0.0), waited, record.train_s, record.publish_s or 0.0)  # fmt: skip
+        record = self.service.write_step(
+            {
+                "step": self.step,
+                "version": self.version,
+                "time": time.time(),
+                "reward": sum(rewards) / len(rewards),
+                "lag_histogram": dict(sorted(gate.lag_histogram.items())),
+                "kv_lag_histogram": dict(sorted(gate.kv_lag_histogram.items())),
+                "groups": gate.group_ids,
+                "lengths": lengths,
+                "gated_fraction": gate.gated / max(gate.tokens, 1),
+                "wait_s": waited,
+                "step_s": step_s,
+                "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
+                **metrics,
+                **publish,
+                **_episodes(gate),
+            }
+        )
+        log.info(
+            "step %d v%d reward %.3f loss %.4f wait %.2fs train %.2fs publish %.2fs",
+            self.step,
+            self.version,
+            record.reward,
+            metrics.get("loss", 0.0),
+            waited,
+            record.train_s,
+            record.publish_s or 0.0,
+        )
         return record
 
     def checkpoint(self) -> None:
@@ -184,8 +228,12 @@ class Learner:
 
         consumed = self.service.consumed_state() if self.rank == 0 else {"consumed": {}, "consumed_by_server": {}}
         root = self.run_dir / "checkpoints"
-        save_checkpoint(checkpoint_dir(root, self.step), self.model, self.optimizer,
-                        {"step": self.step, "version": self.version, **consumed})  # fmt: skip
+        save_checkpoint(
+            checkpoint_dir(root, self.step),
+            self.model,
+            self.optimizer,
+            {"step": self.step, "version": self.version, **consumed},
+        )
         if self.rank == 0:  # the checkpoint holds the trained groups; the journal keeps only the others
             self.service.rotate_journal()
             for old in prune_checkpoints(root, self.cfg.keep_checkpoints):
@@ -202,8 +250,11 @@ class Learner:
         shutil.copytree(self.model_path, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
         for old in out.glob("*.safetensors"):
             old.unlink()
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), {"format": "pt",
-                  "inflight_version": str(self.version)})  # fmt: skip
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            str(out / "model.safetensors"),
+            {"format": "pt", "inflight_version": str(self.version)},
+        )
 
     def close(self) -> None:
         """Rank 0: close the service (the serves commit the last update first, then the sockets and files close)."""
@@ -249,15 +300,27 @@ def _resolve_precision(cfg: LearnConfig, world: World) -> None:
 
     precision = resolve_precision(cfg.autocast, world.device_type)
     cfg.autocast = "bfloat16" if precision.is_bf16 and cfg.autocast != "none" else "none"
-    log.info("learner rank %d/%d on %s (default group %s, weights over %s); precision: decoder %s, "
-             "LM head/logprobs/optimizer %s (%s)", world.rank, world.size, world.device, world.backend,
-             world.weights_backend, "bfloat16" if cfg.autocast == "bfloat16" else cfg.dtype, cfg.dtype,
-             precision.reason)  # fmt: skip
+    log.info(
+        "learner rank %d/%d on %s (default group %s, weights over %s); precision: decoder %s, "
+        "LM head/logprobs/optimizer %s (%s)",
+        world.rank,
+        world.size,
+        world.device,
+        world.backend,
+        world.weights_backend,
+        "bfloat16" if cfg.autocast == "bfloat16" else cfg.dtype,
+        cfg.dtype,
+        precision.reason,
+    )
 
 
 def _episodes(gate) -> dict:
     """The StepMetrics episode fields, for a batch with environment tokens (absent for single-turn batches)."""
     if not gate.env_tokens:
         return {}
-    return {"env_tokens": gate.env_tokens, "turns_mean": sum(gate.turns) / max(len(gate.turns), 1),
-            "turns": gate.turns, "env_lengths": gate.env_lengths}  # fmt: skip
+    return {
+        "env_tokens": gate.env_tokens,
+        "turns_mean": sum(gate.turns) / max(len(gate.turns), 1),
+        "turns": gate.turns,
+        "env_lengths": gate.env_lengths,
+    }

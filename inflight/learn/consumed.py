@@ -65,8 +65,9 @@ class ConsumedGroups:
         above = self.above[stream]
         above.add(index)
         if len(above) > self.window:  # a hole that will never fill: jump past it
-            log.warning("stream %s: groups %d..%d never arrived whole; no longer waiting for them", stream, mark,
-                        min(above) - 1)  # fmt: skip
+            log.warning(
+                "stream %s: groups %d..%d never arrived whole; no longer waiting for them", stream, mark, min(above) - 1
+            )
             mark = min(above)
         while mark in above:
             above.remove(mark)
@@ -80,5 +81,8 @@ class ConsumedGroups:
         return sum(len(a) for a in self.above.values()) + len(self.other)
 
     def to_json(self) -> dict:
-        return {"marks": dict(self.marks), "above": {s: sorted(a) for s, a in self.above.items() if a},
-                "other": sorted(self.other)}  # fmt: skip
+        return {
+            "marks": dict(self.marks),
+            "above": {s: sorted(a) for s, a in self.above.items() if a},
+            "other": sorted(self.other),
+        }

@@ -206,8 +206,10 @@ class Membership:
             absent = [s for s in formation.serves if s.joined is None or not s.joined.ok]
             for serve in absent:
                 self.serves.pop(serve.identity, None)
-            text = (f"weights group {name} did not form ({error}); dropping serves that did not join: "
-                    f"{[s.server_id for s in absent]}")  # fmt: skip
+            text = (
+                f"weights group {name} did not form ({error}); dropping serves that did not join: "
+                f"{[s.server_id for s in absent]}"
+            )
             return False, [Log(logging.ERROR, text)]
         if any(self.serves.get(s.identity) is not s for s in formation.serves):
             return False, [self.dissolve("a serve restarted while the group formed")]

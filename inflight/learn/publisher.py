@@ -61,10 +61,19 @@ class WeightPublisher:
     its actions, forms the weights group (a thread, while the control socket keeps being served) and broadcasts
     updates. Single-threaded use only: every method is called from the learner's main thread."""
 
-    def __init__(self, control: ControlServer, host: str = "127.0.0.1", store_port: int = 0, backend: str = "gloo",
-                 timeout_s: float = 60.0, bucket_bytes: int = 64 << 20, quiet_after_s: float = 3.0,
-                 weights_key: bytes | None = None, device: torch.device | str = "cpu",
-                 full_every: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        control: ControlServer,
+        host: str = "127.0.0.1",
+        store_port: int = 0,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        bucket_bytes: int = 64 << 20,
+        quiet_after_s: float = 3.0,
+        weights_key: bytes | None = None,
+        device: torch.device | str = "cpu",
+        full_every: int = 1,
+    ):
         """`weights_key` (from --secret-file, inflight/wire/secure.py:weights_key): tag every tensor of every update
         with it instead of a CRC32. `device`: where the buckets are packed and sent from — the learner's GPU for
         NCCL, host memory for gloo (`learner/world.py:World.weights_device`). `full_every` (--full-every): a full
@@ -150,14 +159,19 @@ class WeightPublisher:
         extra = sorted(set(served) - set(self.expected))
         return f"serve {hello.server_id} has tensor {extra[0]!r} the learner does not train" if extra else ""
 
-    def send_progress(self, consumed_by_server: dict[str, int], version: int,
-                      acks: dict[str, set[str]] | None = None) -> None:  # fmt: skip
+    def send_progress(
+        self, consumed_by_server: dict[str, int], version: int, acks: dict[str, set[str]] | None = None
+    ) -> None:
         """Progress to every serve; `acks` (server id -> group ids) are delivered and removed, or kept for a serve
         not known (yet) — a restarted serve gets them once it has said Hello."""
         for serve in self.serves.values():
             acked = sorted(acks.pop(serve.server_id, ())) if acks is not None else []
-            message = Progress(version=version, groups_consumed=consumed_by_server.get(serve.server_id, 0), acked=acked,
-                               published=self.latest[0] if self.latest is not None else 0)  # fmt: skip
+            message = Progress(
+                version=version,
+                groups_consumed=consumed_by_server.get(serve.server_id, 0),
+                acked=acked,
+                published=self.latest[0] if self.latest is not None else 0,
+            )
             if not self.control.send(serve.identity, message) and acks is not None and acked:
                 acks[serve.server_id] = set(acked)  # not delivered: try again next time
 
@@ -177,12 +191,22 @@ class WeightPublisher:
         formation = self.membership.plan()
         if formation is None:
             return False
-        address = GroupAddress(self.host, self.store_port, formation.world_size, formation.group_name, self.backend,
-                               self.timeout_s)  # fmt: skip
+        address = GroupAddress(
+            self.host, self.store_port, formation.world_size, formation.group_name, self.backend, self.timeout_s
+        )
         for serve, rank in zip(formation.serves, formation.ranks, strict=True):
-            self.control.send(serve.identity, JoinGroup(host=address.host, port=address.port, rank=rank,
-                                                        group_name=address.group_name, world_size=address.world_size,
-                                                        backend=address.backend, timeout_s=self.timeout_s))  # fmt: skip
+            self.control.send(
+                serve.identity,
+                JoinGroup(
+                    host=address.host,
+                    port=address.port,
+                    rank=rank,
+                    group_name=address.group_name,
+                    world_size=address.world_size,
+                    backend=address.backend,
+                    timeout_s=self.timeout_s,
+                ),
+            )
         result: dict = {}
         thread = threading.Thread(target=_form, args=(address, self.store, result), daemon=True)
         thread.start()
@@ -202,8 +226,12 @@ class WeightPublisher:
             if not waiting:
                 return
             self.pump(0.02)
-        log.error("serves %s did not report the commit of v%d within %.0fs", [s.server_id for s in waiting], version,
-                  self.timeout_s)  # fmt: skip
+        log.error(
+            "serves %s did not report the commit of v%d within %.0fs",
+            [s.server_id for s in waiting],
+            version,
+            self.timeout_s,
+        )
 
     def _drop_quiet_serves(self, version: int, error: Exception) -> list[str]:
         """After a failed broadcast: listen for `quiet_after_s`, then drop the serves that sent nothing meanwhile (or
@@ -226,8 +254,9 @@ class WeightPublisher:
         self.expected = {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in state.items()}
         self.contract = contract
 
-    def publish(self, state: dict[str, torch.Tensor], version: int, consumed: dict[str, int] | None = None,
-                retries: int = 1) -> PublishReport:  # fmt: skip
+    def publish(
+        self, state: dict[str, torch.Tensor], version: int, consumed: dict[str, int] | None = None, retries: int = 1
+    ) -> PublishReport:
         """Send `state` as `version` to every serve (a delta when `_delta_base` allows); on a failed broadcast drop
         the dead serves and retry."""
         previous = self.latest[0] if self.latest is not None else None
@@ -238,11 +267,13 @@ class WeightPublisher:
             if members is None:
                 return report
             served = _served(members)
-            cast = {name: state[name].to(self.device, DTYPES[dtype]).contiguous()
-                    for name, (dtype, _) in served.items()}  # fmt: skip
+            cast = {
+                name: state[name].to(self.device, DTYPES[dtype]).contiguous() for name, (dtype, _) in served.items()
+            }
             base = self._delta_base(version, members, cast)
-            manifest, payloads = plan_update(cast, version, self.bucket_bytes, weights_key=self.weights_key,
-                                             base=base, keep_base=self.full_every > 1)  # fmt: skip
+            manifest, payloads = plan_update(
+                cast, version, self.bucket_bytes, weights_key=self.weights_key, base=base, keep_base=self.full_every > 1
+            )
             self._announce(manifest, members, served, consumed)
             try:
                 stats = send_update(self.group, manifest, payloads)
@@ -268,8 +299,10 @@ class WeightPublisher:
         """Check `manifest` against what the serves hold, then send it to every member before any bucket moves."""
         check_against(manifest, served)
         for serve in members:
-            self.control.send(serve.identity, UpdateWeights(manifest=manifest.encode(), groups_consumed=(
-                consumed or {}).get(serve.server_id, 0)))  # fmt: skip
+            self.control.send(
+                serve.identity,
+                UpdateWeights(manifest=manifest.encode(), groups_consumed=(consumed or {}).get(serve.server_id, 0)),
+            )
 
     def _delta_base(self, version: int, members: list[Serve], cast: dict[str, torch.Tensor]):
         """(version, tensors) of the last version sent, when every member committed it and a full update is not due
@@ -277,8 +310,9 @@ class WeightPublisher:
         if self._sent is None or version - self._last_full >= self.full_every:
             return None
         sent, tensors = self._sent
-        if sent == version or any(s.last_update is None or not s.last_update.ok or s.last_update.version != sent
-                                  for s in members):  # fmt: skip
+        if sent == version or any(
+            s.last_update is None or not s.last_update.ok or s.last_update.version != sent for s in members
+        ):
             return None  # a re-send of the same version (catch-up), a member that missed it or joined since
         if any(n not in tensors or tensors[n].dtype != t.dtype or tensors[n].shape != t.shape for n, t in cast.items()):
             return None
@@ -302,8 +336,12 @@ class WeightPublisher:
             order = {name: served[name] for name in (self.expected or served)}  # the learner's order, served dtypes
             manifest = plan_layout(order, version, self.bucket_bytes)
             self._announce(manifest, members, served, consumed)
-            stats, error = self._stream(StreamSender(self.group, manifest, self.device, self.weights_key), tensors,
-                                        self._snapshot(order), version)  # fmt: skip
+            stats, error = self._stream(
+                StreamSender(self.group, manifest, self.device, self.weights_key),
+                tensors,
+                self._snapshot(order),
+                version,
+            )
             if error is not None:
                 report.failed += self._drop_quiet_serves(version, error)
                 return report
@@ -341,7 +379,8 @@ class WeightPublisher:
         held = self.latest[1] if self.latest is not None else {}
         fits = list(held) == list(order) and all(
             str(held[n].dtype).removeprefix("torch.") == d and list(held[n].shape) == s and held[n].device.type == "cpu"
-            for n, (d, s) in order.items())  # fmt: skip
+            for n, (d, s) in order.items()
+        )
         if fits:
             return held
         return {name: torch.empty(shape, dtype=DTYPES[dtype]) for name, (dtype, shape) in order.items()}

@@ -26,10 +26,31 @@ from inflight.wire.rollouts import RolloutError, decode_rollout
 log = logging.getLogger("inflight.learn")
 
 # LearnConfig fields that do not change what is trained: where things are, how they are reported and published
-_NOT_TRAINING = frozenset({"host", "rollouts_port", "control_port", "weights_port", "backend", "device", "run_dir",
-                           "resume", "replay", "keep_journal", "wait_for_serves", "report_to", "log_samples_every",
-                           "secret_file", "timeout_s", "bucket_mb", "full_every", "publish_every", "checkpoint_every",
-                           "keep_checkpoints", "model"})  # fmt: skip
+_NOT_TRAINING = frozenset(
+    {
+        "host",
+        "rollouts_port",
+        "control_port",
+        "weights_port",
+        "backend",
+        "device",
+        "run_dir",
+        "resume",
+        "replay",
+        "keep_journal",
+        "wait_for_serves",
+        "report_to",
+        "log_samples_every",
+        "secret_file",
+        "timeout_s",
+        "bucket_mb",
+        "full_every",
+        "publish_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "model",
+    }
+)
 
 
 def journal_dir(replay: str | Path) -> Path:
@@ -39,8 +60,10 @@ def journal_dir(replay: str | Path) -> Path:
     for candidate in (path / "journal", path):
         if segment_paths(candidate):
             return candidate
-    raise ValueError(f"--replay is {str(replay)!r}: no journal segment (segment-*.log) in it or in its journal/; "
-                     "pass the --run-dir of a run recorded with --keep-journal")  # fmt: skip
+    raise ValueError(
+        f"--replay is {str(replay)!r}: no journal segment (segment-*.log) in it or in its journal/; "
+        "pass the --run-dir of a run recorded with --keep-journal"
+    )
 
 
 def check_replay(replay: str, run_dir: str) -> None:
@@ -49,8 +72,9 @@ def check_replay(replay: str, run_dir: str) -> None:
     journal = journal_dir(replay).resolve()
     own = Path(run_dir).resolve()
     if journal in (own, own / "journal"):
-        raise ValueError(f"--replay is {replay!r}, the journal of --run-dir {run_dir!r} itself: give the replay "
-                         "its own --run-dir")  # fmt: skip
+        raise ValueError(
+            f"--replay is {replay!r}, the journal of --run-dir {run_dir!r} itself: give the replay its own --run-dir"
+        )
 
 
 class JournalReplay:
@@ -64,9 +88,12 @@ class JournalReplay:
         self.read = 0
         first = segment_paths(self.dir)[0]
         if first.name != "segment-000000.log":
-            log.warning("--replay %s starts at %s: the segments before it were deleted at checkpoints (recorded "
-                        "without --keep-journal), so the groups trained before them are not replayed", self.dir,
-                        first.name)  # fmt: skip
+            log.warning(
+                "--replay %s starts at %s: the segments before it were deleted at checkpoints (recorded "
+                "without --keep-journal), so the groups trained before them are not replayed",
+                self.dir,
+                first.name,
+            )
 
     def fill(self, buffer: RolloutBuffer, groups: int) -> None:
         """Add records to `buffer` until `groups` complete groups are ready or the journal is exhausted (`done`).
@@ -93,5 +120,8 @@ class JournalReplay:
         if not path.exists():
             return []
         recorded = json.loads(path.read_text())
-        return [f"{name} {recorded[name]!r} -> {value!r}" for name, value in settings.items()
-                if name not in _NOT_TRAINING and name in recorded and recorded[name] != value]  # fmt: skip
+        return [
+            f"{name} {recorded[name]!r} -> {value!r}"
+            for name, value in settings.items()
+            if name not in _NOT_TRAINING and name in recorded and recorded[name] != value
+        ]

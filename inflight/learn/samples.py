@@ -66,8 +66,9 @@ class GateStats:
     env_lengths: list[int] = field(default_factory=list)  # environment tokens of each sample
 
 
-def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean",
-                  max_kv_lag: int = -1) -> tuple[list[GatedSample], GateStats]:  # fmt: skip
+def build_samples(
+    groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean", max_kv_lag: int = -1
+) -> tuple[list[GatedSample], GateStats]:
     from learner.advantages import group_advantages
 
     stats = GateStats()
@@ -81,8 +82,9 @@ def build_samples(groups: list[list[Rollout]], version: int, max_lag: int, advan
     return samples, stats
 
 
-def _gate(rollout: Rollout, advantage: float, version: int, max_lag: int, max_kv_lag: int,
-          stats: GateStats) -> GatedSample:  # fmt: skip
+def _gate(
+    rollout: Rollout, advantage: float, version: int, max_lag: int, max_kv_lag: int, stats: GateStats
+) -> GatedSample:
     """One rollout's staleness gate; its policy tokens counted into `stats`."""
     policy = rollout.policy_mask
     # A negative lag is a token from a version this learner never made: one published by a previous life of a learner
@@ -98,6 +100,13 @@ def _gate(rollout: Rollout, advantage: float, version: int, max_lag: int, max_kv
     stats.rewards.append(rollout.reward)
     stats.turns.append(rollout.turns)
     stats.env_lengths.append(int((~policy).sum()))
-    return GatedSample(rollout.prompt.tolist(), rollout.completion.tolist(), rollout.logprobs.tolist(), advantage,
-                       keep.tolist(), lags.tolist(), kv_lags.tolist(),
-                       [] if policy.all() else policy.tolist())  # fmt: skip
+    return GatedSample(
+        rollout.prompt.tolist(),
+        rollout.completion.tolist(),
+        rollout.logprobs.tolist(),
+        advantage,
+        keep.tolist(),
+        lags.tolist(),
+        kv_lags.tolist(),
+        [] if policy.all() else policy.tolist(),
+    )

@@ -46,9 +46,15 @@ class LearnerService:
     `consumed`/`by_server` come from the checkpoint; `weights_device` is where published tensors must be for the
     weights group's backend (`learner/world.py:World.weights_device`). Rank 0 only; not thread-safe."""
 
-    def __init__(self, cfg: LearnConfig, state: dict[str, torch.Tensor], version: int,
-                 consumed: Iterable[str] | dict, by_server: dict[str, int],
-                 weights_device: torch.device | str = "cpu"):  # fmt: skip
+    def __init__(
+        self,
+        cfg: LearnConfig,
+        state: dict[str, torch.Tensor],
+        version: int,
+        consumed: Iterable[str] | dict,
+        by_server: dict[str, int],
+        weights_device: torch.device | str = "cpu",
+    ):
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         keys = tags = None
         if cfg.secret_file:
@@ -59,9 +65,17 @@ class LearnerService:
         self.replay = JournalReplay(cfg.replay) if cfg.replay else None
         self.receiver = None if self.replay else RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)
         self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
-        self.publisher = WeightPublisher(self.control, cfg.host, cfg.weights_port, cfg.backend, cfg.timeout_s,
-                                         cfg.bucket_mb << 20, weights_key=tags, device=weights_device,
-                                         full_every=cfg.full_every)  # fmt: skip
+        self.publisher = WeightPublisher(
+            self.control,
+            cfg.host,
+            cfg.weights_port,
+            cfg.backend,
+            cfg.timeout_s,
+            cfg.bucket_mb << 20,
+            weights_key=tags,
+            device=weights_device,
+            full_every=cfg.full_every,
+        )
         self.publisher.set_model(state, cfg.contract())  # serves that differ are refused at Hello
         if version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
             self.publisher.latest = (version, state)
@@ -77,15 +91,24 @@ class LearnerService:
     def _announce(self) -> None:
         """Log and print the ready line (`inflight.learn ready: ...`) launchers and tests wait for."""
         source = f"replaying {self.replay.dir}" if self.replay else f"rollouts {self.receiver.address}"
-        log.info("learner listening: %s, control %s, weights store port %d", source, self.control.address,
-                 self.publisher.store_port)  # fmt: skip
-        print(f"inflight.learn ready: {source} control {self.control.address} weights "
-              f"{self.cfg.host}:{self.publisher.store_port}", file=sys.stderr, flush=True)  # fmt: skip
+        log.info(
+            "learner listening: %s, control %s, weights store port %d",
+            source,
+            self.control.address,
+            self.publisher.store_port,
+        )
+        print(
+            f"inflight.learn ready: {source} control {self.control.address} weights "
+            f"{self.cfg.host}:{self.publisher.store_port}",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.replay:
             resolved = dataclasses.asdict(self.cfg)
             for difference in self.replay.recorded_differences(resolved):
-                log.warning("--replay: %s differs from the recording (the weights will differ from its run)",
-                            difference)  # fmt: skip
+                log.warning(
+                    "--replay: %s differs from the recording (the weights will differ from its run)", difference
+                )
 
     def _open_journal(self) -> RolloutJournal:
         """The write-ahead log of accepted rollouts (inflight/learn/journal.py): replayed on --resume, else emptied."""
@@ -104,8 +127,11 @@ class LearnerService:
                 self.raw[rollout.rollout_id] = record
                 replayed += 1
         if replayed:
-            log.info("journal: replayed %d rollouts of untrained groups (%d groups complete)", replayed,
-                     len(self.buffer.ready))  # fmt: skip
+            log.info(
+                "journal: replayed %d rollouts of untrained groups (%d groups complete)",
+                replayed,
+                len(self.buffer.ready),
+            )
         return journal
 
     # -- rollouts in ----------------------------------------------------------------------------------------------
@@ -217,6 +243,11 @@ class LearnerService:
 
 def publish_fields(report: PublishReport, seconds: float) -> dict:
     """A publish report as StepMetrics fields: `seconds` the whole publish, the rate over the broadcast alone."""
-    return {"publish_s": seconds, "publish_bytes": report.bytes, "publish_serves": report.serves,
-            "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
-            "publish_failed": report.failed, "publish_delta": report.delta}  # fmt: skip
+    return {
+        "publish_s": seconds,
+        "publish_bytes": report.bytes,
+        "publish_serves": report.serves,
+        "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
+        "publish_failed": report.failed,
+        "publish_delta": report.delta,
+    }

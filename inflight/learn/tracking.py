@@ -47,8 +47,10 @@ def check_installed(report_to: str) -> None:
     """ValueError naming the package and the install command when `--report-to` needs one that is missing."""
     package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(report_to)
     if package and importlib.util.find_spec(package) is None:
-        raise ValueError(f"--report-to {report_to} needs the {package} package, which is not installed: "
-                         f"{INSTALL_HINT}, or --report-to none")  # fmt: skip
+        raise ValueError(
+            f"--report-to {report_to} needs the {package} package, which is not installed: "
+            f"{INSTALL_HINT}, or --report-to none"
+        )
 
 
 @dataclasses.dataclass
@@ -156,10 +158,14 @@ class WandbTracker(Tracker):
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "inflight"), dir=str(run_dir),
-                              name=Path(run_dir).resolve().name, config=config,
-                              mode=os.environ.get("WANDB_MODE", "offline"),
-                              settings=wandb.Settings(console="off"))  # fmt: skip
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "inflight"),
+            dir=str(run_dir),
+            name=Path(run_dir).resolve().name,
+            config=config,
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            settings=wandb.Settings(console="off"),
+        )
 
     def scalars(self, values: dict[str, float], step: int, wall_time: float) -> None:
         self.run.log(values, step=step)
@@ -207,8 +213,9 @@ class ServeMetricsTail:
         return events
 
 
-def sample_rows(samples, rewards: list[float], gate_version: int, decode: Callable[[list[int]], str]
-                ) -> list[SampleRow]:  # fmt: skip
+def sample_rows(
+    samples, rewards: list[float], gate_version: int, decode: Callable[[list[int]], str]
+) -> list[SampleRow]:
     """The samples table of one step: `samples` are the step's GatedSamples (inflight/learn/samples.py), `rewards`
     their rewards in the same order, `gate_version` the learner version they were gated at (a token's version is
     gate_version − its lag)."""
@@ -216,8 +223,15 @@ def sample_rows(samples, rewards: list[float], gate_version: int, decode: Callab
     for sample, reward in list(zip(samples, rewards, strict=True))[:MAX_SAMPLE_ROWS]:
         policy = sample.policy or [True] * len(sample.lags)  # environment tokens have no version
         versions = sorted({gate_version - lag for lag, p in zip(sample.lags, policy, strict=True) if p})
-        rows.append(SampleRow(decode(sample.prompt_ids), decode(sample.completion_ids), float(reward),
-                              float(sample.advantage), ",".join(map(str, versions))))  # fmt: skip
+        rows.append(
+            SampleRow(
+                decode(sample.prompt_ids),
+                decode(sample.completion_ids),
+                float(reward),
+                float(sample.advantage),
+                ",".join(map(str, versions)),
+            )
+        )
     return rows
 
 
@@ -248,8 +262,10 @@ class Reporting:
     def samples(self, samples, rewards: list[float], gate_version: int, step: int) -> None:
         """The samples table, on every `samples_every`-th step."""
         if self.active and self.samples_every and step % self.samples_every == 0:
-            self._guard("samples", lambda: self.tracker.log_samples(
-                sample_rows(samples, rewards, gate_version, self.decoder()), step))  # fmt: skip
+            self._guard(
+                "samples",
+                lambda: self.tracker.log_samples(sample_rows(samples, rewards, gate_version, self.decoder()), step),
+            )
 
     def decoder(self) -> Callable[[list[int]], str]:
         if self._decode is None:

@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             if name in sides:
                 rc = sides[name].stop(cfg.stop_timeout_s)
                 if rc not in (0, -signal.SIGTERM, 128 + signal.SIGTERM) and code == 0 and not interrupted:
-                    print(f"[run] {name} exited with code {rc} while stopping; its last lines:\n"
-                          f"{sides[name].last_lines()}", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"[run] {name} exited with code {rc} while stopping; its last lines:\n"
+                        f"{sides[name].last_lines()}",
+                        file=sys.stderr,
+                    )
                     code = 1
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -137,26 +140,39 @@ def _run(cfg: RunConfig, run_dir: Path, commands, launchers, sides: dict[str, Si
         f.write(json.dumps({"event": "ready", "time": time.time()}) + "\n")
     while True:
         if interrupted:
-            print(f"[run] {signal.Signals(interrupted[0]).name}: stopping the learner, then the serve",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[run] {signal.Signals(interrupted[0]).name}: stopping the learner, then the serve",
+                file=sys.stderr,
+                flush=True,
+            )
             return 130
         if learn.proc.poll() is not None:
             if learn.proc.returncode == 0:
                 return 0
-            print(f"[run] learn exited with code {learn.proc.returncode}; its last lines:\n{learn.last_lines()}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"[run] learn exited with code {learn.proc.returncode}; its last lines:\n{learn.last_lines()}",
+                file=sys.stderr,
+            )
             return 1
         if serve.proc.poll() is not None:
-            print(f"[run] serve exited with code {serve.proc.returncode}; its last lines:\n{serve.last_lines()}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"[run] serve exited with code {serve.proc.returncode}; its last lines:\n{serve.last_lines()}",
+                file=sys.stderr,
+            )
             return 1
         if cfg.duration_s and time.monotonic() - started > cfg.duration_s:
-            print(f"[run] {cfg.duration_s:.0f}s budget spent: stopping the learner, then the serve", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"[run] {cfg.duration_s:.0f}s budget spent: stopping the learner, then the serve",
+                file=sys.stderr,
+                flush=True,
+            )
             rc = learn.stop(cfg.stop_timeout_s)
             if rc != 0:
-                print(f"[run] learn exited with code {rc} at the end of the budget; its last lines:\n"
-                      f"{learn.last_lines()}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"[run] learn exited with code {rc} at the end of the budget; its last lines:\n"
+                    f"{learn.last_lines()}",
+                    file=sys.stderr,
+                )
                 return 1
             return 0
         time.sleep(0.2)

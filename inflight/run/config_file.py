@@ -35,17 +35,50 @@ SIDES = ("serve", "learn")
 SIDE_ARGS = ("--serve-args", "--learn-args")
 # side field -> the top-level key the run sets it from (inflight/run/launch.py:side_commands)
 RUN_SETS = {
-    "serve": {"model": "model", "task": "task", "mode": "mode", "group_size": "group_size", "dtype": "dtype",
-              "groups_per_step": "groups_per_step", "max_tokens": "max_tokens", "temperature": "temperature",
-              "max_lag": "admit_lag", "task_seed": "seed", "seed": "seed", "rollouts": "host / port_base",
-              "control": "host / port_base", "metrics": "run_dir", "reward": "reward", "http_port": "http_port",
-              "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "env": "env"},
-    "learn": {"model": "model", "host": "host", "rollouts_port": "port_base", "control_port": "port_base",
-              "weights_port": "port_base", "groups_per_step": "groups_per_step", "steps": "steps",
-              "max_lag": "max_lag", "temperature": "temperature", "lr": "lr", "seed": "seed", "run_dir": "run_dir",
-              "autocast": "dtype", "group_size": "group_size", "backend": "learn_gpus",
-              "report_to": "report_to", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p"},
-}  # fmt: skip
+    "serve": {
+        "model": "model",
+        "task": "task",
+        "mode": "mode",
+        "group_size": "group_size",
+        "dtype": "dtype",
+        "groups_per_step": "groups_per_step",
+        "max_tokens": "max_tokens",
+        "temperature": "temperature",
+        "max_lag": "admit_lag",
+        "task_seed": "seed",
+        "seed": "seed",
+        "rollouts": "host / port_base",
+        "control": "host / port_base",
+        "metrics": "run_dir",
+        "reward": "reward",
+        "http_port": "http_port",
+        "top_p": "top_p",
+        "top_k": "top_k",
+        "min_p": "min_p",
+        "env": "env",
+    },
+    "learn": {
+        "model": "model",
+        "host": "host",
+        "rollouts_port": "port_base",
+        "control_port": "port_base",
+        "weights_port": "port_base",
+        "groups_per_step": "groups_per_step",
+        "steps": "steps",
+        "max_lag": "max_lag",
+        "temperature": "temperature",
+        "lr": "lr",
+        "seed": "seed",
+        "run_dir": "run_dir",
+        "autocast": "dtype",
+        "group_size": "group_size",
+        "backend": "learn_gpus",
+        "report_to": "report_to",
+        "top_p": "top_p",
+        "top_k": "top_k",
+        "min_p": "min_p",
+    },
+}
 
 
 class ConfigFileError(ValueError):
@@ -91,8 +124,10 @@ def load_run_file(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str,
         sides[side] = _typed_values(path, f"[{side}]", tables[side], side_config(side))
         for key in sides[side]:
             if key in RUN_SETS[side]:
-                raise ConfigFileError(f"{path}: [{side}] {key} is set by the run from its top-level key "
-                                      f"'{RUN_SETS[side][key]}': set that instead, at the top of the file")  # fmt: skip
+                raise ConfigFileError(
+                    f"{path}: [{side}] {key} is set by the run from its top-level key "
+                    f"'{RUN_SETS[side][key]}': set that instead, at the top of the file"
+                )
     return top, sides
 
 
@@ -106,8 +141,9 @@ def _typed_values(path: Path, where: str, table: dict, cls: type) -> dict[str, A
         if name not in fields:
             close = difflib.get_close_matches(name, fields, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; known keys: {', '.join(fields)}"
-            raise ConfigFileError(f"{path}: unknown key '{key}' in the {where} ({cls.__name__} has no field "
-                                  f"{name}){hint}")  # fmt: skip
+            raise ConfigFileError(
+                f"{path}: unknown key '{key}' in the {where} ({cls.__name__} has no field {name}){hint}"
+            )
         out[name] = _typed(path, where, key, value, fields[name])
     return out
 
@@ -117,8 +153,10 @@ def _typed(path: Path, where: str, key: str, value: Any, f: dataclasses.Field) -
     if kind is float and type(value) is int:  # TOML `lr = 1` is an integer; the field is a float
         value = float(value)
     if type(value) is not kind:
-        raise ConfigFileError(f"{path}: {where} {key} = {value!r} is a {type(value).__name__}, expected a "
-                              f"{kind.__name__} (default {f.default!r})")  # fmt: skip
+        raise ConfigFileError(
+            f"{path}: {where} {key} = {value!r} is a {type(value).__name__}, expected a "
+            f"{kind.__name__} (default {f.default!r})"
+        )
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigFileError(f"{path}: {where} {key} = {value!r}, expected one of {', '.join(map(str, choices))}")
@@ -155,9 +193,13 @@ def glue_side_args(argv: list[str]) -> list[str]:
 
 def run_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", default="", help="a run file (TOML): top-level keys are this command's "
-                        "flags, [serve] and [learn] tables the sides' own; flags given here override it "
-                        "(default '')")  # fmt: skip
+    parser.add_argument(
+        "--config",
+        default="",
+        help="a run file (TOML): top-level keys are this command's "
+        "flags, [serve] and [learn] tables the sides' own; flags given here override it "
+        "(default '')",
+    )
     add_dataclass_args(parser, RunConfig)
     return parser
 
@@ -219,6 +261,10 @@ def write_run_toml(cfg: RunConfig, tables: dict[str, dict[str, Any]], run_dir: P
     """`<run_dir>/config.toml`: the resolved run (its directory filled in) that `--config` reads back."""
     top = dataclasses.asdict(cfg) | {"run_dir": str(run_dir)}
     path = Path(run_dir) / "config.toml"
-    path.write_text("# the resolved config of this run: python -m inflight.run --config " + str(path) + "\n"
-                    + dump_run_toml(top, tables))  # fmt: skip
+    path.write_text(
+        "# the resolved config of this run: python -m inflight.run --config "
+        + str(path)
+        + "\n"
+        + dump_run_toml(top, tables)
+    )
     return path

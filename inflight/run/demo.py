@@ -34,8 +34,9 @@ def split_run_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:cut], argv[cut + 1 :]
 
 
-def run_modes(modes: list[str], duration_s: float, out: Path, extra: list[str], reuse: bool = False,
-              tag: str = "demo") -> tuple[dict[str, int], list[dict]]:  # fmt: skip
+def run_modes(
+    modes: list[str], duration_s: float, out: Path, extra: list[str], reuse: bool = False, tag: str = "demo"
+) -> tuple[dict[str, int], list[dict]]:
     """One `inflight.run` per mode in `<out>/<mode>` with the demo flags + `extra`; (exit codes, summaries).
 
     `reuse`: a mode whose directory already holds a finished run with the same flags is reported, not re-run.

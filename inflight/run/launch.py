@@ -28,8 +28,9 @@ _PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITI
 LEARN_AUTOCAST = {"auto": "auto", "float32": "none", "bfloat16": "bfloat16"}
 
 
-def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int],
-                  tables: dict[str, dict] | None = None) -> dict[str, list[str]]:  # fmt: skip
+def side_commands(
+    cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int], tables: dict[str, dict] | None = None
+) -> dict[str, list[str]]:
     """The argv of each side (without the interpreter): the shared knobs, then the side's table of a run file
     (inflight/run/config_file.py), then the verbatim `--serve-args` / `--learn-args`; argparse keeps the last of a
     repeated flag, so each later part overrides an earlier one."""
@@ -40,31 +41,93 @@ def side_commands(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int],
     # the sampler's truncation: the serve samples with it, the learner computes its logprobs under it
     sampling = ["--top-p", repr(cfg.top_p), "--top-k", str(cfg.top_k), "--min-p", repr(cfg.min_p)]
     shared_serve = [
-        "--model", cfg.model, "--task", cfg.task, "--mode", cfg.mode, "--group-size", str(cfg.group_size),
-        "--groups-per-step", str(cfg.groups_per_step), "--max-tokens", str(cfg.max_tokens),
-        "--temperature", repr(cfg.temperature), "--max-lag", str(cfg.admit_lag), "--task-seed", str(cfg.seed),
-        "--seed", str(cfg.seed), "--rollouts", f"tcp://{cfg.host}:{rollouts}", "--control", f"tcp://{cfg.host}:{control}",
-        "--metrics", str(run_dir / "serve-metrics.jsonl"), "--dtype", cfg.dtype, "--env", cfg.env, *sampling,
-    ]  # fmt: skip
+        "--model",
+        cfg.model,
+        "--task",
+        cfg.task,
+        "--mode",
+        cfg.mode,
+        "--group-size",
+        str(cfg.group_size),
+        "--groups-per-step",
+        str(cfg.groups_per_step),
+        "--max-tokens",
+        str(cfg.max_tokens),
+        "--temperature",
+        repr(cfg.temperature),
+        "--max-lag",
+        str(cfg.admit_lag),
+        "--task-seed",
+        str(cfg.seed),
+        "--seed",
+        str(cfg.seed),
+        "--rollouts",
+        f"tcp://{cfg.host}:{rollouts}",
+        "--control",
+        f"tcp://{cfg.host}:{control}",
+        "--metrics",
+        str(run_dir / "serve-metrics.jsonl"),
+        "--dtype",
+        cfg.dtype,
+        "--env",
+        cfg.env,
+        *sampling,
+    ]
     if cfg.reward:
         shared_serve += ["--reward", cfg.reward]
     if cfg.http_port:
         shared_serve += ["--http-port", str(cfg.http_port)]
     shared_learn = [
-        "--model", cfg.model, "--host", cfg.host, "--rollouts-port", str(rollouts), "--control-port", str(control),
-        "--weights-port", str(weights), "--groups-per-step", str(cfg.groups_per_step), "--steps", str(cfg.steps),
-        "--max-lag", str(cfg.max_lag), "--temperature", repr(cfg.temperature), "--lr", repr(cfg.lr),
-        "--seed", str(cfg.seed), "--run-dir", str(run_dir), "--autocast", LEARN_AUTOCAST[cfg.dtype],
-        "--group-size", str(cfg.group_size), "--report-to", cfg.report_to, *sampling,
-    ]  # fmt: skip
+        "--model",
+        cfg.model,
+        "--host",
+        cfg.host,
+        "--rollouts-port",
+        str(rollouts),
+        "--control-port",
+        str(control),
+        "--weights-port",
+        str(weights),
+        "--groups-per-step",
+        str(cfg.groups_per_step),
+        "--steps",
+        str(cfg.steps),
+        "--max-lag",
+        str(cfg.max_lag),
+        "--temperature",
+        repr(cfg.temperature),
+        "--lr",
+        repr(cfg.lr),
+        "--seed",
+        str(cfg.seed),
+        "--run-dir",
+        str(run_dir),
+        "--autocast",
+        LEARN_AUTOCAST[cfg.dtype],
+        "--group-size",
+        str(cfg.group_size),
+        "--report-to",
+        cfg.report_to,
+        *sampling,
+    ]
     if parse_gpus(cfg.learn_gpus):
         shared_learn += ["--backend", "nccl"]
     return {
-        "serve": ["-m", "inflight.serve", *shared_serve, *table_argv(tables.get("serve", {})),
-                  *shlex.split(cfg.serve_args)],
-        "learn": ["-m", "inflight.learn", *shared_learn, *table_argv(tables.get("learn", {})),
-                  *shlex.split(cfg.learn_args)],
-    }  # fmt: skip
+        "serve": [
+            "-m",
+            "inflight.serve",
+            *shared_serve,
+            *table_argv(tables.get("serve", {})),
+            *shlex.split(cfg.serve_args),
+        ],
+        "learn": [
+            "-m",
+            "inflight.learn",
+            *shared_learn,
+            *table_argv(tables.get("learn", {})),
+            *shlex.split(cfg.learn_args),
+        ],
+    }
 
 
 def learn_launcher(cfg: RunConfig, master_port: int) -> list[str]:
@@ -108,8 +171,9 @@ def side_env(cfg: RunConfig, side: str) -> tuple[dict[str, str], list[int] | Non
 class Side:
     """One running child: its process, its log and the last lines it printed."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], cores: list[int] | None, log_path: Path,
-                 echo: str):  # fmt: skip
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], cores: list[int] | None, log_path: Path, echo: str
+    ):
         self.name, self.argv, self.echo = name, argv, echo
         self.log = log_path.open("a", buffering=1)
         self.log.write(f"# {shlex.join(argv)}\n")
@@ -121,8 +185,16 @@ class Side:
             if cores is not None:
                 os.sched_setaffinity(0, cores)
 
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     errors="replace", start_new_session=True, preexec_fn=pin)  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            preexec_fn=pin,
+        )
         self.reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
         self.reader.start()
 
@@ -167,8 +239,12 @@ class Side:
         while not self.ready.wait(0.2):
             for side in (self, other):
                 if side is not None and side.proc.poll() is not None:
-                    raise RuntimeError(f"{side.name} exited with code {side.proc.returncode} before {self.name} was "
-                                       f"ready; its last lines:\n{side.last_lines()}")  # fmt: skip
+                    raise RuntimeError(
+                        f"{side.name} exited with code {side.proc.returncode} before {self.name} was "
+                        f"ready; its last lines:\n{side.last_lines()}"
+                    )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} was not ready after {timeout_s:.0f}s (--start-timeout-s); its last "
-                                   f"lines:\n{self.last_lines()}")  # fmt: skip
+                raise RuntimeError(
+                    f"{self.name} was not ready after {timeout_s:.0f}s (--start-timeout-s); its last "
+                    f"lines:\n{self.last_lines()}"
+                )

@@ -121,25 +121,35 @@ def compute_summary(run_dir: Path) -> dict:
     gated = sum(s.gated_fraction * sum(s.lag_histogram.values()) for s in steps)
     wall = steps[-1].time - steps[0].time + steps[0].step_s if steps else 0.0
     summary = {
-        "run_dir": str(run_dir), "mode": run["config"].get("mode", "?"), "model": run["config"].get("model", "?"),
-        "steps": len(steps), "wall_s": wall,
-        "reward_first": first, "reward_first_se": first_se, "reward_last": last, "reward_last_se": last_se,
+        "run_dir": str(run_dir),
+        "mode": run["config"].get("mode", "?"),
+        "model": run["config"].get("model", "?"),
+        "steps": len(steps),
+        "wall_s": wall,
+        "reward_first": first,
+        "reward_first_se": first_se,
+        "reward_last": last,
+        "reward_last_se": last_se,
         "rise_se": (last - first) / se if se and se == se and se > 0 else float("nan"),
-        "updates": len(updates), "stall_mean_s": sum(stalls) / len(stalls) if stalls else float("nan"),
+        "updates": len(updates),
+        "stall_mean_s": sum(stalls) / len(stalls) if stalls else float("nan"),
         "stall_p99_s": stalls[min(len(stalls) - 1, math.ceil(0.99 * len(stalls)) - 1)] if stalls else float("nan"),
         "lag_mean": sum(k * v for k, v in lags.items()) / total_tokens if total_tokens else float("nan"),
         "lag_histogram": {str(k): v for k, v in lags.items()},
         "gated_fraction": gated / total_tokens if total_tokens else float("nan"),
         "mismatch_lag0": sum(mismatch) / len(mismatch) if mismatch else float("nan"),
         "ess": sum(ess) / len(ess) if ess else float("nan"),
-        "gen_tokens_per_s": gen_rate, "serve_idle_fraction": serve_idle, "resubmitted": resubmitted,
+        "gen_tokens_per_s": gen_rate,
+        "serve_idle_fraction": serve_idle,
+        "resubmitted": resubmitted,
         "recomputed_tokens": recomputed,
         "learner_wait_fraction": sum(s.wait_s for s in steps[1:]) / max(wall, 1e-9) if steps else 0.0,
-    }  # fmt: skip
+    }
     evals = eval_results(serve)
     if evals:  # only runs with --eval-every get the key: the committed summaries of older runs stay what they were
-        summary["evals"] = [{"version": e.version, "mean_reward": e.mean_reward, "accuracy": e.accuracy, "n": e.n}
-                            for e in evals]  # fmt: skip
+        summary["evals"] = [
+            {"version": e.version, "mean_reward": e.mean_reward, "accuracy": e.accuracy, "n": e.n} for e in evals
+        ]
     if progress and progress[-1].turns:  # serves that count episodes (older runs' summaries stay what they were)
         summary["episodes"] = episode_summary(progress[-1])
     return summary
@@ -150,15 +160,22 @@ def episode_summary(last) -> dict:
     `ServeProgress` (its counters are cumulative)."""
     made = max(last.rollouts_made, 1)
     share = last.env_tokens / max(last.env_tokens + last.policy_tokens, 1)
-    return {"episodes": last.rollouts_made, "turns_per_episode": last.turns / made, "env_token_share": share,
-            "env_s_per_episode": last.env_s / made, "env_errors": last.env_errors,
-            "tool_errors": last.tool_errors}  # fmt: skip
+    return {
+        "episodes": last.rollouts_made,
+        "turns_per_episode": last.turns / made,
+        "env_token_share": share,
+        "env_s_per_episode": last.env_s / made,
+        "env_errors": last.env_errors,
+        "tool_errors": last.tool_errors,
+    }
 
 
 def summarize(summaries: list[dict]) -> str:
     """One markdown table, a row per run."""
-    head = ("| mode | steps | wall s | reward first 20% | reward last 20% | rise (SE) | updates | stall ms (mean/p99) "
-            "| lag mean | gated | mismatch lag0 | ESS | gen tok/s |")  # fmt: skip
+    head = (
+        "| mode | steps | wall s | reward first 20% | reward last 20% | rise (SE) | updates | stall ms (mean/p99) "
+        "| lag mean | gated | mismatch lag0 | ESS | gen tok/s |"
+    )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         rows.append(

@@ -36,19 +36,39 @@ async def serve(cfg: ServeConfig) -> int:
 
     model_path = resolve_model(cfg.model)
     contract = cfg.contract()  # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
-    problems, default_reward = load_task(cfg.task, cfg.task_seed, cfg.max_operand, cfg.prompt_key, cfg.answer_key,
-                                         cfg.system_prompt, terms=cfg.arithmetic_terms,
-                                         ops=cfg.arithmetic_ops)  # fmt: skip
+    problems, default_reward = load_task(
+        cfg.task,
+        cfg.task_seed,
+        cfg.max_operand,
+        cfg.prompt_key,
+        cfg.answer_key,
+        cfg.system_prompt,
+        terms=cfg.arithmetic_terms,
+        ops=cfg.arithmetic_ops,
+    )
     # --reward none: only the environment's own rewards (inflight/envs/base.py)
-    rewards = [] if cfg.reward == "none" else load_rewards(cfg.reward or default_reward, cfg.reward_weights,
-                                                           cfg.reward_convention)  # fmt: skip
+    rewards = (
+        []
+        if cfg.reward == "none"
+        else load_rewards(cfg.reward or default_reward, cfg.reward_weights, cfg.reward_convention)
+    )
     held_out = load_eval_problems(cfg) if cfg.eval_task else None
     latency = parse_latency(cfg.tool_latency, cfg.seed) if cfg.tool_latency else None
     engine = await InflightEngine.start(
-        EngineConfig(model=str(model_path), max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                     seed=cfg.seed, enforce_eager=cfg.enforce_eager, kv_cache_gib=cfg.kv_cache_gib,
-                     gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype, head_dtype=cfg.head_dtype,
-                     update_memory=cfg.update_memory), version=cfg.version)  # fmt: skip
+        EngineConfig(
+            model=str(model_path),
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            seed=cfg.seed,
+            enforce_eager=cfg.enforce_eager,
+            kv_cache_gib=cfg.kv_cache_gib,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            dtype=cfg.dtype,
+            head_dtype=cfg.head_dtype,
+            update_memory=cfg.update_memory,
+        ),
+        version=cfg.version,
+    )
     try:
         expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
         tensors = [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())]
@@ -74,8 +94,9 @@ async def serve(cfg: ServeConfig) -> int:
     reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s)
     control.on_update = reporter.update_event
     if held_out:
-        driver.evaluation = Evaluation(engine, cfg, held_out, rewards, tokenizer, driver.server_id,
-                                       reporter.eval_result)  # fmt: skip
+        driver.evaluation = Evaluation(
+            engine, cfg, held_out, rewards, tokenizer, driver.server_id, reporter.eval_result
+        )
     try:
         return await _run(cfg, driver, stream, control, reporter)
     finally:
@@ -104,13 +125,24 @@ async def _run(cfg: ServeConfig, driver, stream, control, reporter) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(c, name=n) for n, c in (
-        ("driver", driver.run()), ("stream", stream.pump(driver.notify)), ("control", control.serve()),
-        ("heartbeat", control.heartbeat()), ("progress", reporter.run()), ("finished", _finished(cfg, driver, stream)),
-    )]  # fmt: skip
+    tasks = [
+        asyncio.create_task(c, name=n)
+        for n, c in (
+            ("driver", driver.run()),
+            ("stream", stream.pump(driver.notify)),
+            ("control", control.serve()),
+            ("heartbeat", control.heartbeat()),
+            ("progress", reporter.run()),
+            ("finished", _finished(cfg, driver, stream)),
+        )
+    ]
     stopper = asyncio.create_task(stop.wait())
-    print(f"inflight.serve ready: server {driver.server_id}, model {cfg.model}, mode {cfg.mode}, rollouts -> "
-          f"{cfg.rollouts}, control -> {cfg.control}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"inflight.serve ready: server {driver.server_id}, model {cfg.model}, mode {cfg.mode}, rollouts -> "
+        f"{cfg.rollouts}, control -> {cfg.control}",
+        file=sys.stderr,
+        flush=True,
+    )
     done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
     code = 0
     for task in done:

@@ -37,8 +37,15 @@ class RefusedError(RuntimeError):
 
 
 class ControlClient:
-    def __init__(self, address: str, driver: RolloutDriver, tensors: list[TensorSpec], heartbeat_s: float = 1.0,
-                 keys=None, contract: RunContract | None = None):  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        driver: RolloutDriver,
+        tensors: list[TensorSpec],
+        heartbeat_s: float = 1.0,
+        keys=None,
+        contract: RunContract | None = None,
+    ):
         from inflight.wire.endpoints import connect_control_dealer
 
         self.driver, self.engine, self.cfg = driver, driver.engine, driver.cfg
@@ -54,15 +61,27 @@ class ControlClient:
 
     def hello(self) -> Hello:
         cfg = self.cfg
-        return Hello(server_id=self.driver.server_id, model=cfg.model, workers=1, version=self.engine.version,
-                     mode=cfg.mode, tensors=self.tensors, contract=self.contract)  # fmt: skip
+        return Hello(
+            server_id=self.driver.server_id,
+            model=cfg.model,
+            workers=1,
+            version=self.engine.version,
+            mode=cfg.mode,
+            tensors=self.tensors,
+            contract=self.contract,
+        )
 
     async def heartbeat(self) -> None:
         while True:
             d = self.driver
-            status = Status(server_id=d.server_id, version=self.engine.version, inflight=d.stats.requests_inflight,
-                            outbox=len(d.stream.outbox), rollouts_sent=d.stream.sent,
-                            groups_admitted=d.stats.groups_admitted)  # fmt: skip
+            status = Status(
+                server_id=d.server_id,
+                version=self.engine.version,
+                inflight=d.stats.requests_inflight,
+                outbox=len(d.stream.outbox),
+                rollouts_sent=d.stream.sent,
+                groups_admitted=d.stats.groups_admitted,
+            )
             await self.send(status)
             await asyncio.sleep(self.heartbeat_s)
 
@@ -91,8 +110,10 @@ class ControlClient:
             await self.send(self.hello())
             resent = self.driver.stream.resend()
             if resent:
-                log.warning("the learner asked for an introduction (restarted?): sending %d unacknowledged rollouts "
-                            "again", resent)  # fmt: skip
+                log.warning(
+                    "the learner asked for an introduction (restarted?): sending %d unacknowledged rollouts again",
+                    resent,
+                )
         elif isinstance(message, JoinGroup):
             asyncio.create_task(self._join(message))
         elif isinstance(message, UpdateWeights):
@@ -103,18 +124,26 @@ class ControlClient:
                 # group and the new one must start the moment it does, not be refused (the learner's broadcast would
                 # wait out its timeout for a receiver that never comes).
                 if self._pending is not None:
-                    await self.send(UpdateDone(server_id=self.driver.server_id, version=self.engine.version, ok=False,
-                                               error="superseded by a newer update before it started"))  # fmt: skip
-                log.warning("an update arrived while the previous one is still being applied: it starts when that "
-                            "one ends")  # fmt: skip
+                    await self.send(
+                        UpdateDone(
+                            server_id=self.driver.server_id,
+                            version=self.engine.version,
+                            ok=False,
+                            error="superseded by a newer update before it started",
+                        )
+                    )
+                log.warning(
+                    "an update arrived while the previous one is still being applied: it starts when that one ends"
+                )
                 self._pending = message
                 return
             self._update_task = asyncio.create_task(self._update(message))
 
     async def _join(self, m: JoinGroup) -> None:
         try:
-            await self.engine.join_weights_group(m.host, m.port, m.rank, m.world_size, group_name=m.group_name,
-                                                 backend=m.backend, timeout_s=m.timeout_s)  # fmt: skip
+            await self.engine.join_weights_group(
+                m.host, m.port, m.rank, m.world_size, group_name=m.group_name, backend=m.backend, timeout_s=m.timeout_s
+            )
             reply = Joined(server_id=self.driver.server_id, group_name=m.group_name)
             log.info("joined weights group %s as rank %d/%d", m.group_name, m.rank, m.world_size)
         except Exception as exc:
@@ -129,8 +158,14 @@ class ControlClient:
             await self.driver.wait_idle()
         try:
             r = await self.engine.update(m.manifest, mode=self.cfg.mode, kv=self.cfg.kv)
-            done = UpdateDone(server_id=self.driver.server_id, version=r.version, total_s=r.total_s, stall_s=r.stall_s,
-                              commit_s=r.commit_s, receive_s=r.receive_s)  # fmt: skip
+            done = UpdateDone(
+                server_id=self.driver.server_id,
+                version=r.version,
+                total_s=r.total_s,
+                stall_s=r.stall_s,
+                commit_s=r.commit_s,
+                receive_s=r.receive_s,
+            )
             log.info("weights v%d committed: stall %.3fs, receive %.3fs", r.version, r.stall_s, r.receive_s)
         except (UpdateError, ValueError) as exc:
             log.error("weight update failed, weights and version unchanged: %s", exc)

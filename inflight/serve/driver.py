@@ -51,9 +51,17 @@ class DriverStats:
 
 
 class RolloutDriver:
-    def __init__(self, engine, cfg: ServeConfig, problems: Iterable[Problem], rewards: list[Reward],
-                 stream: RolloutStream, tokenizer, tool_latency: Callable[[], float] | None = None,
-                 env=None):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        cfg: ServeConfig,
+        problems: Iterable[Problem],
+        rewards: list[Reward],
+        stream: RolloutStream,
+        tokenizer,
+        tool_latency: Callable[[], float] | None = None,
+        env=None,
+    ):
         """`env`: the environment episodes run in (inflight/envs/); None = `--env` as `cfg` names it."""
         from inflight.envs.loading import load_env
 
@@ -67,8 +75,9 @@ class RolloutDriver:
         self._problems = iter(problems)
         self.stats = DriverStats()
         self.env = env if env is not None else load_env(cfg.env, cfg.env_args)
-        self.episodes = EpisodeRunner(engine, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling,
-                                      tool_latency)  # fmt: skip
+        self.episodes = EpisodeRunner(
+            engine, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling, tool_latency
+        )
         self.groups_consumed = 0
         # None: waiting for the learner's first Progress (--wait-for-learner); then the version to have committed.
         self.required_version: int | None = None if cfg.wait_for_learner else cfg.version
@@ -86,8 +95,11 @@ class RolloutDriver:
         if self.required_version is None:
             self.required_version = version
             if version > self.engine.version:
-                log.info("the learner has published v%d; this serve has v%d: waiting for the update before admitting",
-                         version, self.engine.version)  # fmt: skip
+                log.info(
+                    "the learner has published v%d; this serve has v%d: waiting for the update before admitting",
+                    version,
+                    self.engine.version,
+                )
             self.notify()
 
     def set_consumed(self, groups_consumed: int) -> None:
@@ -107,8 +119,9 @@ class RolloutDriver:
             return False
         if self.stats.requests_inflight + n > cfg.max_inflight or self.outstanding + n > cfg.max_outstanding:
             return False
-        if cfg.max_lag >= 0 and (self.stats.groups_admitted - self.groups_consumed
-                                 >= (cfg.max_lag + 1) * cfg.groups_per_step):  # fmt: skip
+        if cfg.max_lag >= 0 and (
+            self.stats.groups_admitted - self.groups_consumed >= (cfg.max_lag + 1) * cfg.groups_per_step
+        ):
             return False
         return not (
             cfg.mode == "blocking"
@@ -156,8 +169,9 @@ class RolloutDriver:
         n = self.cfg.group_size
         try:
             episodes = await asyncio.gather(*(self.episodes.run(problem, f"{group_id}-{i}") for i in range(n)))
-            scores = await score_group(self.rewards, problem, [e.text for e in episodes],
-                                       [e.last_ids for e in episodes])  # fmt: skip
+            scores = await score_group(
+                self.rewards, problem, [e.text for e in episodes], [e.last_ids for e in episodes]
+            )
             self._account(scores)
             for index, ep in enumerate(episodes):
                 # an episode an environment failure ended scores 0, whatever its last turn said
@@ -176,9 +190,16 @@ class RolloutDriver:
 
         cfg = self.cfg
         stop = list(getattr(self.env, "stop", ()))
-        return SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                              min_p=cfg.min_p, logprobs=0, stop=stop or None,
-                              include_stop_str_in_output=bool(stop))  # fmt: skip
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            min_p=cfg.min_p,
+            logprobs=0,
+            stop=stop or None,
+            include_stop_str_in_output=bool(stop),
+        )
 
     def _count(self, ep: Episode) -> None:
         s = self.stats
@@ -193,14 +214,26 @@ class RolloutDriver:
     def _record(self, group_id: str, index: int, problem: Problem, ep: Episode, reward: float):
         cfg = self.cfg
         return make_rollout(
-            prompt_ids=ep.prompt_ids, completion_ids=ep.token_ids, logprobs=ep.logprobs, versions=ep.versions,
-            kv_versions=ep.kv_versions, roles=ep.env,
-            rollout_id=f"{group_id}-{index}", group_id=group_id, group_size=cfg.group_size, index=index,
-            server_id=self.server_id, model=cfg.model, reward=reward, finish_reason=ep.finish_reason,
+            prompt_ids=ep.prompt_ids,
+            completion_ids=ep.token_ids,
+            logprobs=ep.logprobs,
+            versions=ep.versions,
+            kv_versions=ep.kv_versions,
+            roles=ep.env,
+            rollout_id=f"{group_id}-{index}",
+            group_id=group_id,
+            group_size=cfg.group_size,
+            index=index,
+            server_id=self.server_id,
+            model=cfg.model,
+            reward=reward,
+            finish_reason=ep.finish_reason,
             sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens, cfg.min_p),
-            times=Times(ep.submitted, ep.first_token or ep.finished, ep.finished), problem_id=problem.id,
-            resubmissions=ep.resubmissions, turns=ep.turns,
-        )  # fmt: skip
+            times=Times(ep.submitted, ep.first_token or ep.finished, ep.finished),
+            problem_id=problem.id,
+            resubmissions=ep.resubmissions,
+            turns=ep.turns,
+        )
 
     def _account(self, scores: GroupScores) -> None:
         """Per-reward means and failures for the progress lines; the constant-reward warning."""
@@ -219,5 +252,6 @@ class RolloutDriver:
 
 def prompt_token_ids(tokenizer, problem: Problem) -> list[int]:
     """The chat template applied to the problem's messages (system prompt included), ready for generation."""
-    return list(tokenizer.apply_chat_template(problem.chat(), add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))  # fmt: skip
+    return list(
+        tokenizer.apply_chat_template(problem.chat(), add_generation_prompt=True, tokenize=True, return_dict=False)
+    )

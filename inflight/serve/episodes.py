@@ -54,15 +54,18 @@ class TurnTokens:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))  # fmt: skip
+        return list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
 
     def env_ids(self, turn_ids: list[int], messages: list[Message]) -> list[int]:
         full = self._render(self._base + messages, generation_prompt=True)
         if not full.startswith(self._base_text):
-            raise TemplateError("the chat template renders earlier turns differently once a message follows "
-                                "them; multi-turn episodes need a template that only appends (ChatML, Llama 3, "
-                                "...)")  # fmt: skip
+            raise TemplateError(
+                "the chat template renders earlier turns differently once a message follows "
+                "them; multi-turn episodes need a template that only appends (ChatML, Llama 3, "
+                "...)"
+            )
         closing = self.closing
         ended = self.tokenizer.decode(turn_ids[-1:], skip_special_tokens=False) if turn_ids else ""
         if ended and closing.startswith(ended):  # the turn ended on the template's end-of-turn token
@@ -122,8 +125,17 @@ class EpisodeRunner:
     counts a sample while one of its turns generates); `notify` tells the driver's admission something changed;
     `sampling(max_tokens)` builds a turn's `SamplingParams`."""
 
-    def __init__(self, engine, env, tokenizer, cfg, stats, notify: Callable[[], None], sampling,
-                 tool_latency: Callable[[], float] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        env,
+        tokenizer,
+        cfg,
+        stats,
+        notify: Callable[[], None],
+        sampling,
+        tool_latency: Callable[[], float] | None = None,
+    ):
         self.engine, self.env, self.cfg, self.stats, self.notify = engine, env, cfg, stats, notify
         self.turns, self.sampling, self.tool_latency = TurnTokens(tokenizer), sampling, tool_latency
 
@@ -157,8 +169,9 @@ class EpisodeRunner:
                     self.stats.requests_inflight, counted = self.stats.requests_inflight + 1, True
                 rid = request_id if not ep.turns else f"{request_id}-t{ep.turns}"
                 try:
-                    done = await self.engine.generate(ep.prompt_ids + ep.token_ids,
-                                                      self.sampling(min(self.cfg.max_tokens, room)), rid)  # fmt: skip
+                    done = await self.engine.generate(
+                        ep.prompt_ids + ep.token_ids, self.sampling(min(self.cfg.max_tokens, room)), rid
+                    )
                 finally:
                     self.stats.requests_inflight, counted = self.stats.requests_inflight - 1, False
                     self.notify()
@@ -204,8 +217,11 @@ class EpisodeRunner:
                 result = await asyncio.wait_for(result, self.cfg.env_timeout_s)
             return result
         except asyncio.TimeoutError:
-            raise _marked(TimeoutError(f"{getattr(fn, '__qualname__', fn)} took longer than --env-timeout-s "
-                                       f"{self.cfg.env_timeout_s}")) from None  # fmt: skip
+            raise _marked(
+                TimeoutError(
+                    f"{getattr(fn, '__qualname__', fn)} took longer than --env-timeout-s {self.cfg.env_timeout_s}"
+                )
+            ) from None
         except Exception as exc:
             raise _marked(exc) from exc
         finally:

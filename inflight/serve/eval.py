@@ -30,9 +30,17 @@ def load_eval_problems(cfg: ServeConfig) -> list[Problem]:
     from inflight.tasks.loading import load_task
 
     # arithmetic: another seed than training's, so the problems are held out
-    task, _ = load_task(cfg.eval_task, cfg.task_seed + 1000, cfg.max_operand, cfg.prompt_key, cfg.answer_key,
-                        cfg.system_prompt, shuffle=False, terms=cfg.arithmetic_terms,
-                        ops=cfg.arithmetic_ops)  # fmt: skip
+    task, _ = load_task(
+        cfg.eval_task,
+        cfg.task_seed + 1000,
+        cfg.max_operand,
+        cfg.prompt_key,
+        cfg.answer_key,
+        cfg.system_prompt,
+        shuffle=False,
+        terms=cfg.arithmetic_terms,
+        ops=cfg.arithmetic_ops,
+    )
     table = getattr(task, "problems", None)  # a table: its rows once, not cycled
     return list(table[: cfg.eval_problems]) if table is not None else list(islice(task, cfg.eval_problems))
 
@@ -40,8 +48,16 @@ def load_eval_problems(cfg: ServeConfig) -> list[Problem]:
 class Evaluation:
     """Knows when the next eval is due and runs it; `on_result` receives each `EvalResult`."""
 
-    def __init__(self, engine, cfg: ServeConfig, problems: list[Problem], rewards: list[Reward], tokenizer,
-                 server_id: str, on_result: Callable[[EvalResult], None]):  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        cfg: ServeConfig,
+        problems: list[Problem],
+        rewards: list[Reward],
+        tokenizer,
+        server_id: str,
+        on_result: Callable[[EvalResult], None],
+    ):
         self.engine, self.cfg, self.problems, self.rewards = engine, cfg, problems, rewards
         self.tokenizer, self.server_id, self.on_result = tokenizer, server_id, on_result
         self.next_version = cfg.eval_every  # versions 0..every-1 are the base model's and its first steps
@@ -60,8 +76,12 @@ class Evaluation:
                 self.results.append(result)
                 self.on_result(result)
                 return result
-            log.warning("eval at v%d: an update committed while it ran (v%d now); scoring again at v%d",
-                        version, self.engine.version, self.engine.version)  # fmt: skip
+            log.warning(
+                "eval at v%d: an update committed while it ran (v%d now); scoring again at v%d",
+                version,
+                self.engine.version,
+                self.engine.version,
+            )
         self._advance(self.engine.version)
         log.warning("eval skipped: updates committed during %d attempts in a row", MAX_ATTEMPTS)
         return None
@@ -77,10 +97,14 @@ class Evaluation:
 
         started = time.monotonic()
         params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.eval_temperature)
-        done = await asyncio.gather(*(
-            self.engine.generate(prompt_token_ids(self.tokenizer, p), params, f"eval-v{version}-{k}-{time.time_ns()}")
-            for k, p in enumerate(self.problems)
-        ))  # fmt: skip
+        done = await asyncio.gather(
+            *(
+                self.engine.generate(
+                    prompt_token_ids(self.tokenizer, p), params, f"eval-v{version}-{k}-{time.time_ns()}"
+                )
+                for k, p in enumerate(self.problems)
+            )
+        )
         seen = sorted({v for d in done for v in d.versions})
         if seen and seen != [version]:
             return None
@@ -95,7 +119,16 @@ class Evaluation:
             errors += scores.errors
         n = max(len(totals), 1)
         return EvalResult(
-            time=time.time(), server_id=self.server_id, version=version, versions=seen, task=self.cfg.eval_task,
-            n=len(totals), mean_reward=sum(totals) / n, accuracy=sum(t > 0 for t in totals) / n,
-            reward_means=means.means(), temperature=self.cfg.eval_temperature, reward_errors=errors, eval_s=elapsed_s,
-        )  # fmt: skip
+            time=time.time(),
+            server_id=self.server_id,
+            version=version,
+            versions=seen,
+            task=self.cfg.eval_task,
+            n=len(totals),
+            mean_reward=sum(totals) / n,
+            accuracy=sum(t > 0 for t in totals) / n,
+            reward_means=means.means(),
+            temperature=self.cfg.eval_temperature,
+            reward_errors=errors,
+            eval_s=elapsed_s,
+        )

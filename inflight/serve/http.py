@@ -92,8 +92,9 @@ async def start_http(engine, model_path: str, served_name: str, host: str, port:
     tasks = await engine.llm.get_supported_tasks()
     app = build_app(args, tasks, engine.llm.model_config)
     await init_app_state(engine.llm, app.state, args, tasks)
-    config = uvicorn.Config(WeightVersionMiddleware(app, engine), host=host, port=port, log_level="warning",
-                            lifespan="off")  # fmt: skip
+    config = uvicorn.Config(
+        WeightVersionMiddleware(app, engine), host=host, port=port, log_level="warning", lifespan="off"
+    )
     server = _quiet_server_class()(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

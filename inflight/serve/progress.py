@@ -34,30 +34,59 @@ class ProgressReporter:
         self._last = (now, d.engine.tokens_generated)
         made = max(d.stats.rollouts_made, 1)
         return ServeProgress(
-            time=time.time(), server_id=d.server_id, version=d.engine.version,
+            time=time.time(),
+            server_id=d.server_id,
+            version=d.engine.version,
             tokens_per_s=(d.engine.tokens_generated - last_tokens) / max(now - last_t, 1e-9),
-            tokens=d.engine.tokens_generated, inflight=d.stats.requests_inflight, outbox=len(d.stream.outbox),
-            retained=d.stream.retained_records, resent=d.stream.resent,
-            rollouts_sent=d.stream.sent, groups_admitted=d.stats.groups_admitted,
-            groups_consumed=d.groups_consumed, mean_reward=d.stats.rewards_sum / made,
-            reward_errors=d.stats.reward_errors, idle_s=d.engine.idle_s, stalled_s=d.engine.stalled_s,
-            resubmitted=d.engine.resubmitted, recomputed_tokens=d.engine.recomputed_tokens,
-            reward_means=d.stats.reward_means.means(), turns=d.stats.turns, env_s=d.stats.env_s,
-            env_errors=d.stats.env_errors, tool_errors=d.stats.tool_errors, env_tokens=d.stats.env_tokens,
-            policy_tokens=d.stats.policy_tokens, rollouts_made=d.stats.rollouts_made,
-        )  # fmt: skip
+            tokens=d.engine.tokens_generated,
+            inflight=d.stats.requests_inflight,
+            outbox=len(d.stream.outbox),
+            retained=d.stream.retained_records,
+            resent=d.stream.resent,
+            rollouts_sent=d.stream.sent,
+            groups_admitted=d.stats.groups_admitted,
+            groups_consumed=d.groups_consumed,
+            mean_reward=d.stats.rewards_sum / made,
+            reward_errors=d.stats.reward_errors,
+            idle_s=d.engine.idle_s,
+            stalled_s=d.engine.stalled_s,
+            resubmitted=d.engine.resubmitted,
+            recomputed_tokens=d.engine.recomputed_tokens,
+            reward_means=d.stats.reward_means.means(),
+            turns=d.stats.turns,
+            env_s=d.stats.env_s,
+            env_errors=d.stats.env_errors,
+            tool_errors=d.stats.tool_errors,
+            env_tokens=d.stats.env_tokens,
+            policy_tokens=d.stats.policy_tokens,
+            rollouts_made=d.stats.rollouts_made,
+        )
 
     def update_event(self, done) -> None:
-        self.write(UpdateEvent(time=time.time(), server_id=self.driver.server_id, version=done.version, ok=done.ok,
-                               error=done.error, stall_s=done.stall_s, total_s=done.total_s, receive_s=done.receive_s,
-                               commit_s=done.commit_s))  # fmt: skip
+        self.write(
+            UpdateEvent(
+                time=time.time(),
+                server_id=self.driver.server_id,
+                version=done.version,
+                ok=done.ok,
+                error=done.error,
+                stall_s=done.stall_s,
+                total_s=done.total_s,
+                receive_s=done.receive_s,
+                commit_s=done.commit_s,
+            )
+        )
 
     def eval_result(self, result: EvalResult) -> None:
         """An eval finished: its record into the metrics file and one line on stderr."""
         self.write(result)
-        print(f"[serve {result.server_id}] eval v{result.version} | {result.task} | n {result.n} | reward "
-              f"{result.mean_reward:.3f}{_each(result.reward_means)} | accuracy {result.accuracy:.3f} | "
-              f"{result.eval_s:.1f}s", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"[serve {result.server_id}] eval v{result.version} | {result.task} | n {result.n} | reward "
+            f"{result.mean_reward:.3f}{_each(result.reward_means)} | accuracy {result.accuracy:.3f} | "
+            f"{result.eval_s:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     async def run(self) -> None:
         while True:

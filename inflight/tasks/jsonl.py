@@ -22,8 +22,14 @@ __all__ = ["JsonlTask", "TaskFileError", "reference_answer", "reward_fn"]
 
 
 class JsonlTask(RowTask):
-    def __init__(self, path: str | Path, seed: int | None = None, prompt_key: str = "prompt",
-                 answer_key: str = "answer", system_prompt: str = ""):  # fmt: skip
+    def __init__(
+        self,
+        path: str | Path,
+        seed: int | None = None,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        system_prompt: str = "",
+    ):
         self.path = Path(path)
         rows = read_jsonl(self.path)
         if not rows:

@@ -31,9 +31,17 @@ class SystemPrompted:
             yield replace(p, messages=({"role": "system", "content": self.system_prompt}, *p.chat()))
 
 
-def load_task(spec: str, seed: int, max_operand: int = 9, prompt_key: str = "prompt", answer_key: str = "answer",
-              system_prompt: str = "", shuffle: bool = True, terms: int = 2,
-              ops: str = "+") -> tuple[Iterable[Problem], str]:  # fmt: skip
+def load_task(
+    spec: str,
+    seed: int,
+    max_operand: int = 9,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    system_prompt: str = "",
+    shuffle: bool = True,
+    terms: int = 2,
+    ops: str = "+",
+) -> tuple[Iterable[Problem], str]:
     """The problem stream for `spec` and the `module:function` of its default reward. `shuffle` False keeps a
     table's order (an eval pass); the arithmetic stream is seeded either way (`terms`, `ops`: its shape)."""
     if spec == "arithmetic":

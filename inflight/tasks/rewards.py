@@ -70,9 +70,11 @@ def convention_of(fn: Callable, spec: str) -> str:
         required = [p for p in positional if p.default is p.empty]
         if len(required) <= 2 <= len(positional) or any(p.kind is p.VAR_POSITIONAL for p in params):
             return "sample"
-    raise ValueError(f"--reward {spec!r}: cannot tell its convention from its signature; name its parameters "
-                     "(prompts, completions, **kwargs) or (completion_text, problem), or pass "
-                     "--reward-convention group|sample")  # fmt: skip
+    raise ValueError(
+        f"--reward {spec!r}: cannot tell its convention from its signature; name its parameters "
+        "(prompts, completions, **kwargs) or (completion_text, problem), or pass "
+        "--reward-convention group|sample"
+    )
 
 
 def load_rewards(specs: str, weights: str = "", convention: str = "auto") -> list[Reward]:
@@ -102,8 +104,10 @@ def _weights(text: str, n: int) -> list[float]:
     except ValueError as exc:
         raise ValueError(f"--reward-weights is {text!r}, expected {n} comma-separated numbers") from exc
     if len(values) != n or not all(math.isfinite(w) for w in values):
-        raise ValueError(f"--reward-weights is {text!r}: {len(values)} weights for {n} rewards, expected {n} "
-                         "finite numbers, one per --reward")  # fmt: skip
+        raise ValueError(
+            f"--reward-weights is {text!r}: {len(values)} weights for {n} rewards, expected {n} "
+            "finite numbers, one per --reward"
+        )
     return values
 
 
@@ -128,8 +132,9 @@ async def call(fn: Callable, *args, **kwargs) -> Any:
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-async def score_group(rewards: list[Reward], problem: Problem, texts: list[str],
-                      completion_ids: list[list[int]] | None = None) -> GroupScores:  # fmt: skip
+async def score_group(
+    rewards: list[Reward], problem: Problem, texts: list[str], completion_ids: list[list[int]] | None = None
+) -> GroupScores:
     """Every reward on one group's completions, combined (module docstring). Never raises for a reward's fault."""
     scores = GroupScores(total=[0.0] * len(texts), each={})
     for r in rewards:
@@ -153,16 +158,18 @@ async def _sample_value(r: Reward, problem: Problem, text: str) -> tuple[float, 
         return 0.0, 1
 
 
-async def _group_values(r: Reward, problem: Problem, texts: list[str],
-                        completion_ids: list[list[int]] | None) -> tuple[list[float | None], int]:  # fmt: skip
+async def _group_values(
+    r: Reward, problem: Problem, texts: list[str], completion_ids: list[list[int]] | None
+) -> tuple[list[float | None], int]:
     n = len(texts)
     columns = {k: [v] * n for k, v in (problem.columns or {"answer": problem.answer}).items() if k not in RESERVED}
     completions: list[Any] = (
         [[{"role": "assistant", "content": t}] for t in texts] if problem.conversational else list(texts)
     )
     try:
-        out = await call(r.fn, [problem.trl_prompt()] * n, completions, completion_ids=completion_ids or [[]] * n,
-                         **columns)  # fmt: skip
+        out = await call(
+            r.fn, [problem.trl_prompt()] * n, completions, completion_ids=completion_ids or [[]] * n, **columns
+        )
         if not isinstance(out, list | tuple) or len(out) != n:
             raise TypeError(f"returned {out!r:.80}, expected a list of {n} floats or None (one per completion)")
         return [_number(v, allow_none=True) for v in out], 0
@@ -244,9 +251,13 @@ class ConstantRewardWatch:
     def _message(self, name: str, value: float) -> str:
         span = f"every sample of the last {self.steps} steps ({self.steps * self.groups_per_step} groups)"
         if value == 0.0:
-            return (f"reward {name} was 0.0 on {span}: it probably never recognises a right answer. Check what it "
-                    "compares: the answer column (--answer-key; a GSM8K answer is a rationale ending in '#### 72', "
-                    "so parse what follows '####'), the completion's format, and whether --max-tokens cuts the "
-                    "answer off (run scripts/task_accuracy.py with the same flags)")  # fmt: skip
-        return (f"reward {name} was {value} on {span}: a constant reward gives every group a zero advantage, so "
-                "nothing is learned from it; check that it depends on the completion")  # fmt: skip
+            return (
+                f"reward {name} was 0.0 on {span}: it probably never recognises a right answer. Check what it "
+                "compares: the answer column (--answer-key; a GSM8K answer is a rationale ending in '#### 72', "
+                "so parse what follows '####'), the completion's format, and whether --max-tokens cuts the "
+                "answer off (run scripts/task_accuracy.py with the same flags)"
+            )
+        return (
+            f"reward {name} was {value} on {span}: a constant reward gives every group a zero advantage, so "
+            "nothing is learned from it; check that it depends on the completion"
+        )

@@ -56,8 +56,10 @@ def load_rows(spec: str) -> tuple[list[dict[str, Any]], str]:
         return read_parquet(Path(rest)), Path(rest).stem
     if kind == "hf":
         return read_hf(rest), Path(rest.partition("@")[0]).name
-    raise TaskFileError(f"--task is {spec!r}, expected 'arithmetic', 'jsonl:<path>', 'parquet:<path>' or "
-                        "'hf:<saved dataset dir or name>[@split]'")  # fmt: skip
+    raise TaskFileError(
+        f"--task is {spec!r}, expected 'arithmetic', 'jsonl:<path>', 'parquet:<path>' or "
+        "'hf:<saved dataset dir or name>[@split]'"
+    )
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -97,17 +99,20 @@ def read_hf(spec: str) -> list[dict[str, Any]]:
         data = datasets.load_from_disk(source)
         if isinstance(data, datasets.DatasetDict):
             if split not in data:
-                raise TaskFileError(f"--task hf:{spec}: no split {split!r}; the dataset has {sorted(data)}: "
-                                    f"pass hf:{source}@<split>")  # fmt: skip
+                raise TaskFileError(
+                    f"--task hf:{spec}: no split {split!r}; the dataset has {sorted(data)}: pass hf:{source}@<split>"
+                )
             data = data[split]
         return data.to_list()
     name, _, config = source.partition(":")
     try:
         data = datasets.load_dataset(name, config or None, split=split)
     except Exception as exc:  # datasets raises many kinds for "not in the cache"; all mean the same to the user
-        raise TaskFileError(f"--task hf:{spec}: could not load {name!r} split {split!r} offline ({exc}); download "
-                            f"it once with `hf download --repo-type dataset {name}`, or pass a directory "
-                            "written by save_to_disk") from exc  # fmt: skip
+        raise TaskFileError(
+            f"--task hf:{spec}: could not load {name!r} split {split!r} offline ({exc}); download "
+            f"it once with `hf download --repo-type dataset {name}`, or pass a directory "
+            "written by save_to_disk"
+        ) from exc
     return data.to_list()
 
 
@@ -120,27 +125,38 @@ def _import(module: str):
         raise TaskFileError(f"reading this task needs {module.split('.')[0]}: pip install 'inflight[data]'") from exc
 
 
-def rows_to_problems(rows: list[dict[str, Any]], name: str, prompt_key: str = "prompt", answer_key: str = "answer",
-                     system_prompt: str = "") -> list[Problem]:  # fmt: skip
+def rows_to_problems(
+    rows: list[dict[str, Any]],
+    name: str,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    system_prompt: str = "",
+) -> list[Problem]:
     """One `Problem` per row; a missing column or a malformed prompt raises naming the row, the flag and the fix."""
     if not rows:
         raise TaskFileError(f"task {name} has no rows")
     columns = sorted(rows[0])
     for flag, key in (("--prompt-key", prompt_key), ("--answer-key", answer_key)):
         if key and key not in rows[0]:
-            raise TaskFileError(f"{flag} {key!r}: no such column in task {name}; its columns are {columns}: pass "
-                                f"{flag} <one of them>")  # fmt: skip
+            raise TaskFileError(
+                f"{flag} {key!r}: no such column in task {name}; its columns are {columns}: pass {flag} <one of them>"
+            )
     problems = []
     for index, row in enumerate(rows):
         where = f"task {name} row {index}"
         if prompt_key not in row or (answer_key and answer_key not in row):
             raise TaskFileError(f"{where} lacks {prompt_key!r} or {answer_key!r}; its columns are {sorted(row)}")
         question, messages = _prompt(row[prompt_key], system_prompt, where, prompt_key)
-        problems.append(Problem(
-            id=str(row.get("id", f"{name}-{index}")), question=question,
-            answer=row[answer_key] if answer_key else None, messages=messages, columns=dict(row),
-            conversational=isinstance(row[prompt_key], list),
-        ))  # fmt: skip
+        problems.append(
+            Problem(
+                id=str(row.get("id", f"{name}-{index}")),
+                question=question,
+                answer=row[answer_key] if answer_key else None,
+                messages=messages,
+                columns=dict(row),
+                conversational=isinstance(row[prompt_key], list),
+            )
+        )
     return problems
 
 
@@ -151,8 +167,9 @@ def _prompt(cell: Any, system_prompt: str, where: str, key: str) -> tuple[str, t
     elif isinstance(cell, list) and cell and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in cell):
         messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in cell]
     else:
-        raise TaskFileError(f"{where}: {key!r} is {cell!r:.80}, expected a string or a list of "
-                            "{'role': ..., 'content': ...} messages")  # fmt: skip
+        raise TaskFileError(
+            f"{where}: {key!r} is {cell!r:.80}, expected a string or a list of {{'role': ..., 'content': ...}} messages"
+        )
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     users = [m["content"] for m in messages if m["role"] == "user"]

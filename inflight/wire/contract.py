@@ -50,8 +50,10 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     def __post_init__(self) -> None:
         if self.dtype in ("", "auto", "none"):
-            raise ValueError(f"RunContract.dtype is {self.dtype!r}: it carries the resolved compute dtype (resolve "
-                             "'auto' with inflight.machine.resolve_precision first)")  # fmt: skip
+            raise ValueError(
+                f"RunContract.dtype is {self.dtype!r}: it carries the resolved compute dtype (resolve "
+                "'auto' with inflight.machine.resolve_precision first)"
+            )
 
     def mismatch(self, learner: RunContract, server_id: str) -> str:
         """'' when this serve's contract is the `learner`'s, else the first differing field in words with its fix."""
@@ -69,9 +71,11 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         """'' when both LM heads compute in the same precision (or either did not say), else a warning with the fix."""
         if not self.head_dtype or not learner.head_dtype or self.head_dtype == learner.head_dtype:
             return ""
-        return (f"serve {server_id} computes its LM head in {self.head_dtype}, this learner in {learner.head_dtype}: "
-                "the two heads' rounding adds to every lag-0 logprob mismatch; start the serve with --head-dtype "
-                f"{'float32' if learner.head_dtype == 'float32' else 'model'}")  # fmt: skip
+        return (
+            f"serve {server_id} computes its LM head in {self.head_dtype}, this learner in {learner.head_dtype}: "
+            "the two heads' rounding adds to every lag-0 logprob mismatch; start the serve with --head-dtype "
+            f"{'float32' if learner.head_dtype == 'float32' else 'model'}"
+        )
 
 
 def _dtype_reason(learner: str, serve: str) -> str:
@@ -86,15 +90,20 @@ def _dtype_reason(learner: str, serve: str) -> str:
 
 # field -> (learner's value, serve's value) -> why it must agree and the flag that fixes it
 _REASONS = {
-    "group_size": lambda learner, serve: (f"this learner trains groups of {learner}: start both with the same "
-                                          "--group-size"),
-    "temperature": lambda learner, serve: (f"this learner computes logprobs at temperature {learner}: start both "
-                                           "with the same --temperature"),
-    "top_p": lambda learner, serve: (f"this learner computes logprobs under top_p {learner}: start both with the "
-                                     "same --top-p"),
-    "top_k": lambda learner, serve: (f"this learner computes logprobs under top_k {learner} (0 = off): start both "
-                                     "with the same --top-k"),
-    "min_p": lambda learner, serve: (f"this learner computes logprobs under min_p {learner}: start both with the "
-                                     "same --min-p"),
+    "group_size": lambda learner, serve: (
+        f"this learner trains groups of {learner}: start both with the same --group-size"
+    ),
+    "temperature": lambda learner, serve: (
+        f"this learner computes logprobs at temperature {learner}: start both with the same --temperature"
+    ),
+    "top_p": lambda learner, serve: (
+        f"this learner computes logprobs under top_p {learner}: start both with the same --top-p"
+    ),
+    "top_k": lambda learner, serve: (
+        f"this learner computes logprobs under top_k {learner} (0 = off): start both with the same --top-k"
+    ),
+    "min_p": lambda learner, serve: (
+        f"this learner computes logprobs under min_p {learner}: start both with the same --min-p"
+    ),
     "dtype": _dtype_reason,
-}  # fmt: skip
+}

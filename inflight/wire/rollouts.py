@@ -169,8 +169,10 @@ def validate_rollout(r: Rollout) -> None:
     _validate_roles(r, n)
     policy = r.policy_mask
     if r.kv_versions and bool((r.kv_ages > r.versions)[policy].any()):
-        raise RolloutError("rollout.kv_versions has a version newer than its token's: a token attends only to KV its "
-                           "own or older weights computed")  # fmt: skip
+        raise RolloutError(
+            "rollout.kv_versions has a version newer than its token's: a token attends only to KV its "
+            "own or older weights computed"
+        )
     if not r.prompt_ids:
         raise RolloutError("rollout.prompt_ids is empty; every sample needs its prompt")
     if not 0 <= r.index < r.group_size:
@@ -194,9 +196,12 @@ def _validate_roles(r: Rollout, n: int) -> None:
         raise RolloutError(f"rollout.token_roles has {len(r.token_roles)} entries, completion_ids has {n}")
     roles = np.frombuffer(r.token_roles, dtype=np.uint8)
     if np.any(roles > ENVIRONMENT):
-        raise RolloutError(f"rollout.token_roles has values other than {POLICY} (policy) and {ENVIRONMENT} "
-                           "(environment)")  # fmt: skip
+        raise RolloutError(
+            f"rollout.token_roles has values other than {POLICY} (policy) and {ENVIRONMENT} (environment)"
+        )
     env = roles == ENVIRONMENT
     if np.any(r.versions[env] != -1) or np.any(r.logprobs[env] != 0.0):
-        raise RolloutError("rollout has environment tokens with a version other than -1 or a logprob other than 0.0: "
-                           "no policy sampled them")  # fmt: skip
+        raise RolloutError(
+            "rollout has environment tokens with a version other than -1 or a logprob other than 0.0: "
+            "no policy sampled them"
+        )

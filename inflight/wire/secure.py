@@ -35,8 +35,10 @@ def read_secret(path: str, flag: str = "--secret-file") -> bytes:
     except OSError as exc:
         raise ValueError(f"{flag} {path!r} cannot be read ({exc.strerror}): give a readable file") from None
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"{flag} {path!r} holds {len(secret)} bytes, expected at least {MIN_SECRET_BYTES} "
-                         "(e.g. head -c 32 /dev/urandom > secret)")  # fmt: skip
+        raise ValueError(
+            f"{flag} {path!r} holds {len(secret)} bytes, expected at least {MIN_SECRET_BYTES} "
+            "(e.g. head -c 32 /dev/urandom > secret)"
+        )
     return secret
 
 

@@ -62,8 +62,13 @@ class StreamSender:
     host buffers are page-locked where CUDA is present, so a GPU learner's tensors reach them by DMA (into pageable
     memory every device-to-host copy goes through a driver staging buffer, at a fraction of the speed)."""
 
-    def __init__(self, group: WeightsGroup, manifest: UpdateManifest, device: torch.device | str,
-                 weights_key: bytes | None = None):  # fmt: skip
+    def __init__(
+        self,
+        group: WeightsGroup,
+        manifest: UpdateManifest,
+        device: torch.device | str,
+        weights_key: bytes | None = None,
+    ):
         if not manifest.trailer:
             raise ValueError("StreamSender sends trailer manifests (inflight/wire/weights.py:plan_layout)")
         self.group, self.manifest = group, manifest
@@ -127,8 +132,9 @@ class StreamSender:
         """Wait for the last bucket, broadcast the trailer; the transfer's stats. Raises if a tensor is missing."""
         try:
             if len(self.sums) != len(self.manifest.tensors):
-                raise ValueError(f"StreamSender got {len(self.sums)} of the manifest's {len(self.manifest.tensors)} "
-                                 "tensors")  # fmt: skip
+                raise ValueError(
+                    f"StreamSender got {len(self.sums)} of the manifest's {len(self.manifest.tensors)} tensors"
+                )
             self._wait()
             trailer = torch.frombuffer(bytearray(b"".join(self.sums)), dtype=torch.uint8)
             self.group.broadcast(trailer.to(self.buffers[0].device), what=f"trailer of version {self.manifest.version}")

@@ -138,8 +138,9 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if self.trailer and (t.encoding != "full" or self.is_delta):
                 raise ManifestError(f"tensor {t.name}: a delta update cannot announce its checksums in a trailer")
             if t.encoding not in delta.ENCODINGS or (t.encoding != "full" and not self.is_delta):
-                raise ManifestError(f"tensor {t.name}: encoding {t.encoding!r} in a "
-                                    f"{'delta' if self.is_delta else 'full'} update")  # fmt: skip
+                raise ManifestError(
+                    f"tensor {t.name}: encoding {t.encoding!r} in a {'delta' if self.is_delta else 'full'} update"
+                )
             if not 0 <= t.count <= _numel(t.shape):
                 raise ManifestError(f"tensor {t.name}: {t.count} changed elements of {_numel(t.shape)}")
             want = delta.payload_nbytes(t.encoding, _numel(t.shape), _itemsize(t.dtype), t.count)
@@ -178,8 +179,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def update_key(weights_key: bytes, version: int) -> bytes:
     """The key every tag of update `version` is made with, from the secret's weights key
     (inflight/wire/secure.py:weights_key): another version, another key, so no tag verifies in another update."""
-    return hashlib.blake2b(version.to_bytes(8, "little", signed=True), key=weights_key, digest_size=32,
-                           person=b"inflight-update").digest()  # fmt: skip
+    return hashlib.blake2b(
+        version.to_bytes(8, "little", signed=True), key=weights_key, digest_size=32, person=b"inflight-update"
+    ).digest()
 
 
 def tensor_tag(t: torch.Tensor, key: bytes) -> bytes:
@@ -193,9 +195,12 @@ def bytes_tag(data, key: bytes) -> bytes:
 
 
 def plan_manifest(
-    state: Mapping[str, torch.Tensor], version: int, bucket_bytes: int, checksums: bool = True,
+    state: Mapping[str, torch.Tensor],
+    version: int,
+    bucket_bytes: int,
+    checksums: bool = True,
     weights_key: bytes | None = None,
-) -> UpdateManifest:  # fmt: skip
+) -> UpdateManifest:
     """Lay `state` (HF name → tensor) out in buckets of at most `bucket_bytes` (a bigger tensor gets its own), as a full
     update. With `weights_key` every tensor also gets a keyed tag, which the receiver then checks instead of the CRC32.
     `pack_bucket`/`send_update` take `state` itself."""
@@ -203,10 +208,14 @@ def plan_manifest(
 
 
 def plan_update(
-    state: Mapping[str, torch.Tensor], version: int, bucket_bytes: int, checksums: bool = True,
-    weights_key: bytes | None = None, base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+    state: Mapping[str, torch.Tensor],
+    version: int,
+    bucket_bytes: int,
+    checksums: bool = True,
+    weights_key: bytes | None = None,
+    base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
     keep_base: bool = False,
-) -> tuple[UpdateManifest, dict[str, torch.Tensor]]:  # fmt: skip
+) -> tuple[UpdateManifest, dict[str, torch.Tensor]]:
     """`plan_manifest`, and with `base` = (version, its tensors, same names, dtypes and shapes as `state`) a delta on
     that version: each tensor in its smallest encoding (inflight/wire/delta.py). Returns the manifest and the payloads
     (name → what goes into the buckets) that `pack_bucket`/`send_update` take in place of the state. Checksums and tags
@@ -228,8 +237,20 @@ def plan_update(
         sizes[-1] = max(offset + nbytes, sizes[-1])
         crc = tensor_crc32(tensor) if checksums else 0  # kept with a tag: a corruption's message names its CRC32
         tag = tensor_tag(tensor, key) if key is not None else b""
-        entries.append(TensorEntry(name, DTYPE_NAMES[tensor.dtype], list(tensor.shape), len(sizes) - 1, offset, nbytes,
-                                   crc, tag, encoding, count))  # fmt: skip
+        entries.append(
+            TensorEntry(
+                name,
+                DTYPE_NAMES[tensor.dtype],
+                list(tensor.shape),
+                len(sizes) - 1,
+                offset,
+                nbytes,
+                crc,
+                tag,
+                encoding,
+                count,
+            )
+        )
         payloads[name] = payload
     base_version = base[0] if base is not None else -1
     return UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base), payloads
@@ -262,17 +283,21 @@ def pack_bucket(
 
 
 def unpack_buckets(
-    manifest: UpdateManifest, buckets: list[torch.Tensor], verify: bool = True, weights_key: bytes | None = None,
+    manifest: UpdateManifest,
+    buckets: list[torch.Tensor],
+    verify: bool = True,
+    weights_key: bytes | None = None,
     base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """Every tensor of the update: for a full entry a view inside the received buckets (no copy), for a delta entry a
     new tensor, `base`'s (version, tensors) with the delta applied. Checks sizes and, if asked, checksums of the whole
     tensors: with `weights_key` every tensor's keyed tag (a tensor without one is refused), else its CRC32. A delta
     update without `base` at its `base_version` is refused, naming both versions."""
     if manifest.trailer:  # the checksums came after the buckets
         if len(buckets) != len(manifest.bucket_sizes) + 1:
-            raise ManifestError(f"received {len(buckets)} buckets, the manifest announced "
-                                f"{len(manifest.bucket_sizes)} and a trailer")  # fmt: skip
+            raise ManifestError(
+                f"received {len(buckets)} buckets, the manifest announced {len(manifest.bucket_sizes)} and a trailer"
+            )
         manifest, buckets = manifest.with_trailer(buckets[-1]), buckets[:-1]
     if len(buckets) != len(manifest.bucket_sizes):
         raise ManifestError(f"received {len(buckets)} buckets, the manifest announced {len(manifest.bucket_sizes)}")
@@ -281,8 +306,10 @@ def unpack_buckets(
             raise ManifestError(f"bucket {i} holds {buf.numel()} bytes, the manifest announced {size}")
     if manifest.is_delta and (base is None or base[0] != manifest.base_version):
         held = "no base" if base is None else f"v{base[0]}"
-        raise ManifestError(f"update v{manifest.version} is a delta on v{manifest.base_version} but this receiver "
-                            f"holds {held}: the sender must send a full update")  # fmt: skip
+        raise ManifestError(
+            f"update v{manifest.version} is a delta on v{manifest.base_version} but this receiver "
+            f"holds {held}: the sender must send a full update"
+        )
     out = {}
     key = update_key(weights_key, manifest.version) if weights_key is not None else None
     host: dict[int, torch.Tensor] = {}  # a device bucket is checksummed from a host copy (the current one only)
@@ -315,11 +342,14 @@ def _apply_delta(t: TensorEntry, payload: torch.Tensor, base: Mapping[str, torch
 def _verify(t: TensorEntry, data, key: bytes | None) -> None:
     if key is not None:
         if not t.tag:
-            raise ManifestError(f"tensor {t.name}: no tag, and this serve has a secret: give the learner the same "
-                                "--secret-file")  # fmt: skip
+            raise ManifestError(
+                f"tensor {t.name}: no tag, and this serve has a secret: give the learner the same --secret-file"
+            )
         if not hmac.compare_digest(bytes_tag(data, key), t.tag):
-            raise ManifestError(f"tensor {t.name}: its tag does not verify under the update's key (forged, replayed "
-                                "from another update, or corrupted in transit)")  # fmt: skip
+            raise ManifestError(
+                f"tensor {t.name}: its tag does not verify under the update's key (forged, replayed "
+                "from another update, or corrupted in transit)"
+            )
     elif (crc := zlib.crc32(data) & 0xFFFFFFFF) != t.crc32:
         raise ManifestError(
             f"tensor {t.name}: checksum {crc:#010x} but the manifest says {t.crc32:#010x} (corrupted in transit)"
