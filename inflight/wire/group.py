@@ -4,19 +4,39 @@ worker, built straight from a TCPStore so it never touches either side's default
 gloo on CPU, NCCL on GPU. Every collective waits at most `timeout_s`; a peer that dies or stops sending turns into a
 `WeightsGroupError` within that time instead of a hang. After any error the group is broken (gloo and NCCL leave a
 communicator in an undefined state): close it and form a new one with a fresh `group_name`.
+
+NCCL's failure path is torch's watchdog, not ours, unless it is told otherwise: by default
+(`TORCH_NCCL_ASYNC_ERROR_HANDLING=3`) a timed-out or failed collective tears the whole process down, so a learner
+killed mid-broadcast would take the serve's EngineCore with it and no rejoin would ever run. The weights group is
+built under `NCCL_SURVIVE_PEERS` (read by ProcessGroupNCCL's constructor, so it applies to this group alone): the
+watchdog only aborts the communicator, the waiting call raises, and the heartbeat monitor that kills a process whose
+watchdog looks stuck is off. `close()` aborts an NCCL group (shutdown waits for in-flight work, which a dead peer
+never finishes) on a thread of its own, so the caller's thread never blocks on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import socket
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+# torch's ProcessGroupNCCL reads these when a group is constructed. 2 = CleanUpOnly: abort the communicator and let
+# the collective's wait() raise, without tearing the process down (3, the default, tears it down).
+NCCL_SURVIVE_PEERS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+# How long close() waits for an NCCL abort before leaving it to its daemon thread.
+ABORT_WAIT_S = 10.0
 
 
 class WeightsGroupError(RuntimeError):
@@ -73,11 +93,45 @@ class WeightsGroup:
             ) from exc
 
     def close(self) -> None:
+        """Break the group for good: abort NCCL off the caller's thread, shut gloo down."""
         self.broken = True
         pg, self._pg = getattr(self, "_pg", None), None
-        if pg is not None and hasattr(pg, "shutdown"):
+        if pg is None:
+            return
+        if self.address.backend == "nccl":
+            abort_off_thread(pg, ABORT_WAIT_S)
+        elif hasattr(pg, "shutdown"):
             with contextlib.suppress(RuntimeError):
                 pg.shutdown()
+
+
+def abort_off_thread(pg, wait_s: float) -> threading.Thread:
+    """Abort `pg` on a daemon thread and wait at most `wait_s` for it: ncclCommAbort can block while a kernel of a
+    dead peer's collective is still queued, and the caller (the engine's thread, the learner's loop) must go on."""
+
+    def abort() -> None:
+        with contextlib.suppress(RuntimeError):
+            pg.abort()
+
+    thread = threading.Thread(target=abort, name="inflight-nccl-abort", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return thread
+
+
+@contextlib.contextmanager
+def environment(overrides: Mapping[str, str]) -> Iterator[None]:
+    """`overrides` set in os.environ for the block, the previous values (or their absence) restored after it."""
+    before = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def open_store(address: GroupAddress, is_host: bool) -> dist.TCPStore:
@@ -106,11 +160,16 @@ def open_store(address: GroupAddress, is_host: bool) -> dist.TCPStore:
     )
 
 
+# The environment is process-wide: two groups formed at once on two threads must not restore each other's values.
+_CONSTRUCTING = threading.Lock()
+
+
 def _make_process_group(store, rank: int, address: GroupAddress, timeout: datetime.timedelta):
     if address.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, address.world_size, opts)
+        with _CONSTRUCTING, environment(NCCL_SURVIVE_PEERS):
+            return dist.ProcessGroupNCCL(store, rank, address.world_size, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     # Rank 0 (the learner) listens on the address it was given; every other rank uses its own address on the route

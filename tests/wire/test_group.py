@@ -1,0 +1,98 @@
+"""The weights group's NCCL options and failure path, decided on CPU (no NCCL here): which environment torch's
+ProcessGroupNCCL is constructed under, and how a broken group is closed. The constructor and the process group are
+stand-ins that record what they were given; the gloo path is proven with real processes in test_transfer.py."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from inflight.wire import group as group_mod
+from inflight.wire.group import NCCL_SURVIVE_PEERS, GroupAddress, WeightsGroup, environment
+
+
+class _RecordingNCCL:
+    """Stands in for torch's ProcessGroupNCCL: keeps the environment its constructor saw."""
+
+    seen: list[dict[str, str | None]] = []
+
+    class Options:
+        _timeout = None
+
+    def __init__(self, store, rank, world_size, opts):
+        _RecordingNCCL.seen.append({name: os.environ.get(name) for name in NCCL_SURVIVE_PEERS})
+
+
+def test_an_nccl_weights_group_is_built_under_error_handling_that_aborts_the_communicator_not_the_process(
+    monkeypatch,
+):
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _RecordingNCCL, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # torch's default: tear the process down
+    monkeypatch.delenv("TORCH_NCCL_ENABLE_MONITORING", raising=False)
+    _RecordingNCCL.seen.clear()
+    address = GroupAddress("127.0.0.1", 0, world_size=2, backend="nccl")
+    group_mod._make_process_group(store=None, rank=1, address=address, timeout=None)
+    assert _RecordingNCCL.seen == [
+        {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_ENABLE_MONITORING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    ]
+    # the process's own setting is back for every other group (the learner's default group keeps torch's handling)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert "TORCH_NCCL_ENABLE_MONITORING" not in os.environ
+
+
+def test_the_environment_is_restored_even_when_the_constructor_raises(monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    with pytest.raises(RuntimeError), environment(NCCL_SURVIVE_PEERS):
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+        raise RuntimeError("ncclCommInitRank failed")
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+class _HangingPG:
+    """An NCCL group whose abort blocks, as ncclCommAbort can behind a dead peer's queued kernel."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.aborted_on: str | None = None
+        self.shutdown_called = False
+
+    def abort(self):
+        self.aborted_on = threading.current_thread().name
+        self.release.wait(5)
+
+    def shutdown(self):
+        self.shutdown_called = True
+
+
+def _nccl_member(pg) -> WeightsGroup:
+    member = WeightsGroup.__new__(WeightsGroup)  # no NCCL here: the member around an already-built group
+    member.address = GroupAddress("127.0.0.1", 0, world_size=2, backend="nccl")
+    member.rank, member._pg, member.broken = 1, pg, False
+    return member
+
+
+def test_closing_an_nccl_group_aborts_it_on_a_thread_of_its_own_and_returns_within_the_wait(monkeypatch):
+    monkeypatch.setattr(group_mod, "ABORT_WAIT_S", 0.2)
+    pg = _HangingPG()
+    member = _nccl_member(pg)
+    start = time.monotonic()
+    member.close()
+    took = time.monotonic() - start
+    pg.release.set()
+    assert took < 2.0, f"close() waited {took:.1f}s on a hanging abort"
+    assert pg.aborted_on == "inflight-nccl-abort" and not pg.shutdown_called
+    assert member.broken and member._pg is None
+
+
+def test_a_closed_group_refuses_the_next_broadcast_naming_the_fix():
+    pg = _HangingPG()
+    pg.release.set()
+    member = _nccl_member(pg)
+    member.close()
+    with pytest.raises(group_mod.WeightsGroupError, match="form a new one"):
+        member.broadcast(torch.zeros(4))
