@@ -127,3 +127,29 @@ def test_the_runs_dtype_reaches_both_sides_as_one_precision(tmp_path, dtype, aut
     serve, learn = commands["serve"], commands["learn"]
     assert serve[serve.index("--dtype") + 1] == dtype
     assert learn[learn.index("--autocast") + 1] == autocast
+
+
+def test_resolving_auto_for_a_cuda_serve_never_initialises_cuda_in_the_asking_process(cpu, monkeypatch) -> None:
+    """vLLM forces spawn and the front-end keeps ~0.5 GB of GPU memory once it holds a CUDA context: the device's name
+    and capability are asked of a child process, never of torch here."""
+    import torch
+
+    def initialises(*_a, **_kw):
+        raise AssertionError("torch.cuda was asked in the serve's own process: that initialises CUDA")
+
+    cpu(AMD)
+    machine.cuda_info.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", initialises)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", initialises)
+    monkeypatch.setattr(machine, "query_cuda_device", lambda: H100)
+    try:
+        precision = machine.resolve_precision("auto", "cuda")
+    finally:
+        machine.cuda_info.cache_clear()
+    assert precision.dtype == "bfloat16" and H100[0] in precision.reason
+
+
+def test_the_child_process_query_answers_none_where_torch_sees_no_gpu() -> None:
+    # a real child Python on this CPU-only machine: its torch sees no CUDA device, and it says so
+    assert machine.query_cuda_device() is None
