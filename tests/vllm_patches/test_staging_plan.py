@@ -1,0 +1,67 @@
+"""The staging plan (vllm_patches/staging_plan.py): the device bytes an update needs, reserved out of the fraction of
+the GPU vLLM would otherwise give its KV cache, or a refusal naming the numbers and the fix. Pure arithmetic, so it is
+decided here on CPU; the checkpoint reader runs on a real prepared model."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors import safe_open
+
+from inflight.models import model_dir
+from vllm_patches.staging_plan import GIB, StagingPlan, checkpoint_weight_bytes, plan_gpu_memory
+
+TWO_B_BF16 = 2_000_000_000 * 2
+H100 = 80 * GIB
+
+
+@pytest.mark.parametrize(
+    ("update_memory", "delta", "peak", "held"),
+    [("low", False, 1, 0), ("double", False, 2, 0), ("low", True, 2, 1), ("double", True, 3, 1)],
+)
+def test_an_update_needs_its_buckets_plus_the_processed_copy_in_double_plus_the_delta_base(
+    update_memory, delta, peak, held
+):
+    plan = StagingPlan(weight_bytes=TWO_B_BF16, update_memory=update_memory, delta=delta)
+    assert (plan.peak_bytes, plan.held_bytes) == (peak * TWO_B_BF16, held * TWO_B_BF16)
+
+
+def test_a_2b_bf16_model_at_0_9_of_an_80gb_gpu_gets_its_double_update_set_aside_from_the_kv_cache():
+    plan = plan_gpu_memory(StagingPlan(TWO_B_BF16, "double", delta=False), H100, 0.9)
+    assert plan.engine_utilization == pytest.approx(0.9 - 2 * TWO_B_BF16 / H100)
+    # what vLLM may take plus what the update takes is still the fraction the user gave
+    assert plan.engine_utilization * H100 + plan.staging.peak_bytes == pytest.approx(0.9 * H100)
+    assert "becomes 0.807" in plan.describe() and "7.45 GiB on the device at its peak" in plan.describe()
+
+
+def test_a_model_whose_update_leaves_vllm_too_little_is_refused_naming_the_numbers_and_every_flag_that_helps():
+    fifteen_b = 15_000_000_000 * 2
+    with pytest.raises(ValueError) as refused:
+        plan_gpu_memory(StagingPlan(fifteen_b, "double", delta=True), H100, 0.9)
+    text = str(refused.value)
+    for words in (
+        "--gpu-memory-utilization 0.9",
+        "80.0 GiB",
+        "83.82 GiB on the device at its peak",
+        "--update-memory low",
+        "--full-every 1",
+    ):
+        assert words in text
+    # in place and without deltas, the same model fits
+    assert plan_gpu_memory(StagingPlan(fifteen_b, "low", delta=False), H100, 0.95).engine_utilization > 0
+
+
+def test_the_checkpoint_reader_counts_every_tensor_of_a_real_model_from_the_headers_alone():
+    where = model_dir("smollm2")
+    expected = 0
+    for path in sorted(where.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                expected += f.get_tensor(name).numel()
+    assert expected > 100_000_000  # SmolLM2-135M
+    assert checkpoint_weight_bytes(where, "bfloat16") == 2 * expected
+    assert checkpoint_weight_bytes(where, "float32") == 4 * expected
+
+
+def test_an_unresolved_dtype_is_refused_naming_the_value():
+    with pytest.raises(ValueError, match="'auto'"):
+        checkpoint_weight_bytes(model_dir("smollm2"), "auto")

@@ -1,0 +1,118 @@
+"""The staging plan: the device bytes a weight update needs beyond the live weights, reserved before vLLM sizes its KV
+cache. Pure (no vLLM, no device query): `inflight.serve` computes it at start, prints it, and hands vLLM the lowered
+memory fraction, or refuses to start naming the numbers and the flags that fix them.
+
+Why: on CUDA vLLM gives the KV cache everything up to `gpu_memory_utilization` minus the profiled weights and
+activations, so nothing is left for an update's buffers and the first update of a ~2B-parameter bf16 model at 0.9 on
+an 80 GB GPU fails with an out-of-memory error. What an update holds on the device (vllm_patches/staging.py):
+- its buckets: every tensor of the update, received whole before any is verified (1x the weights);
+- `--update-memory double`: the processed copy built beside the live weights and swapped in (another 1x) — the
+  buckets are released only once it is built, so the peak is 2x;
+- delta updates (the learner's `--full-every N > 1`): the base version's whole tensors, kept between updates (1x,
+  held for good), to which the next delta applies.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1 << 30
+# Bytes per element of the dtypes a serve computes in.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+# Of the fraction vLLM keeps after the reservation, at least this multiple of the weights: the weights themselves
+# plus room for activations and a KV cache worth serving with. Below it vLLM would fail later and less clearly.
+MIN_ENGINE_WEIGHTS_MULTIPLE = 1.25
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """What one update holds on the device, beyond the live weights."""
+
+    weight_bytes: int
+    update_memory: str
+    delta: bool
+
+    @property
+    def held_bytes(self) -> int:
+        """Kept between two updates: the delta base, or nothing."""
+        return self.weight_bytes if self.delta else 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """At the update's peak: what is held, the buckets, and in `double` the processed copy beside them."""
+        prepared = self.weight_bytes if self.update_memory == "double" else 0
+        return self.held_bytes + self.weight_bytes + prepared
+
+    def describe(self) -> str:
+        held = f", {self.held_bytes / GIB:.2f} GiB held between updates (delta base)" if self.delta else ""
+        return (
+            f"staging plan: weights {self.weight_bytes / GIB:.2f} GiB, --update-memory {self.update_memory}: "
+            f"an update needs {self.peak_bytes / GIB:.2f} GiB on the device at its peak{held}"
+        )
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """The fraction of the GPU handed to vLLM once the staging plan's peak is set aside."""
+
+    staging: StagingPlan
+    device_bytes: int
+    requested_utilization: float
+
+    @property
+    def engine_utilization(self) -> float:
+        return self.requested_utilization - self.staging.peak_bytes / self.device_bytes
+
+    def describe(self) -> str:
+        return (
+            f"{self.staging.describe()}; of the GPU's {self.device_bytes / GIB:.1f} GiB, "
+            f"--gpu-memory-utilization {self.requested_utilization:.3f} becomes {self.engine_utilization:.3f} for "
+            "vLLM (weights, activations, graphs, KV cache), the rest of the fraction is the update's"
+        )
+
+
+def plan_gpu_memory(staging: StagingPlan, device_bytes: int, utilization: float) -> GpuMemoryPlan:
+    """The plan, or ValueError naming the numbers and the flags that fix it when too little would be left to vLLM."""
+    plan = GpuMemoryPlan(staging, device_bytes, utilization)
+    engine_bytes = plan.engine_utilization * device_bytes
+    needed = MIN_ENGINE_WEIGHTS_MULTIPLE * staging.weight_bytes
+    if engine_bytes < needed:
+        raise ValueError(
+            f"{staging.describe()}; with --gpu-memory-utilization {utilization} of {device_bytes / GIB:.1f} GiB "
+            f"that leaves vLLM {max(engine_bytes, 0) / GIB:.2f} GiB for the weights, activations and KV cache, "
+            f"below the {needed / GIB:.2f} GiB it needs. Fix: raise --gpu-memory-utilization"
+            + (", pass --update-memory low (no processed copy)" if staging.update_memory == "double" else "")
+            + (", or train without delta updates (the learner's --full-every 1)" if staging.delta else "")
+            + ", or serve a smaller model on this GPU"
+        )
+    return plan
+
+
+def checkpoint_weight_bytes(model_dir: str | Path, dtype: str) -> int:
+    """The bytes of every tensor in `model_dir`'s safetensors files once cast to `dtype`, from the files' JSON headers
+    (never their data, never pickle)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype is {dtype!r}, expected one of {sorted(DTYPE_BYTES)} (resolve 'auto' first)")
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors file in {model_dir}: the staging plan reads the weights' shapes there")
+    elements = sum(_elements(path) for path in files)
+    return elements * DTYPE_BYTES[dtype]
+
+
+def _elements(path: Path) -> int:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        count = 1
+        for dim in entry["shape"]:
+            count *= int(dim)
+        total += count
+    return total
