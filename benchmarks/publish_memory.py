@@ -63,25 +63,25 @@ class _Rank0:
     """The publisher, the receiver process and the measurements."""
 
     def __init__(self, args, model):
-        from inflight.learn.publisher import WeightPublisher
+        from inflight.learn.publisher import open_publisher
         from inflight.wire.endpoints import ControlServer
         from inflight.wire.weights import DTYPES
         from learner.model import local_hf_state
 
         self.args, self.model, self.rows = args, model, []
-        self.publisher = WeightPublisher(ControlServer(), timeout_s=300, bucket_bytes=args.bucket_mb * MiB)
+        self.publisher = open_publisher(ControlServer(), timeout_s=300, bucket_bytes=args.bucket_mb * MiB)
         dtype = DTYPES[args.dtype]
         # Names and shapes from the sharded model's own order (what iter_full_pieces walks), without gathering.
         specs = {name: torch.empty(t.shape, dtype=dtype, device="meta")  # a DTensor's shape is the full one
                  for name, t in local_hf_state(model)}  # fmt: skip
         self.model_bytes = sum(t.numel() * t.element_size() for t in specs.values())
         self.largest = max(t.numel() * t.element_size() for t in specs.values())
-        self.publisher.set_model(specs)
+        self.publisher.check.set_model(specs)
         spec_list = [(n, args.dtype, list(t.shape)) for n, t in specs.items()]
-        self.receiver = Receiver(self.publisher.control.address, spec_list)
+        self.receiver = Receiver(self.publisher.plane.control.address, spec_list)
         deadline = time.monotonic() + 120
-        while not self.publisher.serves and time.monotonic() < deadline:
-            self.publisher.pump(0.1)
+        while not self.publisher.plane.serves and time.monotonic() < deadline:
+            self.publisher.plane.pump(0.1)
 
     def publish(self, mode: str, version: int) -> None:
         from inflight.wire.memory import PeakMeter
@@ -94,7 +94,7 @@ class _Rank0:
             else:
                 report = self.publisher.publish(full_hf_state(self.model), version)
         seconds = time.perf_counter() - start
-        self.publisher._wait_for_commits(version)
+        self.publisher.plane.wait_for_commits(version)
         self.rows.append({"mode": mode, "version": version, "peak_bytes": peak.extra_bytes, "seconds": seconds,
                           "bytes": report.bytes, "serves": report.serves, "measured": peak.measured})  # fmt: skip
         print(f"{mode} v{version}: peak extra {peak.extra_bytes / MiB:.0f} MiB, {seconds:.2f} s", flush=True)

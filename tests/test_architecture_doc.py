@@ -3,7 +3,7 @@
 The document is what a newcomer follows from a token's sampling to its gradient; a renamed function would send them
 to nothing, silently. References are the backticked spans `path/to/file.py`, `path/to/file.py:name` and
 `path/to/file.py:Class.method`; they are resolved with `ast` (nothing is imported, so neither vLLM nor torch is
-needed). The token path and the weight path may each cross at most 10 files, the layering rules in words must name
+needed). The token path and the weight path may each cross at most 12 files, the layering rules in words must name
 every rule of tests/test_layering.py's FORBIDDEN table, and every `docs/ARCHITECTURE.md "Section"` the code cites
 must be a section of the document.
 """
@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 PATH_SECTIONS = ("The token path", "The weight path")
-MAX_FILES_PER_PATH = 10  # beyond this a newcomer cannot hold the path in their head
+MAX_FILES_PER_PATH = 12  # beyond this a newcomer cannot hold the path in their head (issue 29's bound)
 
 # A whole backtick span: a repository-relative .py path, optionally ':' and a dotted name defined in it.
 REFERENCE = re.compile(r"`([\w./-]+\.py)(?::([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*))?`")

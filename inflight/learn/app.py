@@ -24,13 +24,56 @@ from safetensors.torch import save_file
 
 from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
+from inflight.learn.dist import broadcast_samples
+from inflight.learn.samples import GatedSample, GateStats
 from inflight.learn.service import LearnerService
 from inflight.learn.tracking import Reporting
+from inflight.machine import resolve_precision
+from inflight.models import resolve_model
 from inflight.wire.memory import PeakMeter
 from inflight.wire.records import StepMetrics
-from learner.world import World
+from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from learner.losses import LossConfig
+from learner.model import PolicyModel, full_hf_state, iter_full_pieces, load_policy, shard_policy
+from learner.step import AUTOCAST, Batch, Sample, TrainConfig, make_batch, make_optimizer, train_step
+from learner.truncation import Truncation
+from learner.world import World, WorldError, start_world
 
 log = logging.getLogger("inflight.learn")
+
+
+@dataclasses.dataclass
+class Resumed:
+    """Where a run goes on from: the checkpoint's version and step, the groups it trained and the count per serve."""
+
+    version: int = 0
+    step: int = 0
+    consumed: list[str] | dict = dataclasses.field(default_factory=list)
+    by_server: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class TrainInputs:
+    """What one rank's train step takes: its padded `batch`, the lag-0 prefix tokens that probe the trainer/sampler
+    mismatch, and the step's token and sequence counts over every rank (the loss divides by them)."""
+
+    batch: Batch
+    probe_mask: torch.Tensor
+    tokens: int
+    sequences: int
+
+    @classmethod
+    def of(cls, samples: list[GatedSample], rank: int, world: int) -> TrainInputs:
+        mine = samples[rank::world]
+        as_train = [
+            Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.token_mask) for s in mine
+        ]
+        batch = make_batch(as_train, pad_id=0)  # on the CPU: train_step moves it to the model's device
+        fresh = [t._replace(token_mask=s.on_policy_prefix) for t, s in zip(as_train, mine, strict=True)]
+        probe = make_batch(fresh, pad_id=0).mask & batch.mask
+        tokens = sum(sum(s.token_mask) for s in samples)
+        sequences = sum(any(s.token_mask) for s in samples)  # a wholly gated sample does not count
+        return cls(batch, probe, tokens, sequences)
 
 
 class Learner:
@@ -39,12 +82,6 @@ class Learner:
     binds), the other ranks touch no socket."""
 
     def __init__(self, cfg: LearnConfig, world: World):
-        from inflight.models import resolve_model
-        from learner.losses import LossConfig
-        from learner.model import full_hf_state, load_policy, shard_policy
-        from learner.step import AUTOCAST, TrainConfig, make_optimizer
-        from learner.truncation import Truncation
-
         torch.manual_seed(cfg.seed)
         self.cfg, self.placement, self.run_dir = cfg, world, Path(cfg.run_dir)
         self.rank, self.world = world.rank, world.size  # which slice of each step's samples this rank trains
@@ -52,21 +89,10 @@ class Learner:
         self.model = load_policy(self.model_path, dtype=getattr(torch, cfg.dtype), device=world.device)
         if world.mesh is not None:
             shard_policy(self.model, world.mesh, world.layer_compute_dtype(AUTOCAST[cfg.autocast]))
-        loss = LossConfig(kind=cfg.loss, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation)
-        truncation = Truncation(top_k=max(cfg.top_k, 0), top_p=cfg.top_p, min_p=cfg.min_p)
-        self.train_cfg = TrainConfig(
-            lr=cfg.lr,
-            grad_clip=cfg.grad_clip,
-            temperature=cfg.temperature,
-            autocast=cfg.autocast,
-            fused_loss=cfg.fused_loss,
-            loss=loss,
-            truncation=truncation,
-        )
+        self.train_cfg = train_config(cfg)
         self.optimizer = make_optimizer(self.model, self.train_cfg)
-        self.version, self.step, consumed, by_server = 0, 0, [], {}
-        if cfg.resume:
-            self.version, self.step, consumed, by_server = self._resume()
+        resumed = self._resume() if cfg.resume else Resumed()
+        self.version, self.step = resumed.version, resumed.step
         self.stop_requested = False  # set by SIGTERM/SIGINT: rank 0 stops waiting for groups, every rank then stops
         # Rank 0's tracker (--report-to), opened before the service binds: a serve started on its ready line is
         # followed from its first progress line on.
@@ -77,26 +103,22 @@ class Learner:
         )
         state = full_hf_state(self.model)  # collective: every rank gathers
         self.service = (
-            LearnerService(cfg, state, self.version, consumed, by_server, world.weights_device)
+            LearnerService(cfg, state, self.version, resumed.consumed, resumed.by_server, world.weights_device)
             if world.rank == 0
             else None
         )
 
-    def _resume(self):
-        from learner.checkpoint import latest_checkpoint, load_checkpoint
-
+    def _resume(self) -> Resumed:
         path = latest_checkpoint(self.run_dir / "checkpoints")
         if path is None:
             raise SystemExit(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}; drop --resume to start")
         meta = load_checkpoint(path, self.model, self.optimizer)
         log.info("resumed from %s: step %d, version %d", path, meta["step"], meta["version"])
-        return meta["version"], meta["step"], meta["consumed"], meta.get("consumed_by_server", {})
+        return Resumed(meta["version"], meta["step"], meta["consumed"], meta.get("consumed_by_server", {}))
 
     def run(self) -> int:
         """Every rank, until `--steps` (0: until stopped): groups, train step, publish (`--publish-every`), metrics
         line, checkpoint (`--checkpoint-every`; at the end unless the last step wrote one), HF export. The exit code."""
-        from inflight.learn.dist import broadcast_samples
-
         # Everything loaded so far (torch, transformers, the model's modules) lives as long as the process: moved out of
         # the collector's reach, a full collection no longer walks it. A step on a GPU is bound by the CPU launching
         # kernels, and a multi-millisecond collection in the middle of one is a stall the GPU sits through.
@@ -106,7 +128,7 @@ class Learner:
             started = time.perf_counter()
             batch = self.service.next_groups(self.version, lambda: self.stop_requested) if self.rank == 0 else None
             waited = time.perf_counter() - started
-            samples = broadcast_samples(batch[0] if batch else None, self.placement)
+            samples = broadcast_samples(batch.samples if batch is not None else None, self.placement)
             if not samples:
                 break
             metrics = self._train(samples)
@@ -114,17 +136,11 @@ class Learner:
             self.step += 1
             publish = self._publish() if self.version % self.cfg.publish_every == 0 else {}
             if self.rank == 0:
-                record = self._log(
-                    batch[1],
-                    metrics,
-                    publish,
-                    waited,
-                    time.perf_counter() - started,
-                    [len(s.completion_ids) for s in samples],
-                )
+                lengths = [len(s.completion_ids) for s in samples]
+                record = self._log(batch.stats, metrics, publish, waited, time.perf_counter() - started, lengths)
                 # metrics.jsonl has the line; the tracker mirrors it (and never raises)
                 self.reporting.step(record)
-                self.reporting.samples(samples, batch[1].rewards, self.version - 1, self.step)  # gated at version - 1
+                self.reporting.samples(samples, batch.stats.rewards, self.version - 1, self.step)  # gated at version-1
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                 self.checkpoint()
         if not (self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0):
@@ -132,108 +148,66 @@ class Learner:
         self.export_hf()
         return 0
 
-    def _train(self, samples) -> dict:
-        from learner.step import Sample, make_batch, train_step
-
-        mine = samples[self.rank :: self.world]
-        as_train = [
-            Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.token_mask) for s in mine
-        ]
-        tokens = sum(sum(s.token_mask) for s in samples)
-        batch = make_batch(as_train, pad_id=0)  # on the CPU: train_step moves it to the model's device
-        fresh = [t._replace(token_mask=s.on_policy_prefix) for t, s in zip(as_train, mine, strict=True)]
-        lag0 = make_batch(fresh, pad_id=0).mask
+    def _train(self, samples: list[GatedSample]) -> dict:
+        """This rank's slice of the step's `samples` through one train step; its metrics and `train_s`."""
+        step = TrainInputs.of(samples, self.rank, self.world)
         start = time.perf_counter()
-        sequences = sum(any(s.token_mask) for s in samples)  # a wholly gated sample does not count
         metrics = train_step(
             self.model,
             self.optimizer,
-            batch,
+            step.batch,
             self.train_cfg,
             self.world,
-            global_tokens=tokens,
-            global_sequences=sequences,
-            probe_mask=lag0 & batch.mask,
+            global_tokens=step.tokens,
+            global_sequences=step.sequences,
+            probe_mask=step.probe_mask,
         )
         metrics["train_s"] = time.perf_counter() - start
         if metrics.get("probe_tokens"):
             metrics["mismatch_lag0"] = metrics["probe_abs_logratio_sum"] / metrics["probe_tokens"]
-        metrics["train_tokens"] = tokens
+        metrics["train_tokens"] = step.tokens
         return metrics
 
     def _publish(self) -> dict:
         """Every rank gathers the full weights; rank 0 sends them as `version`: the StepMetrics `publish_*` fields.
-        A full update streams tensor by tensor (rank 0 holds two buckets, not the model); a delta update
-        (`--full-every` > 1) compares whole states, so it gathers the whole model first."""
-        from learner.model import full_hf_state, iter_full_pieces
-
+        A full update streams piece by piece (rank 0 holds two buckets, not the model): every rank walks
+        `iter_full_pieces` to its end in lockstep, its gathers being collectives, and rank 0 hands each piece to the
+        serves (the contract: inflight/learn/publisher.py). A delta update (`--full-every` > 1) compares whole states,
+        so it gathers the whole model first."""
         start = time.perf_counter()
         if self.cfg.full_every > 1:
             state = full_hf_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors
             return self.service.publish(state, self.version, start) if self.rank == 0 else {}
-        pieces = iter_full_pieces(self.model)  # collective, piece by piece: every rank walks it to the end
         if self.rank != 0:
-            for _ in pieces:
+            for _ in iter_full_pieces(self.model):  # this rank's part of each gather; rank 0 gets the pieces
                 pass
             return {}
         # A CUDA learner over gloo: the buckets are in host memory, the gathered pieces on its GPU; both are measured.
         own = self.placement.device if self.placement.device != self.placement.weights_device else None
         with PeakMeter(self.placement.weights_device) as peak, PeakMeter(own) if own else nullcontext() as on_gpu:
-            fields = self.service.publish_stream(pieces, self.version, start)
+            fields = self.service.publish_stream(iter_full_pieces(self.model), self.version, start)
         fields["publish_peak_bytes"] = peak.extra_bytes if peak.measured else None
         if on_gpu is not None and on_gpu.measured:
             fields["publish_device_peak_bytes"] = on_gpu.extra_bytes
         return fields
 
-    def _log(self, gate, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]) -> StepMetrics:
+    def _log(
+        self, gate: GateStats, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]
+    ) -> StepMetrics:
         """One StepMetrics line (inflight/wire/records.py): train_step's metrics and the publish report are fields of
         it, so a metric added or renamed there without the record fails here, in the first step of any learner test."""
-        rewards = gate.rewards
-        # `tokens` is train_step's (rank 0's trained tokens); the batch's, gated included, is the lag histogram's sum.
-        record = self.service.write_step(
-            {
-                "step": self.step,
-                "version": self.version,
-                "time": time.time(),
-                "reward": sum(rewards) / len(rewards),
-                "lag_histogram": dict(sorted(gate.lag_histogram.items())),
-                "kv_lag_histogram": dict(sorted(gate.kv_lag_histogram.items())),
-                "groups": gate.group_ids,
-                "lengths": lengths,
-                "gated_fraction": gate.gated / max(gate.tokens, 1),
-                "wait_s": waited,
-                "step_s": step_s,
-                "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
-                **metrics,
-                **publish,
-                **_episodes(gate),
-            }
-        )
-        log.info(
-            "step %d v%d reward %.3f loss %.4f wait %.2fs train %.2fs publish %.2fs",
-            self.step,
-            self.version,
-            record.reward,
-            metrics.get("loss", 0.0),
-            waited,
-            record.train_s,
-            record.publish_s or 0.0,
-        )
+        values = step_values(gate, metrics, waited, step_s, lengths)
+        record = self.service.write_step({"step": self.step, "version": self.version, **values, **publish})
+        log_step(record, metrics.get("loss", 0.0))
         return record
 
     def checkpoint(self) -> None:
         """Every rank: model, optimizer, step, version and (from rank 0's service) the consumed groups; rank 0 then
         rotates the journal and prunes to `--keep-checkpoints`."""
-        from learner.checkpoint import checkpoint_dir, prune_checkpoints, save_checkpoint
-
         consumed = self.service.consumed_state() if self.rank == 0 else {"consumed": {}, "consumed_by_server": {}}
         root = self.run_dir / "checkpoints"
-        save_checkpoint(
-            checkpoint_dir(root, self.step),
-            self.model,
-            self.optimizer,
-            {"step": self.step, "version": self.version, **consumed},
-        )
+        meta = {"step": self.step, "version": self.version, **consumed}
+        save_checkpoint(checkpoint_dir(root, self.step), self.model, self.optimizer, meta)
         if self.rank == 0:  # the checkpoint holds the trained groups; the journal keeps only the others
             self.service.rotate_journal()
             for old in prune_checkpoints(root, self.cfg.keep_checkpoints):
@@ -241,20 +215,7 @@ class Learner:
 
     def export_hf(self) -> None:
         """The trained weights as an HF directory (`<run_dir>/hf-final`) that vLLM or transformers can load."""
-        from learner.model import full_hf_state
-
-        state = full_hf_state(self.model)  # collective
-        if self.rank != 0:
-            return
-        out = self.run_dir / "hf-final"
-        shutil.copytree(self.model_path, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
-        for old in out.glob("*.safetensors"):
-            old.unlink()
-        save_file(
-            {k: v.contiguous() for k, v in state.items()},
-            str(out / "model.safetensors"),
-            {"format": "pt", "inflight_version": str(self.version)},
-        )
+        export_hf(self.model, self.model_path, self.run_dir / "hf-final", self.version, self.rank)
 
     def close(self) -> None:
         """Rank 0: close the service (the serves commit the last update first, then the sockets and files close)."""
@@ -264,14 +225,77 @@ class Learner:
             self.reporting.close()
 
 
+def train_config(cfg: LearnConfig) -> TrainConfig:
+    """The train step's settings from the flags (the loss, the sampler's truncation, precision, clipping)."""
+    loss = LossConfig(kind=cfg.loss, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation)
+    truncation = Truncation(top_k=max(cfg.top_k, 0), top_p=cfg.top_p, min_p=cfg.min_p)
+    return TrainConfig(
+        lr=cfg.lr,
+        grad_clip=cfg.grad_clip,
+        temperature=cfg.temperature,
+        autocast=cfg.autocast,
+        fused_loss=cfg.fused_loss,
+        loss=loss,
+        truncation=truncation,
+    )
+
+
+def step_values(gate: GateStats, metrics: dict, waited: float, step_s: float, lengths: list[int]) -> dict:
+    """A step's StepMetrics fields from the gate's statistics and train_step's metrics (all but step, version and
+    the publish report)."""
+    rewards = gate.rewards
+    # `tokens` is train_step's (rank 0's trained tokens); the batch's, gated included, is the lag histogram's sum.
+    return {
+        "time": time.time(),
+        "reward": sum(rewards) / len(rewards),
+        "lag_histogram": dict(sorted(gate.lag_histogram.items())),
+        "kv_lag_histogram": dict(sorted(gate.kv_lag_histogram.items())),
+        "groups": gate.group_ids,
+        "lengths": lengths,
+        "gated_fraction": gate.gated / max(gate.tokens, 1),
+        "wait_s": waited,
+        "step_s": step_s,
+        "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
+        **metrics,
+        **_episodes(gate),
+    }
+
+
+def log_step(record: StepMetrics, loss: float) -> None:
+    log.info(
+        "step %d v%d reward %.3f loss %.4f wait %.2fs train %.2fs publish %.2fs",
+        record.step,
+        record.version,
+        record.reward,
+        loss,
+        record.wait_s,
+        record.train_s,
+        record.publish_s or 0.0,
+    )
+
+
+def export_hf(model: PolicyModel, model_path: Path, out: Path, version: int, rank: int) -> None:
+    """Every rank gathers (collective); rank 0 writes the weights into a copy of `model_path`'s config and tokenizer
+    at `out`, tagged with `version`."""
+    state = full_hf_state(model)
+    if rank != 0:
+        return
+    shutil.copytree(model_path, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(out / "model.safetensors"),
+        {"format": "pt", "inflight_version": str(version)},
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the flags, place this rank (`--device`, torchrun's environment: `learner/world.py:start_world`), resolve
     the precision, train until done or SIGTERM/SIGINT (a clean stop still checkpoints and exports); the exit code."""
     about = "Consume rollouts, train with FSDP2 (token-level IS, staleness gate), push weights to every serve."
     cfg = parse_dataclass(LearnConfig, argv, "python -m inflight.learn", about)
     setup_logging()
-    from learner.world import WorldError, start_world
-
     try:
         world = start_world(cfg.device, cfg.backend)
     except WorldError as exc:  # before any model or socket: the message names the flag and the fix
@@ -296,8 +320,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resolve_precision(cfg: LearnConfig, world: World) -> None:
     """`--autocast auto` becomes bfloat16 or none for the world's device (inflight/machine.py), logged with why."""
-    from inflight.machine import resolve_precision
-
     precision = resolve_precision(cfg.autocast, world.device_type)
     cfg.autocast = "bfloat16" if precision.is_bf16 and cfg.autocast != "none" else "none"
     log.info(
@@ -314,7 +336,7 @@ def _resolve_precision(cfg: LearnConfig, world: World) -> None:
     )
 
 
-def _episodes(gate) -> dict:
+def _episodes(gate: GateStats) -> dict:
     """The StepMetrics episode fields, for a batch with environment tokens (absent for single-turn batches)."""
     if not gate.env_tokens:
         return {}

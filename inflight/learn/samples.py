@@ -16,11 +16,13 @@ import itertools
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from inflight.wire.rollouts import Rollout
+from learner.advantages import group_advantages
 
 
 @dataclass
@@ -55,6 +57,9 @@ class GatedSample:
 
 @dataclass
 class GateStats:
+    """What the gate did to one step's batch: policy tokens and how many were gated, the lag histograms, and per
+    sample its reward, turns and environment tokens (the StepMetrics fields of inflight/learn/app.py:step_values)."""
+
     tokens: int = 0
     gated: int = 0
     lag_histogram: Counter = field(default_factory=Counter)
@@ -66,11 +71,17 @@ class GateStats:
     env_lengths: list[int] = field(default_factory=list)  # environment tokens of each sample
 
 
+class GatedBatch(NamedTuple):
+    """One step's samples (broadcast to every rank) and the gate's statistics of them (rank 0's metrics line)."""
+
+    samples: list[GatedSample]
+    stats: GateStats
+
+
 def build_samples(
     groups: list[list[Rollout]], version: int, max_lag: int, advantage_kind: str = "mean", max_kv_lag: int = -1
-) -> tuple[list[GatedSample], GateStats]:
-    from learner.advantages import group_advantages
-
+) -> GatedBatch:
+    """Every rollout of `groups` as a sample gated at the learner's `version`, with its group's advantage."""
     stats = GateStats()
     samples = []
     for group in groups:
@@ -79,7 +90,7 @@ def build_samples(
         advantages = group_advantages(rewards, kind=advantage_kind)[0].tolist()
         for rollout, adv in zip(group, advantages, strict=True):
             samples.append(_gate(rollout, float(adv), version, max_lag, max_kv_lag, stats))
-    return samples, stats
+    return GatedBatch(samples, stats)
 
 
 def _gate(

@@ -1,13 +1,19 @@
-"""LearnerService: learner rank 0's network side — sockets, rollout buffer, journal, weight publisher, metrics file.
+"""LearnerService: learner rank 0's network side — rollouts in, the control plane, weights out, the metrics file.
 
-The training loop (inflight/learn/app.py:Learner.run) sees five calls: `next_groups` (block until a step's groups are
-here), `publish` (send a version to every serve), `write_step` (one metrics line), `consumed_state` and
-`rotate_journal` (for a checkpoint); `close` at the end. Everything else happens inside, on the learner's main thread
-while it waits: rollouts are received, validated by the buffer, journaled with fsync and only then acknowledged;
-control messages are served (inflight/learn/publisher.py:WeightPublisher and its membership state machine); late
-joiners are caught up; `Progress` goes out (docs/ARCHITECTURE.md "Learner control plane"). With `--replay` the
-rollouts come from a recorded journal (inflight/learn/replay.py:JournalReplay) instead: no rollout socket, no journal
-of its own, no acknowledgements; the control socket and the publisher work as in a live run.
+The training loop (inflight/learn/app.py:Learner.run) sees a few calls: `next_groups` (block until a step's groups are
+here), `publish` / `publish_stream` (send a version to every serve), `write_step` (one metrics line),
+`consumed_state` and `rotate_journal` (for a checkpoint); `close` at the end. Everything else happens inside
+`next_groups`, the one loop rank 0 waits in (docs/ARCHITECTURE.md "Learner control plane"): rollouts are received,
+journaled and acknowledged (`RolloutIntake`, below), control messages are served
+(inflight/learn/control.py:ControlPlane.pump), late joiners are caught up, `Progress` goes out. With `--replay` the
+rollouts come from a recorded journal; the control socket and the publisher work as in a live run.
+
+`RolloutIntake` is the rollouts' way in. Live: `receive` takes what arrived on the rollout socket
+(inflight/wire/endpoints.py:RolloutReceiver), adds it to the buffer (inflight/learn/buffer.py:RolloutBuffer, which
+refuses duplicates and strangers), writes the accepted records to the journal with fsync
+(inflight/learn/journal.py:RolloutJournal) and only then queues the acknowledgements that `Progress` carries. With
+`--replay` the records come from a recorded journal (inflight/learn/replay.py:JournalReplay): no socket, no journal of
+its own, nothing to acknowledge.
 """
 
 from __future__ import annotations
@@ -26,89 +32,38 @@ import torch
 from inflight.learn.buffer import RolloutBuffer
 from inflight.learn.config import LearnConfig
 from inflight.learn.journal import RolloutJournal
-from inflight.learn.publisher import PublishReport, WeightPublisher
+from inflight.learn.publisher import PublishReport, WeightPiece, WeightPublisher, open_publisher
 from inflight.learn.replay import JournalReplay
-from inflight.learn.samples import GatedSample, GateStats, build_samples
+from inflight.learn.samples import GatedBatch, build_samples
 from inflight.wire.endpoints import ControlServer, RolloutReceiver
 from inflight.wire.memory import trim_after_update
 from inflight.wire.records import StepMetrics, encode_line, to_record
-from inflight.wire.rollouts import RolloutError, decode_rollout
+from inflight.wire.rollouts import Rollout, RolloutError, decode_rollout
+from inflight.wire.secure import derive_keys, read_secret, weights_key
 
 log = logging.getLogger("inflight.learn")
 PROGRESS_EVERY_S = 1.0  # Progress while waiting, even with nothing to acknowledge: a joining serve waits for it
 
 
-class LearnerService:
-    """Binds the rollout and control sockets and the weights store on `cfg.host` (ready when this returns, which it
-    prints as `inflight.learn ready: ...`), and opens the journal: replayed on `--resume`, else emptied. With
-    `--replay` it binds no rollout socket and opens no journal: the rollouts come from the recording. `state` is the
-    learner's full weights (what serves must serve, and what a serve joining a resumed learner at `version` > 0 gets);
-    `consumed`/`by_server` come from the checkpoint; `weights_device` is where published tensors must be for the
-    weights group's backend (`learner/world.py:World.weights_device`). Rank 0 only; not thread-safe."""
+class RolloutIntake:
+    """The rollout socket (or the replayed recording), the buffer of groups not trained yet, the journal of their
+    records and the acknowledgements owed. `consumed`/`by_server` come from the checkpoint; `keys` are the CURVE
+    keys of --secret-file (inflight/wire/secure.py:derive_keys) or None."""
 
-    def __init__(
-        self,
-        cfg: LearnConfig,
-        state: dict[str, torch.Tensor],
-        version: int,
-        consumed: Iterable[str] | dict,
-        by_server: dict[str, int],
-        weights_device: torch.device | str = "cpu",
-    ):
+    def __init__(self, cfg: LearnConfig, consumed: Iterable[str] | dict, by_server: dict[str, int], keys=None):
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        keys = tags = None
-        if cfg.secret_file:
-            from inflight.wire.secure import derive_keys, read_secret, weights_key
-
-            secret = read_secret(cfg.secret_file)
-            keys, tags = derive_keys(secret), weights_key(secret)
         self.replay = JournalReplay(cfg.replay) if cfg.replay else None
         self.receiver = None if self.replay else RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)
-        self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
-        self.publisher = WeightPublisher(
-            self.control,
-            cfg.host,
-            cfg.weights_port,
-            cfg.backend,
-            cfg.timeout_s,
-            cfg.bucket_mb << 20,
-            weights_key=tags,
-            device=weights_device,
-            full_every=cfg.full_every,
-        )
-        self.publisher.set_model(state, cfg.contract())  # serves that differ are refused at Hello
-        if version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
-            self.publisher.latest = (version, state)
         self.buffer = RolloutBuffer(cfg.model, consumed, cfg.temperature)
         self.buffer.consumed_by_server.update(by_server)
-        self.stepped = False  # whether next_groups returned groups yet (--wait-for-serves holds only the first step)
         self.raw: dict[str, bytes] = {}  # rollout id -> record, for records of groups not trained yet
         self.acks: dict[str, set[str]] = collections.defaultdict(set)  # server id -> group ids to acknowledge
         self.journal = None if self.replay else self._open_journal()
-        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        self._announce()
 
-    def _announce(self) -> None:
-        """Log and print the ready line (`inflight.learn ready: ...`) launchers and tests wait for."""
-        source = f"replaying {self.replay.dir}" if self.replay else f"rollouts {self.receiver.address}"
-        log.info(
-            "learner listening: %s, control %s, weights store port %d",
-            source,
-            self.control.address,
-            self.publisher.store_port,
-        )
-        print(
-            f"inflight.learn ready: {source} control {self.control.address} weights "
-            f"{self.cfg.host}:{self.publisher.store_port}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if self.replay:
-            resolved = dataclasses.asdict(self.cfg)
-            for difference in self.replay.recorded_differences(resolved):
-                log.warning(
-                    "--replay: %s differs from the recording (the weights will differ from its run)", difference
-                )
+    @property
+    def source(self) -> str:
+        """Where rollouts come from, in words (the ready line)."""
+        return f"replaying {self.replay.dir}" if self.replay else f"rollouts {self.receiver.address}"
 
     def _open_journal(self) -> RolloutJournal:
         """The write-ahead log of accepted rollouts (inflight/learn/journal.py): replayed on --resume, else emptied."""
@@ -127,57 +82,14 @@ class LearnerService:
                 self.raw[rollout.rollout_id] = record
                 replayed += 1
         if replayed:
-            log.info(
-                "journal: replayed %d rollouts of untrained groups (%d groups complete)",
-                replayed,
-                len(self.buffer.ready),
-            )
+            ready = len(self.buffer.ready)
+            log.info("journal: replayed %d rollouts of untrained groups (%d groups complete)", replayed, ready)
         return journal
 
-    # -- rollouts in ----------------------------------------------------------------------------------------------
-    def next_groups(self, version: int, stop: Callable[[], bool]) -> tuple[list[GatedSample], GateStats] | None:
-        """Block until `groups_per_step` complete groups are here; mark them consumed, acknowledge and return them as
-        samples gated at the learner's `version` (inflight/learn/samples.py:build_samples). None once `stop()` is
-        true, or once a replayed journal has no step's worth of groups left. Until the first groups are returned, also
-        wait for `--wait-for-serves` serves to have said Hello."""
-        last_progress = 0.0
-        while not stop():
-            if not self._collect():
-                return None  # the replayed recording is used up: the run ends as at --steps
-            self.publisher.pump(0)
-            self.publisher.catch_up(dict(self.buffer.consumed_by_server))
-            groups = None if self._waiting_for_serves() else self.buffer.take(self.cfg.groups_per_step)
-            if groups is not None:
-                self.stepped = True
-                for group in groups:
-                    for rollout in group:
-                        self.raw.pop(rollout.rollout_id, None)
-                self._send_progress(version)
-                return build_samples(groups, version, self.cfg.max_lag, self.cfg.advantage, self.cfg.max_kv_lag)
-            if any(self.acks.values()) or time.monotonic() - last_progress > PROGRESS_EVERY_S:
-                self._send_progress(version)
-                last_progress = time.monotonic()
-        return None
-
-    def _waiting_for_serves(self) -> bool:
-        """Before the first step: fewer than `--wait-for-serves` serves have said Hello."""
-        return not self.stepped and len(self.publisher.serves) < self.cfg.serves_to_wait_for()
-
-    def _collect(self) -> bool:
-        """Rollouts in: from the socket (journaled, then acknowledged), or from the replayed recording. False once a
-        replay has no step's worth of groups left (and no serve is awaited)."""
-        if self.replay is None:
-            self._receive()  # blocks up to 50 ms on the socket
-            return True
-        self.replay.fill(self.buffer, self.cfg.groups_per_step)
-        if self._waiting_for_serves():
-            self.publisher.pump(0.05)  # a replay has no socket to block on: wait on the control socket instead
-            return True
-        return not self.replay.done or len(self.buffer.ready) >= self.cfg.groups_per_step
-
-    def _receive(self) -> None:
-        """Take what arrived, journal the accepted records (fsync), then queue acknowledgements of held groups."""
-        received = self.receiver.receive_raw(timeout_s=0.05)
+    def receive(self, timeout_s: float) -> None:
+        """Take what arrived (blocking up to `timeout_s`), journal the accepted records (fsync), then queue the
+        acknowledgements of held groups."""
+        received = self.receiver.receive_raw(timeout_s=timeout_s)
         fresh = []
         for rollout, record in received:
             if self.buffer.add(rollout):
@@ -188,36 +100,19 @@ class LearnerService:
             if self.buffer.holds(rollout.group_id):
                 self.acks[rollout.server_id].add(rollout.group_id)
 
-    def _send_progress(self, version: int) -> None:
-        """Progress to every serve, with the acknowledgements queued since the last one (all journaled by now)."""
-        self.publisher.send_progress(dict(self.buffer.consumed_by_server), version, self.acks)
+    def take(self, groups: int) -> list[list[Rollout]] | None:
+        """The `groups` oldest complete groups, marked consumed (their records leave the journal's next rotation);
+        None while fewer are here."""
+        taken = self.buffer.take(groups)
+        for group in taken or []:
+            for rollout in group:
+                self.raw.pop(rollout.rollout_id, None)
+        return taken
 
-    # -- weights out, records, checkpoints ------------------------------------------------------------------------
-    def publish(self, state: dict[str, torch.Tensor], version: int, started: float) -> dict:
-        """Send `state` as `version` to every serve (inflight/learn/publisher.py:WeightPublisher.publish); the
-        StepMetrics `publish_*` fields, `publish_s` counted from `started` (a `time.perf_counter()` reading taken
-        before the weights were gathered)."""
-        report = self.publisher.publish(state, version, dict(self.buffer.consumed_by_server))
-        seconds = time.perf_counter() - started
-        trim_after_update()  # freed snapshots and buckets back to the OS (INFLIGHT_TRIM_EVERY_S)
-        return publish_fields(report, seconds)
-
-    def publish_stream(self, tensors, version: int, started: float) -> dict:
-        """`publish` for tensors gathered one at a time (WeightPublisher.publish_stream)."""
-        report = self.publisher.publish_stream(tensors, version, dict(self.buffer.consumed_by_server))
-        seconds = time.perf_counter() - started
-        trim_after_update()
-        return publish_fields(report, seconds)
-
-    def write_step(self, values: dict) -> StepMetrics:
-        """Append one StepMetrics line (inflight/wire/records.py) to `<run_dir>/metrics.jsonl`: `values` plus the
-        rollouts refused so far (`rejected`). A value StepMetrics does not know raises RecordError naming it."""
+    def rejected(self) -> dict[str, int]:
+        """Rollouts refused so far by reason: the buffer's, and the receiver's prefixed `wire:`."""
         wire = self.receiver.rejected if self.receiver is not None else {}
-        rejected = dict(self.buffer.rejected) | {"wire:" + k: v for k, v in wire.items()}
-        record = to_record({**values, "rejected": rejected}, StepMetrics)
-        self.metrics_file.write(encode_line(record))
-        self.metrics_file.flush()
-        return record
+        return dict(self.buffer.rejected) | {"wire:" + k: v for k, v in wire.items()}
 
     def consumed_state(self) -> dict:
         """What a checkpoint must hold so a resumed learner trains no group twice: `consumed` (inflight/learn/
@@ -231,14 +126,154 @@ class LearnerService:
             self.journal.rotate(self.raw.values())
 
     def close(self) -> None:
-        """Let the serves commit the last update, close the weights group and the sockets, then the files."""
-        self.publisher.close()
         if self.receiver is not None:
             self.receiver.close()
-        self.control.close()
-        self.metrics_file.close()
         if self.journal is not None:
             self.journal.close()
+
+
+class LearnerService:
+    """Binds the rollout and control sockets and the weights store on `cfg.host` (ready when this returns, which it
+    prints as `inflight.learn ready: ...`), and opens the journal: replayed on `--resume`, else emptied. `state` is
+    the learner's full weights (what serves must serve, and what a serve joining a resumed learner at `version` > 0
+    gets); `consumed`/`by_server` come from the checkpoint; `weights_device` is where published tensors must be for
+    the weights group's backend (`learner/world.py:World.weights_device`). Rank 0 only; not thread-safe."""
+
+    def __init__(
+        self,
+        cfg: LearnConfig,
+        state: dict[str, torch.Tensor],
+        version: int,
+        consumed: Iterable[str] | dict,
+        by_server: dict[str, int],
+        weights_device: torch.device | str = "cpu",
+    ):
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        secret = read_secret(cfg.secret_file) if cfg.secret_file else None
+        keys = derive_keys(secret) if secret is not None else None
+        self.intake = RolloutIntake(cfg, consumed, by_server, keys)
+        self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
+        self.publisher: WeightPublisher = open_publisher(
+            self.control,
+            cfg.host,
+            cfg.weights_port,
+            cfg.backend,
+            cfg.timeout_s,
+            device=weights_device,
+            bucket_bytes=cfg.bucket_mb << 20,
+            weights_key=weights_key(secret) if secret is not None else None,
+            full_every=cfg.full_every,
+        )
+        self.plane = self.publisher.plane
+        self.publisher.check.set_model(state, cfg.contract())  # serves that differ are refused at Hello
+        if version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
+            self.publisher.latest.keep(version, state)
+        self.stepped = False  # whether next_groups returned groups yet (--wait-for-serves holds only the first step)
+        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        self._announce()
+
+    def _announce(self) -> None:
+        """Log and print the ready line (`inflight.learn ready: ...`) launchers and tests wait for."""
+        source, store_port = self.intake.source, self.plane.rendezvous.store_port
+        log.info("learner listening: %s, control %s, weights store port %d", source, self.control.address, store_port)
+        print(
+            f"inflight.learn ready: {source} control {self.control.address} weights {self.cfg.host}:{store_port}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.intake.replay is not None:
+            differences = self.intake.replay.recorded_differences(dataclasses.asdict(self.cfg))
+            for difference in differences:  # a replay reaches the recorded weights only under the recorded settings
+                log.warning("--replay: %s differs from the recording", difference)
+
+    # -- the wait for a step's groups -----------------------------------------------------------------------------
+    def next_groups(self, version: int, stop: Callable[[], bool]) -> GatedBatch | None:
+        """Block until `groups_per_step` complete groups are here; mark them consumed, acknowledge and return them as
+        samples gated at the learner's `version` (inflight/learn/samples.py:build_samples). None once `stop()` is
+        true, or once a replayed journal has no step's worth of groups left. Until the first groups are returned, also
+        wait for `--wait-for-serves` serves to have said Hello."""
+        last_progress = 0.0
+        while not stop():
+            if not self._collect():
+                return None  # the replayed recording is used up: the run ends as at --steps
+            self.plane.pump(0)
+            self.publisher.catch_up(self._consumed_by_server())
+            groups = None if self._waiting_for_serves() else self.intake.take(self.cfg.groups_per_step)
+            if groups is not None:
+                self.stepped = True
+                self._send_progress(version)
+                return build_samples(groups, version, self.cfg.max_lag, self.cfg.advantage, self.cfg.max_kv_lag)
+            if any(self.intake.acks.values()) or time.monotonic() - last_progress > PROGRESS_EVERY_S:
+                self._send_progress(version)
+                last_progress = time.monotonic()
+        return None
+
+    def _waiting_for_serves(self) -> bool:
+        """Before the first step: fewer than `--wait-for-serves` serves have said Hello."""
+        return not self.stepped and len(self.plane.serves) < self.cfg.serves_to_wait_for()
+
+    def _collect(self) -> bool:
+        """Rollouts in: from the socket (journaled, then acknowledged), or from the replayed recording. False once a
+        replay has no step's worth of groups left (and no serve is awaited)."""
+        replay, groups = self.intake.replay, self.cfg.groups_per_step
+        if replay is None:
+            self.intake.receive(timeout_s=0.05)  # blocks up to 50 ms on the socket
+            return True
+        replay.fill(self.intake.buffer, groups)
+        if self._waiting_for_serves():
+            self.plane.pump(0.05)  # a replay has no socket to block on: wait on the control socket instead
+            return True
+        return not replay.done or len(self.intake.buffer.ready) >= groups
+
+    def _send_progress(self, version: int) -> None:
+        """Progress to every serve, with the acknowledgements queued since the last one (all journaled by now)."""
+        published = self.publisher.latest.published
+        self.plane.send_progress(self._consumed_by_server(), version, published, self.intake.acks)
+
+    def _consumed_by_server(self) -> dict[str, int]:
+        return dict(self.intake.buffer.consumed_by_server)
+
+    # -- weights out, records, checkpoints ------------------------------------------------------------------------
+    def publish(self, state: dict[str, torch.Tensor], version: int, started: float) -> dict:
+        """Send `state` as `version` to every serve (inflight/learn/publisher.py:WeightPublisher.publish); the
+        StepMetrics `publish_*` fields, `publish_s` counted from `started` (a `time.perf_counter()` reading taken
+        before the weights were gathered)."""
+        report = self.publisher.publish(state, version, self._consumed_by_server())
+        return self._published(report, started)
+
+    def publish_stream(self, pieces: Iterable[WeightPiece], version: int, started: float) -> dict:
+        """`publish` for a full update streamed from `pieces` (inflight/learn/publisher.py:
+        WeightPublisher.publish_stream, which walks every piece: the other ranks gather them in lockstep)."""
+        report = self.publisher.publish_stream(pieces, version, self._consumed_by_server())
+        return self._published(report, started)
+
+    def _published(self, report: PublishReport, started: float) -> dict:
+        seconds = time.perf_counter() - started
+        trim_after_update()  # freed snapshots and buckets back to the OS (INFLIGHT_TRIM_EVERY_S)
+        return publish_fields(report, seconds)
+
+    def write_step(self, values: dict) -> StepMetrics:
+        """Append one StepMetrics line (inflight/wire/records.py) to `<run_dir>/metrics.jsonl`: `values` plus the
+        rollouts refused so far (`rejected`). A value StepMetrics does not know raises RecordError naming it."""
+        record = to_record({**values, "rejected": self.intake.rejected()}, StepMetrics)
+        self.metrics_file.write(encode_line(record))
+        self.metrics_file.flush()
+        return record
+
+    def consumed_state(self) -> dict:
+        """What a checkpoint must hold so a resumed learner trains no group twice (RolloutIntake.consumed_state)."""
+        return self.intake.consumed_state()
+
+    def rotate_journal(self) -> None:
+        """After a checkpoint: the journal keeps only the untrained groups' records (RolloutIntake.rotate_journal)."""
+        self.intake.rotate_journal()
+
+    def close(self) -> None:
+        """Let the serves commit the last update, close the weights group and the sockets, then the files."""
+        self.publisher.close()
+        self.control.close()
+        self.metrics_file.close()
+        self.intake.close()
 
 
 def publish_fields(report: PublishReport, seconds: float) -> dict:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import zmq
 
-from inflight.learn.publisher import WeightPublisher
+from inflight.learn.publisher import WeightPublisher, open_publisher
 from inflight.wire.contract import RunContract
 from inflight.wire.control import Hello, Progress, Refused, TensorSpec, decode_control, encode_control
 from inflight.wire.endpoints import ControlServer
@@ -20,22 +20,22 @@ LEARNER = RunContract(group_size=8, temperature=1.0, dtype="float32")
 
 @pytest.fixture
 def publisher():
-    pub = WeightPublisher(ControlServer(), timeout_s=5.0)
-    pub.set_model(STATE, LEARNER)
+    pub = open_publisher(ControlServer(), timeout_s=5.0)
+    pub.check.set_model(STATE, LEARNER)
     yield pub
     pub.close()
-    pub.control.close()
+    pub.plane.control.close()
 
 
 def say_hello(publisher: WeightPublisher, contract: RunContract | None, server_id: str = "infer3@1"):
     """What the learner answers a serve that says Hello with `contract`: the first reply, or None."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(publisher.control.address)
+    sock.connect(publisher.plane.control.address)
     try:
         sock.send(encode_control(Hello(server_id=server_id, model="m", tensors=SPECS, contract=contract)))
-        publisher.pump(2.0)
-        publisher.send_progress({}, 0)  # what an accepted serve would get next
+        publisher.plane.pump(2.0)
+        publisher.plane.send_progress({}, 0, 0)  # what an accepted serve would get next
         return decode_control(sock.recv(), to="serve") if sock.poll(2000) else None
     finally:
         sock.close()
@@ -45,16 +45,17 @@ def test_a_serve_computing_in_another_dtype_is_refused_at_hello_naming_dtype_and
     reply = say_hello(publisher, RunContract(group_size=8, temperature=1.0, dtype="bfloat16"))
     assert isinstance(reply, Refused), reply
     assert reply.reason.startswith("serve infer3@1: dtype bfloat16, but this learner computes in float32")
-    assert publisher.serves == {} and "dtype bfloat16" in publisher.refused["infer3@1"]
+    assert publisher.plane.serves == {} and "dtype bfloat16" in publisher.plane.membership.refused["infer3@1"]
 
 
 def test_a_serve_without_a_contract_is_refused_when_the_learner_has_one(publisher):
     reply = say_hello(publisher, None)
     assert isinstance(reply, Refused) and "announced no run contract" in reply.reason
-    assert publisher.serves == {}
+    assert publisher.plane.serves == {}
 
 
 def test_a_serve_with_the_learners_contract_is_accepted(publisher):
     reply = say_hello(publisher, LEARNER)
     assert isinstance(reply, Progress), reply
-    assert [s.server_id for s in publisher.serves.values()] == ["infer3@1"] and publisher.refused == {}
+    assert [s.server_id for s in publisher.plane.serves.values()] == ["infer3@1"]
+    assert publisher.plane.membership.refused == {}

@@ -12,7 +12,7 @@ import time
 import torch
 import zmq
 
-from inflight.learn.publisher import WeightPublisher
+from inflight.learn.publisher import open_publisher
 from inflight.wire.control import Hello, Joined, JoinGroup, TensorSpec, UpdateDone, UpdateWeights, decode_control
 from inflight.wire.control import encode_control as encode
 from inflight.wire.endpoints import ControlServer
@@ -84,23 +84,23 @@ class ServeEnd(threading.Thread):
 
 
 def run_publishes(full_every: int, versions: list[int], fail: frozenset[int] = frozenset()):
-    publisher = WeightPublisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, full_every=full_every)
+    publisher = open_publisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, full_every=full_every)
     by_version = states(versions)
-    publisher.set_model(by_version[versions[0]])
-    serve = ServeEnd(publisher.control.address, fail)
+    publisher.check.set_model(by_version[versions[0]])
+    serve = ServeEnd(publisher.plane.control.address, fail)
     serve.start()
-    publisher.pump(2.0)
+    publisher.plane.pump(2.0)
     reports, seconds = [], []
     try:
         for v in versions:
-            record = next(iter(publisher.serves.values()))
+            record = next(iter(publisher.plane.serves.values()))
             before, start = record.last_update, time.monotonic()
             reports.append(publisher.publish(by_version[v], v))
             seconds.append(time.monotonic() - start)
             # Until the publisher itself holds the answer (the serve having sent it is not enough: ZeroMQ may still be
             # carrying it, and the next publish would decide on the previous answer); a learner's step is longer.
             while record.last_update is before and time.monotonic() - start < 10.0:
-                publisher.pump(0.05)
+                publisher.plane.pump(0.05)
         publisher.close()  # waits for the last commit
     finally:
         serve.stop.set()

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from inflight.learn.publisher import WeightPublisher
+from inflight.learn.publisher import open_publisher
 from inflight.wire.control import (
     Hello,
     Introduce,
@@ -57,33 +57,33 @@ def receive(sock: zmq.Socket, timeout_s: float = 5.0):
 @pytest.fixture
 def publisher():
     control = ControlServer()
-    pub = WeightPublisher(control, timeout_s=20.0, quiet_after_s=0.5)
-    pub.set_model(STATE)
+    pub = open_publisher(control, timeout_s=20.0, quiet_after_s=0.5)
+    pub.check.set_model(STATE)
     yield pub
     pub.close()
 
 
 def test_a_burst_of_heartbeats_from_an_unknown_serve_draws_one_introduce(publisher):
-    sock = dealer(publisher.control.address)
+    sock = dealer(publisher.plane.control.address)
     for i in range(12):  # what a healed link delivers at once: the heartbeats queued while it was down
         sock.send(encode_control(Status(server_id="serve@00c0ffee", version=i)))
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
-        publisher.pump(0.05)
+        publisher.plane.pump(0.05)
     introduced = []
     while (message := receive(sock, 0.2)) is not None:
         introduced.append(message)
     assert len(introduced) == 1 and isinstance(introduced[0], Introduce)
     time.sleep(1.0)  # a serve that is still unknown a second later is asked again: a lost Introduce is not fatal
     sock.send(encode_control(Status(server_id="serve@00c0ffee")))
-    publisher.pump(1.0)
+    publisher.plane.pump(1.0)
     assert isinstance(receive(sock, 2.0), Introduce)
     sock.close()
 
 
 def test_a_hello_repeated_while_the_group_forms_keeps_the_member_and_the_update_arrives(publisher):
     """The serve answers JoinGroup with another Hello first (as if an old Introduce reached it only now)."""
-    sock = dealer(publisher.control.address)
+    sock = dealer(publisher.plane.control.address)
     sock.send(encode_control(hello()))
     got: dict = {}
 
@@ -109,27 +109,27 @@ def test_a_hello_repeated_while_the_group_forms_keeps_the_member_and_the_update_
 
     thread = threading.Thread(target=serve_end, daemon=True)
     thread.start()
-    publisher.pump(2.0)
-    assert len(publisher.serves) == 1
+    publisher.plane.pump(2.0)
+    assert len(publisher.plane.serves) == 1
     report = publisher.publish(STATE, 1)
     thread.join(30.0)
     assert report.serves == 1 and report.failed == [], report
     assert "error" not in got
     assert all(torch.equal(got["tensors"][name], t) for name, t in STATE.items())
-    assert len(publisher.serves) == 1 and next(iter(publisher.serves.values())).member
+    assert len(publisher.plane.serves) == 1 and next(iter(publisher.plane.serves.values())).member
     sock.close()
 
 
 def test_the_same_serve_reconnected_under_a_new_identity_replaces_its_old_record(publisher):
-    first, second = dealer(publisher.control.address), dealer(publisher.control.address)
+    first, second = dealer(publisher.plane.control.address), dealer(publisher.plane.control.address)
     first.send(encode_control(hello()))
-    publisher.pump(2.0)
+    publisher.plane.pump(2.0)
     second.send(encode_control(hello()))  # the same process after a reconnect: a new ZeroMQ identity
-    publisher.pump(2.0)
-    assert [s.server_id for s in publisher.serves.values()] == ["serve@00c0ffee"]
-    third = dealer(publisher.control.address)
+    publisher.plane.pump(2.0)
+    assert [s.server_id for s in publisher.plane.serves.values()] == ["serve@00c0ffee"]
+    third = dealer(publisher.plane.control.address)
     third.send(encode_control(hello("serve@0badf00d")))  # another process (another nonce) is another serve
-    publisher.pump(2.0)
-    assert sorted(s.server_id for s in publisher.serves.values()) == ["serve@00c0ffee", "serve@0badf00d"]
+    publisher.plane.pump(2.0)
+    assert sorted(s.server_id for s in publisher.plane.serves.values()) == ["serve@00c0ffee", "serve@0badf00d"]
     for sock in (first, second, third):
         sock.close()

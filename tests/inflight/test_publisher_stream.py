@@ -12,8 +12,9 @@ import time
 import torch
 from test_publisher_deltas import ServeEnd, states
 
-from inflight.learn.publisher import WeightPublisher
+from inflight.learn.publisher import StreamedUpdate, open_publisher
 from inflight.wire.endpoints import ControlServer
+from inflight.wire.group import WeightsGroupError
 from learner.model import Piece
 
 
@@ -26,20 +27,20 @@ def pieces(state: dict[str, torch.Tensor]):
 
 def test_a_streamed_update_arrives_bitwise_and_the_late_serve_snapshot_is_reused():
     by_version = states([1, 2])
-    publisher = WeightPublisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, bucket_bytes=4096)
-    publisher.set_model({"w": by_version[1]["w"], "b": by_version[1]["b"]})
-    serve = ServeEnd(publisher.control.address)
+    publisher = open_publisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, bucket_bytes=4096)
+    publisher.check.set_model({"w": by_version[1]["w"], "b": by_version[1]["b"]})
+    serve = ServeEnd(publisher.plane.control.address)
     serve.start()
     try:
-        publisher.pump(2.0)
+        publisher.plane.pump(2.0)
         reports = []
         for version in (1, 2):
             reports.append(publisher.publish_stream(pieces(by_version[version]), version))
             start = time.monotonic()
             while serve.answers < version and time.monotonic() - start < 10.0:
-                publisher.pump(0.05)
+                publisher.plane.pump(0.05)
             if version == 1:
-                snapshot = publisher.latest[1]
+                snapshot = publisher.latest.tensors
         publisher.close()
     finally:
         serve.stop.set()
@@ -48,14 +49,49 @@ def test_a_streamed_update_arrives_bitwise_and_the_late_serve_snapshot_is_reused
     for version in (1, 2):
         assert all(torch.equal(serve.received[version][1][n], by_version[version][n]) for n in ("w", "b"))
     assert reports[0].bytes >= 64 * 32 * 4 + 100 * 4  # every byte went through the buckets
-    assert publisher.latest[0] == 2 and publisher.latest[1] is snapshot, "the snapshot is written in place"
+    assert publisher.latest.version == 2 and publisher.latest.tensors is snapshot, "the snapshot is written in place"
     assert all(torch.equal(snapshot[n], by_version[2][n]) for n in ("w", "b"))
 
 
 def test_a_streamed_publish_with_no_serve_still_keeps_the_version_for_the_first_serve_to_join():
     state = states([1])[1]
-    publisher = WeightPublisher(ControlServer(), timeout_s=20.0)
-    publisher.set_model(state)
+    publisher = open_publisher(ControlServer(), timeout_s=20.0)
+    publisher.check.set_model(state)
     assert publisher.publish_stream(pieces(state), 1).serves == 0
-    assert publisher.latest[0] == 1 and all(torch.equal(publisher.latest[1][n], state[n]) for n in state)
+    assert publisher.latest.version == 1 and all(torch.equal(publisher.latest.tensors[n], state[n]) for n in state)
     publisher.close()
+
+
+class BreaksAfterOneBucket:
+    """A StreamSender whose broadcast fails at the second piece (a serve died mid-transfer)."""
+
+    def __init__(self):
+        self.puts, self.abandoned, self.finished = 0, False, False
+
+    def put(self, name, tensor, start=0):
+        self.puts += 1
+        if self.puts == 2:
+            raise WeightsGroupError("broadcast of bucket 1 timed out")
+        return tensor
+
+    def abandon(self):
+        self.abandoned = True
+
+    def finish(self):
+        self.finished = True
+
+
+def test_a_broadcast_failing_part_way_still_takes_every_piece_so_no_rank_is_left_in_a_gather():
+    """The per-rank contract of a streamed publish (inflight/learn/publisher.py): `put` never raises a broadcast
+    error, so rank 0 walks the pieces to the end with the other ranks; the snapshot is complete and the error comes
+    out of `finish`."""
+    state = states([1])[1]
+    snapshot = {n: torch.zeros_like(t) for n, t in state.items()}
+    sender = BreaksAfterOneBucket()
+    update = StreamedUpdate(1, 1, sender, snapshot)
+    for piece in pieces(state):
+        update.put(piece)
+    outcome = update.finish()
+    assert isinstance(outcome.error, WeightsGroupError) and outcome.stats is None
+    assert sender.puts == 2 and sender.abandoned and not sender.finished, "nothing sent after the failure"
+    assert all(torch.equal(snapshot[n], state[n]) for n in state), "every piece reached the snapshot"

@@ -46,7 +46,7 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
     from inflight.learn.app import Learner
     from inflight.learn.publisher import PublishReport
     from inflight.learn.samples import build_samples
-    from inflight.learn.service import LearnerService
+    from inflight.learn.service import LearnerService, RolloutIntake
     from inflight.wire.rollouts import Sampling, Times, make_rollout
     from learner.model import load_policy
     from learner.step import TrainConfig, make_optimizer
@@ -61,8 +61,9 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
     class Socketless(LearnerService):  # the real publish and write_step over stubbed buffer, receiver and publisher
         def __init__(self, metrics_file):
             self.metrics_file = metrics_file
-            self.buffer = SimpleNamespace(rejected=collections.Counter(duplicate=2), consumed_by_server={})
-            self.receiver = SimpleNamespace(rejected={"size": 1})
+            self.intake = RolloutIntake.__new__(RolloutIntake)  # the real `rejected` over a stubbed buffer, receiver
+            self.intake.buffer = SimpleNamespace(rejected=collections.Counter(duplicate=2), consumed_by_server={})
+            self.intake.receiver = SimpleNamespace(rejected={"size": 1})
             report = PublishReport(1, serves=1, bytes=64, seconds=0.5)
             # the streamed publish of a full update (the default): it walks the learner's pieces
             self.publisher = SimpleNamespace(publish_stream=lambda pieces, v, c: (list(pieces), report)[1])
