@@ -1,8 +1,10 @@
 """Typed dataclass configs turned into argparse flags, and written into run directories as resolved JSON.
 
-Each entry point (`inflight.serve`, `inflight.learn`, `inflight.run`) declares one dataclass whose fields carry
-`metadata={"help": ..., "choices": ...}`; `parse_dataclass` makes one `--flag` per field with the field's default, so
-`--help` lists every knob and the defaults are what runs the embedded demo.
+Each entry point (`inflight.serve`, `inflight.learn`, `inflight.run`) has one dataclass, composed by inheritance of
+small dataclasses grouped by concern; every field is declared with `knob` (its default and help, once) and
+`parse_dataclass` makes one `--flag` per field with the field's default, so `--help` lists every knob and the
+defaults are what runs the embedded demo. A knob both sides share is declared once, in inflight/wire/contract.py;
+a run flag that only forwards a side's knob takes that knob's default and help with `knob_of`.
 """
 
 from __future__ import annotations
@@ -10,10 +12,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def knob(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A config field: its default and the help its `--flag` shows (with the default appended)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def knob_of(cls: type, name: str, who: str) -> Any:
+    """`cls`'s field `name` declared again by reference: the same default, choices and help, the help prefixed with
+    `who` (the side it reaches), so a run flag that forwards a side's knob cannot drift from it."""
+    source = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return knob(source.default, f"{who}: {source.metadata['help']}", source.metadata.get("choices"))
 
 
 def _parse_bool(text: str) -> bool:
@@ -41,10 +57,22 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         )
 
 
+def refuse_renamed(parser: argparse.ArgumentParser, argv: list[str], renamed: dict[str, str]) -> None:
+    """A usage error for a flag that was renamed (old flag -> what to pass now): the old name meant something else on
+    another side, so it is refused, not taken as an alias."""
+    for word in argv:
+        old = word.split("=", 1)[0]
+        if old in renamed:
+            parser.error(f"{old} was renamed: {renamed[old]}")
+
+
 def parse_dataclass(cls: type[T], argv: list[str] | None, prog: str, description: str) -> T:
-    """Parse `argv` into `cls`; a `validate()` method on the config turns its ValueError into a usage error."""
+    """Parse `argv` into `cls`; a `validate()` method on the config turns its ValueError into a usage error, and a
+    `RENAMED_FLAGS` dict on it refuses old flag names with their new spelling."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_dataclass_args(parser, cls)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    refuse_renamed(parser, argv, getattr(cls, "RENAMED_FLAGS", {}))
     ns = parser.parse_args(argv)
     cfg = cls(**vars(ns))
     try:
@@ -68,9 +96,6 @@ def require(cond: bool, field: str, value: Any, expected: str) -> None:
 
 def setup_logging(name: str = "inflight") -> None:
     """INFO lines of our own loggers on stderr, whatever vLLM or torch did to the root logger before."""
-    import logging
-    import sys
-
     logger = logging.getLogger(name)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)

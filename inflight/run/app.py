@@ -28,8 +28,9 @@ from pathlib import Path
 
 from inflight.config import parse_dataclass, write_resolved
 from inflight.run.config import RunConfig
-from inflight.run.config_file import parse_run_args, write_run_toml
+from inflight.run.config_file import SIDE_CONFIGS, parse_run_args, write_run_toml
 from inflight.run.launch import Side, learn_launcher, side_commands, side_env
+from inflight.run.report import summarize, write_report
 
 
 def free_ports(n: int, host: str) -> list[int]:
@@ -47,12 +48,8 @@ def free_ports(n: int, host: str) -> list[int]:
 
 def _check_side_args(argv: list[str], side: str, run_dir: Path) -> None:
     """Parse a side's argv with that side's own parser before anything starts: a typo fails here, not in a child."""
-    if side == "serve":
-        from inflight.serve.config import ServeConfig as Config
-    else:
-        from inflight.learn.config import LearnConfig as Config
     flags = argv[2:]  # drop "-m inflight.<side>"
-    cfg = parse_dataclass(Config, flags, f"--{side}-args", f"flags passed to inflight.{side}")
+    cfg = parse_dataclass(SIDE_CONFIGS[side], flags, f"--{side}-args", f"flags passed to inflight.{side}")
     if side == "serve":
         write_resolved(cfg, run_dir / "serve-config.json")
 
@@ -107,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
         for s, handler in old.items():
             signal.signal(s, handler)
     if cfg.plots and (run_dir / "metrics.jsonl").exists():
-        from inflight.run.report import summarize, write_report
-
         try:
             summary = write_report(run_dir)
             print(summarize([summary]), file=sys.stderr)

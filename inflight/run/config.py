@@ -1,23 +1,21 @@
 """`RunConfig`: what `python -m inflight.run` launches — one serve and one learner on split pools, and where the run
-directory goes. The knobs both sides must agree on (model, group shape, temperature, dtype, mode) are set once here and
-passed to both (the learner refuses a serve whose contract differs: inflight/wire/contract.py); anything else reaches a
-side verbatim through `--serve-args` / `--learn-args`."""
+directory goes. The knobs both sides must agree on (inflight/wire/contract.py:SharedKnobs, and the dtype) are set once
+here and passed to both (the learner refuses a serve whose contract differs); a few knobs of one side are forwarded
+under the same name (their declaration is the side's: `knob_of`); anything else reaches a side verbatim through
+`--serve-args` / `--learn-args` or a run file's tables (inflight/run/config_file.py)."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from inflight.config import require
-from inflight.learn.tracking import REPORT_TO
-from inflight.serve.config import MODES
-from inflight.wire.contract import GROUP_SIZE, MIN_P, TEMPERATURE, TOP_K, TOP_P
-
-
-def _h(text: str, **kw) -> dict:
-    return {"help": text, **kw}
+from inflight.config import knob, knob_of, require
+from inflight.learn.config import EndpointKnobs, LossKnobs, RunDirKnobs
+from inflight.serve.config import AdmissionKnobs, EnvKnobs, ServeConfig, TaskKnobs
+from inflight.wire.contract import SharedKnobs
 
 
 def parse_cores(spec: str) -> list[int]:
@@ -42,141 +40,87 @@ def parse_gpus(spec: str) -> list[str]:
 
 
 @dataclass
-class RunConfig:
-    run_dir: str = field(default="", metadata=_h("run directory; empty = runs/<date>-<time>-<mode>"))
-    model: str = field(default="smollm2", metadata=_h("prepared model name or HF dir, served and trained"))
-    task: str = field(
-        default="arithmetic",
-        metadata=_h(
-            "'arithmetic', 'jsonl:<path>', 'parquet:<path>' or "
-            "'hf:<saved dir or dataset name>[@split]' (the serve's "
-            "--task)"
-        ),
+class RunConfig(SharedKnobs):
+    """The run's own knobs, the shared ones (inherited) and the side knobs it forwards (`knob_of`: the side's default
+    and help, declared once there)."""
+
+    run_dir: str = knob("", "run directory; empty = runs/<date>-<time>-<mode>")
+    task: str = knob_of(TaskKnobs, "task", "the serve's --task")
+    env: str = knob_of(EnvKnobs, "env", "the serve's --env (--env-args and --max-turns go in --serve-args or [serve])")
+    reward: str = knob_of(TaskKnobs, "reward", "the serve's --reward")
+    dtype: str = knob(
+        "auto",
+        "compute precision of both sides: the serve's engine dtype and the learner's decoder autocast (master "
+        "weights, LM head and optimizer stay fp32); auto = bfloat16 where the machine computes it natively (CUDA; a "
+        "CPU with AMX or avx512_bf16), float32 elsewhere",
+        choices=("auto", "float32", "bfloat16"),
     )
-    env: str = field(
-        default="single-turn",
-        metadata=_h(
-            "the serve's environment: 'single-turn', 'calculator' or "
-            "module:Class (its --env; --env-args and --max-turns go in "
-            "--serve-args or the [serve] table)"
-        ),
+    http_port: int = knob_of(ServeConfig, "http_port", "the serve's --http-port")
+    mode: str = knob_of(AdmissionKnobs, "mode", "the serve's --mode")
+    max_tokens: int = knob_of(AdmissionKnobs, "max_tokens", "the serve's --max-tokens")
+    lr: float = knob_of(LossKnobs, "lr", "the learner's --lr")
+    max_lag: int = knob_of(LossKnobs, "max_lag", "the learner's --max-lag")
+    admit_lag: int = knob_of(AdmissionKnobs, "admit_lag", "the serve's --admit-lag")
+    steps: int = knob_of(RunDirKnobs, "steps", "the learner's --steps")
+    duration_s: float = knob(
+        0.0, "stop after this many seconds, counted from when both sides are ready; 0 = no time limit"
     )
-    reward: str = field(
-        default="",
-        metadata=_h(
-            "the serve's reward as module:function (sync or async, f(text, problem) -> float); empty = the task's own"
-        ),
+    seed: int = knob(0, "task, sampling and torch seed")
+    serve_cores: str = knob(
+        "",
+        "CPU cores of the serve (affinity + vLLM OMP binding); empty = core 0 on a CPU serve, unpinned with "
+        "--serve-gpus",
     )
-    dtype: str = field(
-        default="auto",
-        metadata=_h(
-            "compute precision of both sides: the serve's engine dtype and the "
-            "learner's decoder autocast (master weights, LM head and optimizer "
-            "stay fp32); auto = bfloat16 where the machine computes it natively "
-            "(CUDA; a CPU with AMX or avx512_bf16), float32 elsewhere",
-            choices=("auto", "float32", "bfloat16"),
-        ),
+    learn_cores: str = knob(
+        "", "CPU cores of the learner (affinity + OMP threads); empty = core 1 on CPU, unpinned with --learn-gpus"
     )
-    http_port: int = field(default=0, metadata=_h("the serve also answers vLLM's OpenAI API on this port; 0 = off"))
-    mode: str = field(default="never-stop", metadata=_h("how weight updates interrupt generation", choices=MODES))
-    group_size: int = field(default=GROUP_SIZE, metadata=_h("completions per prompt"))
-    groups_per_step: int = field(default=4, metadata=_h("groups per optimizer step"))
-    max_tokens: int = field(default=48, metadata=_h("completion budget per sample"))
-    temperature: float = field(
-        default=TEMPERATURE, metadata=_h("sampling temperature (the learner computes logprobs at it)")
+    serve_gpus: str = knob("", "GPUs of the serve (CUDA_VISIBLE_DEVICES); empty = CPU")
+    learn_gpus: str = knob("", "GPUs of the learner, one torchrun rank each (NCCL); empty = CPU")
+    learn_procs: int = knob(1, "learner ranks on CPU (torchrun + gloo when > 1)")
+    host: str = knob_of(EndpointKnobs, "host", "the learner's --host, which the serve connects to")
+    port_base: int = knob(0, "rollouts, control and weights ports are base, base+1, base+2; 0 = three free ports")
+    serve_args: str = knob("", "extra flags for inflight.serve, e.g. '--max-inflight 32'")
+    learn_args: str = knob("", "extra flags for inflight.learn, e.g. '--loss ppo'")
+    start_timeout_s: float = knob(300.0, "seconds each side may take to become ready")
+    stop_timeout_s: float = knob(180.0, "seconds each side may take to exit after SIGTERM")
+    echo: str = knob(
+        "progress",
+        "children's output on this terminal (always complete in the logs)",
+        choices=("all", "progress", "none"),
     )
-    top_p: float = field(
-        default=TOP_P,
-        metadata=_h(
-            "nucleus sampling, 1.0 = off; the learner computes its logprobs "
-            "under the same truncation (learner/truncation.py)"
-        ),
-    )
-    top_k: int = field(default=TOP_K, metadata=_h("top-k sampling, 0 = off; both sides get it"))
-    min_p: float = field(default=MIN_P, metadata=_h("min-p sampling, 0.0 = off; both sides get it"))
-    lr: float = field(default=1e-5, metadata=_h("AdamW learning rate"))
-    max_lag: int = field(default=4, metadata=_h("learner staleness gate: tokens older than this are masked"))
-    admit_lag: int = field(
-        default=1,
-        metadata=_h(
-            "serve admits a group only while admitted - consumed < (admit_lag+1) * groups_per_step; -1 = no gate"
-        ),
-    )
-    steps: int = field(default=0, metadata=_h("stop after this many learner steps; 0 = no step limit"))
-    duration_s: float = field(
-        default=0.0,
-        metadata=_h("stop after this many seconds, counted from when both sides are ready; 0 = no time limit"),
-    )
-    seed: int = field(default=0, metadata=_h("task, sampling and torch seed"))
-    serve_cores: str = field(
-        default="",
-        metadata=_h(
-            "CPU cores of the serve (affinity + vLLM OMP binding); empty = "
-            "core 0 on a CPU serve, unpinned with --serve-gpus"
-        ),
-    )
-    learn_cores: str = field(
-        default="",
-        metadata=_h(
-            "CPU cores of the learner (affinity + OMP threads); empty = core 1 on CPU, unpinned with --learn-gpus"
-        ),
-    )
-    serve_gpus: str = field(default="", metadata=_h("GPUs of the serve (CUDA_VISIBLE_DEVICES); empty = CPU"))
-    learn_gpus: str = field(default="", metadata=_h("GPUs of the learner, one torchrun rank each (NCCL); empty = CPU"))
-    learn_procs: int = field(default=1, metadata=_h("learner ranks on CPU (torchrun + gloo when > 1)"))
-    host: str = field(default="127.0.0.1", metadata=_h("address the learner binds and the serve connects to"))
-    port_base: int = field(
-        default=0, metadata=_h("rollouts, control and weights ports are base, base+1, base+2; 0 = three free ports")
-    )
-    serve_args: str = field(default="", metadata=_h("extra flags for inflight.serve, e.g. '--max-inflight 32'"))
-    learn_args: str = field(default="", metadata=_h("extra flags for inflight.learn, e.g. '--loss ppo'"))
-    start_timeout_s: float = field(default=300.0, metadata=_h("seconds each side may take to become ready"))
-    stop_timeout_s: float = field(default=180.0, metadata=_h("seconds each side may take to exit after SIGTERM"))
-    echo: str = field(
-        default="progress",
-        metadata=_h(
-            "children's output on this terminal (always complete in the logs)", choices=("all", "progress", "none")
-        ),
-    )
-    plots: bool = field(default=True, metadata=_h("write PNG plots and the summary at the end"))
-    report_to: str = field(
-        default="none",
-        metadata=_h(
-            "the learner mirrors its metrics, the serve's progress and "
-            "sample completions to this tracker (inflight/learn/"
-            "tracking.py; metrics.jsonl stays the record)",
-            choices=REPORT_TO,
-        ),
-    )
+    plots: bool = knob(True, "write PNG plots and the summary at the end")
+    report_to: str = knob_of(RunDirKnobs, "report_to", "the learner's --report-to (metrics.jsonl stays the record)")
 
     def validate(self) -> None:
-        require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
-        require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
+        self.validate_shared()
         require(self.steps >= 0, "steps", self.steps, ">= 0")
         require(self.duration_s >= 0, "duration_s", self.duration_s, ">= 0 seconds")
         require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
         require(self.learn_procs >= 1, "learn_procs", self.learn_procs, ">= 1")
         require(0 <= self.port_base < 65534, "port_base", self.port_base, "0 (free ports) or a TCP port below 65534")
         for name in ("serve_cores", "learn_cores"):
-            if not getattr(self, name):
-                continue  # the side's default (inflight/run/launch.py:side_cores)
-            try:
-                cores = parse_cores(getattr(self, name))
-            except ValueError as exc:
-                raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
-            available = os.sched_getaffinity(0)
-            missing = sorted(set(cores) - available)
-            require(not missing, name, getattr(self, name), f"cores this process may use ({sorted(available)})")
+            if getattr(self, name):  # empty: the side's default (inflight/run/launch.py:side_cores)
+                _check_cores(name, getattr(self, name))
         for name in ("serve_gpus", "learn_gpus"):
-            try:
-                parse_gpus(getattr(self, name))
-            except ValueError as exc:
-                raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
+            _flag_error(name, parse_gpus, getattr(self, name))
         for name in ("serve_args", "learn_args"):
-            try:
-                shlex.split(getattr(self, name))
-            except ValueError as exc:
-                raise ValueError(f"--{name.replace('_', '-')} is not a valid command line ({exc})") from None
+            _flag_error(name, shlex.split, getattr(self, name), "is not a valid command line")
 
     def resolved_run_dir(self) -> str:
         return self.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{self.mode}")
+
+
+def _flag_error(name: str, parse: Callable[[str], object], value: str, what: str = "") -> None:
+    """`parse(value)`, its ValueError restated with the flag's name."""
+    try:
+        parse(value)
+    except ValueError as exc:
+        flag = f"--{name.replace('_', '-')}"
+        raise ValueError(f"{flag} {what} ({exc})" if what else f"{flag}: {exc}") from None
+
+
+def _check_cores(name: str, spec: str) -> None:
+    _flag_error(name, parse_cores, spec)
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(parse_cores(spec)) - available)
+    require(not missing, name, spec, f"cores this process may use ({sorted(available)})")

@@ -29,22 +29,24 @@ from pathlib import Path
 from typing import Any
 
 from inflight.config import add_dataclass_args
+from inflight.learn.config import LearnConfig
 from inflight.run.config import RunConfig
+from inflight.serve.config import ServeConfig
+from inflight.wire.contract import SharedKnobs
 
 SIDES = ("serve", "learn")
 SIDE_ARGS = ("--serve-args", "--learn-args")
-# side field -> the top-level key the run sets it from (inflight/run/launch.py:side_commands)
+# side field -> the top-level key the run sets it from (inflight/run/launch.py:serve_flags, learn_flags); the shared
+# knobs (inflight/wire/contract.py:SharedKnobs) under their own names on both sides.
+_SHARED = {f.name: f.name for f in dataclasses.fields(SharedKnobs)}
 RUN_SETS = {
-    "serve": {
-        "model": "model",
+    "serve": _SHARED
+    | {
         "task": "task",
         "mode": "mode",
-        "group_size": "group_size",
         "dtype": "dtype",
-        "groups_per_step": "groups_per_step",
         "max_tokens": "max_tokens",
-        "temperature": "temperature",
-        "max_lag": "admit_lag",
+        "admit_lag": "admit_lag",
         "task_seed": "seed",
         "seed": "seed",
         "rollouts": "host / port_base",
@@ -52,48 +54,30 @@ RUN_SETS = {
         "metrics": "run_dir",
         "reward": "reward",
         "http_port": "http_port",
-        "top_p": "top_p",
-        "top_k": "top_k",
-        "min_p": "min_p",
         "env": "env",
     },
-    "learn": {
-        "model": "model",
+    "learn": _SHARED
+    | {
         "host": "host",
         "rollouts_port": "port_base",
         "control_port": "port_base",
         "weights_port": "port_base",
-        "groups_per_step": "groups_per_step",
         "steps": "steps",
         "max_lag": "max_lag",
-        "temperature": "temperature",
         "lr": "lr",
         "seed": "seed",
         "run_dir": "run_dir",
         "autocast": "dtype",
-        "group_size": "group_size",
         "backend": "learn_gpus",
         "report_to": "report_to",
-        "top_p": "top_p",
-        "top_k": "top_k",
-        "min_p": "min_p",
     },
 }
+# the sides' configs, by the name a run file's table has
+SIDE_CONFIGS: dict[str, type] = {"serve": ServeConfig, "learn": LearnConfig}
 
 
 class ConfigFileError(ValueError):
     """A run file that cannot be used: the message names the file, the table and the key."""
-
-
-def side_config(side: str) -> type:
-    """The dataclass of one side's flags (imported lazily: the launcher's --help stays instant)."""
-    if side == "serve":
-        from inflight.serve.config import ServeConfig
-
-        return ServeConfig
-    from inflight.learn.config import LearnConfig
-
-    return LearnConfig
 
 
 # -- reading ---------------------------------------------------------------------------------------------------------
@@ -121,7 +105,7 @@ def load_run_file(path: str | Path) -> tuple[dict[str, Any], dict[str, dict[str,
     top = _typed_values(path, "top level", raw, RunConfig)
     sides = {}
     for side in SIDES:
-        sides[side] = _typed_values(path, f"[{side}]", tables[side], side_config(side))
+        sides[side] = _typed_values(path, f"[{side}]", tables[side], SIDE_CONFIGS[side])
         for key in sides[side]:
             if key in RUN_SETS[side]:
                 raise ConfigFileError(
@@ -138,6 +122,9 @@ def _typed_values(path: Path, where: str, table: dict, cls: type) -> dict[str, A
     out = {}
     for key, value in table.items():
         name = key.replace("-", "_")
+        renamed = getattr(cls, "RENAMED_FLAGS", {}).get(f"--{name.replace('_', '-')}")
+        if renamed:
+            raise ConfigFileError(f"{path}: {where} {key} was renamed: {renamed}")
         if name not in fields:
             close = difflib.get_close_matches(name, fields, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; known keys: {', '.join(fields)}"

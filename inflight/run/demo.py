@@ -10,10 +10,14 @@ table goes to `<out>/summary.md`. Flags after `--` go to every run (e.g. `-- --l
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
+from inflight.run.app import main as run_main
+from inflight.run.report import summarize, write_report
 from inflight.serve.config import MODES
 
 # What the demo trains with on two CPU cores, chosen to learn visibly in a few minutes on both kinds of CPU: 2 groups
@@ -41,12 +45,6 @@ def run_modes(
 
     `reuse`: a mode whose directory already holds a finished run with the same flags is reported, not re-run.
     """
-    import json
-    import shutil
-
-    from inflight.run.app import main as run_main
-    from inflight.run.report import write_report
-
     codes, summaries = {}, []
     for mode in modes:
         run_dir = out / mode
@@ -88,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         parser.error(f"--modes is {args.modes!r}: expected a comma-separated subset of {', '.join(MODES)}")
-
-    from inflight.run.report import summarize
 
     out = Path(args.out)
     codes, summaries = run_modes(modes, args.duration_s, out, extra)

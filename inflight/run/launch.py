@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -19,6 +20,8 @@ import time
 from pathlib import Path
 
 from inflight.run.config import RunConfig, parse_cores, parse_gpus
+from inflight.run.config_file import table_argv
+from inflight.wire.contract import SharedKnobs
 
 # Lines worth a terminal when --echo progress: our own loggers, the serve's progress line, readiness and trouble.
 _PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITICAL")
@@ -31,103 +34,83 @@ LEARN_AUTOCAST = {"auto": "auto", "float32": "none", "bfloat16": "bfloat16"}
 def side_commands(
     cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int], tables: dict[str, dict] | None = None
 ) -> dict[str, list[str]]:
-    """The argv of each side (without the interpreter): the shared knobs, then the side's table of a run file
+    """The argv of each side (without the interpreter): the knobs the run sets, then the side's table of a run file
     (inflight/run/config_file.py), then the verbatim `--serve-args` / `--learn-args`; argparse keeps the last of a
     repeated flag, so each later part overrides an earlier one."""
-    from inflight.run.config_file import table_argv
-
     tables = tables or {}
-    rollouts, control, weights = ports
-    # the sampler's truncation: the serve samples with it, the learner computes its logprobs under it
-    sampling = ["--top-p", repr(cfg.top_p), "--top-k", str(cfg.top_k), "--min-p", repr(cfg.min_p)]
-    shared_serve = [
-        "--model",
-        cfg.model,
-        "--task",
-        cfg.task,
-        "--mode",
-        cfg.mode,
-        "--group-size",
-        str(cfg.group_size),
-        "--groups-per-step",
-        str(cfg.groups_per_step),
-        "--max-tokens",
-        str(cfg.max_tokens),
-        "--temperature",
-        repr(cfg.temperature),
-        "--max-lag",
-        str(cfg.admit_lag),
-        "--task-seed",
-        str(cfg.seed),
-        "--seed",
-        str(cfg.seed),
-        "--rollouts",
-        f"tcp://{cfg.host}:{rollouts}",
-        "--control",
-        f"tcp://{cfg.host}:{control}",
-        "--metrics",
-        str(run_dir / "serve-metrics.jsonl"),
-        "--dtype",
-        cfg.dtype,
-        "--env",
-        cfg.env,
-        *sampling,
-    ]
-    if cfg.reward:
-        shared_serve += ["--reward", cfg.reward]
-    if cfg.http_port:
-        shared_serve += ["--http-port", str(cfg.http_port)]
-    shared_learn = [
-        "--model",
-        cfg.model,
-        "--host",
-        cfg.host,
-        "--rollouts-port",
-        str(rollouts),
-        "--control-port",
-        str(control),
-        "--weights-port",
-        str(weights),
-        "--groups-per-step",
-        str(cfg.groups_per_step),
-        "--steps",
-        str(cfg.steps),
-        "--max-lag",
-        str(cfg.max_lag),
-        "--temperature",
-        repr(cfg.temperature),
-        "--lr",
-        repr(cfg.lr),
-        "--seed",
-        str(cfg.seed),
-        "--run-dir",
-        str(run_dir),
-        "--autocast",
-        LEARN_AUTOCAST[cfg.dtype],
-        "--group-size",
-        str(cfg.group_size),
-        "--report-to",
-        cfg.report_to,
-        *sampling,
-    ]
-    if parse_gpus(cfg.learn_gpus):
-        shared_learn += ["--backend", "nccl"]
     return {
         "serve": [
             "-m",
             "inflight.serve",
-            *shared_serve,
+            *_argv(serve_flags(cfg, run_dir, ports)),
             *table_argv(tables.get("serve", {})),
             *shlex.split(cfg.serve_args),
         ],
         "learn": [
             "-m",
             "inflight.learn",
-            *shared_learn,
+            *_argv(learn_flags(cfg, run_dir, ports)),
             *table_argv(tables.get("learn", {})),
             *shlex.split(cfg.learn_args),
         ],
     }
+
+
+def shared_flags(cfg: RunConfig) -> dict[str, object]:
+    """What both sides are given alike (inflight/wire/contract.py:SharedKnobs), the same value to each."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(SharedKnobs)}
+
+
+def serve_flags(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) -> dict[str, object]:
+    """The serve's knobs the run sets (ServeConfig field -> value); inflight/run/config_file.py:RUN_SETS names them."""
+    rollouts, control, _ = ports
+    flags = shared_flags(cfg) | {
+        "task": cfg.task,
+        "mode": cfg.mode,
+        "max_tokens": cfg.max_tokens,
+        "admit_lag": cfg.admit_lag,
+        "task_seed": cfg.seed,
+        "seed": cfg.seed,
+        "rollouts": f"tcp://{cfg.host}:{rollouts}",
+        "control": f"tcp://{cfg.host}:{control}",
+        "metrics": run_dir / "serve-metrics.jsonl",
+        "dtype": cfg.dtype,
+        "env": cfg.env,
+    }
+    if cfg.reward:
+        flags["reward"] = cfg.reward
+    if cfg.http_port:
+        flags["http_port"] = cfg.http_port
+    return flags
+
+
+def learn_flags(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) -> dict[str, object]:
+    """The learner's knobs the run sets (LearnConfig field -> value)."""
+    rollouts, control, weights = ports
+    flags = shared_flags(cfg) | {
+        "host": cfg.host,
+        "rollouts_port": rollouts,
+        "control_port": control,
+        "weights_port": weights,
+        "steps": cfg.steps,
+        "max_lag": cfg.max_lag,
+        "lr": cfg.lr,
+        "seed": cfg.seed,
+        "run_dir": run_dir,
+        "autocast": LEARN_AUTOCAST[cfg.dtype],
+        "report_to": cfg.report_to,
+    }
+    if parse_gpus(cfg.learn_gpus):
+        flags["backend"] = "nccl"
+    return flags
+
+
+def _argv(flags: dict[str, object]) -> list[str]:
+    """`{"max_lag": 4}` -> `["--max-lag", "4"]`; a float as its repr (every digit reaches the side)."""
+    out = []
+    for name, value in flags.items():
+        out += [f"--{name.replace('_', '-')}", repr(value) if isinstance(value, float) else str(value)]
+    return out
 
 
 def learn_launcher(cfg: RunConfig, master_port: int) -> list[str]:

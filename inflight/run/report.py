@@ -189,17 +189,27 @@ def summarize(summaries: list[dict]) -> str:
 
 def plot(run_dir: Path) -> list[Path]:
     """reward.png (vs wall clock and vs step), lag.png (token lag histogram), throughput.png (gen tok/s + updates)."""
+    # matplotlib is an optional dependency (the `learn` extra): a serve-only install never imports it
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run = load_run(run_dir)
-    steps, serve = run["steps"], run["serve"]
-    mode = run["config"].get("mode", "")
+    steps = run["steps"]
     t0 = ready_time(run_dir) or (steps[0].time if steps else 0.0)
     out = []
+    for name, draw in (("reward.png", _plot_reward), ("lag.png", _plot_lag), ("throughput.png", _plot_throughput)):
+        fig = draw(plt, run, t0)
+        fig.tight_layout()
+        out.append(run_dir / name)
+        fig.savefig(out[-1], dpi=100)
+        plt.close(fig)
+    return out
 
+
+def _plot_reward(plt, run: dict, t0: float):
+    steps, mode = run["steps"], run["config"].get("mode", "")
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4))
     t = [s.time - t0 for s in steps]
     r = [s.reward for s in steps]
@@ -211,45 +221,40 @@ def plot(run_dir: Path) -> list[Path]:
         ax.set_xlabel(label)
         ax.set_ylabel("reward")
         ax.grid(alpha=0.3)
-    evals = eval_results(serve)
+    evals = eval_results(run["serve"])
     if evals:  # a version is the step count that made it: held-out reward on the same axis as the training batches'
         ax_s.plot([e.version for e in evals], [e.mean_reward for e in evals], "s-", label="held-out eval (by version)")
     ax_t.set_title(f"reward vs wall clock ({mode})")
     ax_s.set_title(f"reward vs step ({mode})")
     ax_s.legend()
-    fig.tight_layout()
-    out.append(run_dir / "reward.png")
-    fig.savefig(out[-1], dpi=100)
-    plt.close(fig)
+    return fig
 
-    hist = lag_tokens(steps)
+
+def _plot_lag(plt, run: dict, t0: float):
+    hist = lag_tokens(run["steps"])
     fig, ax = plt.subplots(figsize=(6, 4))
     total = sum(hist.values()) or 1
     ax.bar(list(hist), [v / total for v in hist.values()], width=0.8)
     ax.set_xlabel("token lag (learner version − generating version)")
     ax.set_ylabel("fraction of trained tokens")
-    ax.set_title(f"per-token lag, {int(total)} tokens ({mode})")
+    ax.set_title(f"per-token lag, {int(total)} tokens ({run['config'].get('mode', '')})")
     ax.set_xticks(sorted(hist) or [0])
-    fig.tight_layout()
-    out.append(run_dir / "lag.png")
-    fig.savefig(out[-1], dpi=100)
-    plt.close(fig)
+    return fig
 
-    progress, updates = progress_lines(serve), committed_updates(serve)
+
+def _plot_throughput(plt, run: dict, t0: float):
+    progress, updates = progress_lines(run["serve"]), committed_updates(run["serve"])
     fig, ax = plt.subplots(figsize=(11, 4))
     ax.plot([e.time - t0 for e in progress], [e.tokens_per_s for e in progress], "-", label="generated tok/s")
     for i, e in enumerate(updates):
         ax.axvline(e.time - t0, color="tab:red", alpha=0.3, lw=0.8, label="weight update committed" if i == 0 else None)
     ax.set_xlabel("seconds since both sides were ready")
     ax.set_ylabel("generated tokens/s")
+    mode = run["config"].get("mode", "")
     ax.set_title(f"serve generation throughput with weight updates ({mode}, {len(updates)} updates)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
-    fig.tight_layout()
-    out.append(run_dir / "throughput.png")
-    fig.savefig(out[-1], dpi=100)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def write_report(run_dir: Path) -> dict:

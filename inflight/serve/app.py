@@ -8,34 +8,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from inflight.config import parse_dataclass, setup_logging
+from inflight.machine import resolve_precision, serve_device
+from inflight.models import MODEL_NAMES, resolve_model
 from inflight.serve.config import ServeConfig
+from inflight.serve.eval import Evaluation, load_eval_problems
+from inflight.serve.http import start_http
+from inflight.serve.latency import parse_latency
+from inflight.serve.progress import ProgressReporter
+from inflight.serve.stream import RolloutStream
+from inflight.tasks.base import Problem
+from inflight.tasks.loading import load_task
+from inflight.tasks.rewards import Reward, load_rewards
+from inflight.wire.control import TensorSpec
+from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
 
 log = logging.getLogger("inflight.serve")
 
 
-async def serve(cfg: ServeConfig) -> int:
-    from transformers import AutoTokenizer
+@dataclass
+class Work:
+    """What the serve generates for and scores with, loaded before the engine starts (a bad task costs nothing)."""
 
-    from inflight.models import resolve_model
-    from inflight.serve.control import ControlClient
-    from inflight.serve.driver import RolloutDriver
-    from inflight.serve.eval import Evaluation, load_eval_problems
-    from inflight.serve.latency import parse_latency
-    from inflight.serve.progress import ProgressReporter
-    from inflight.serve.stream import RolloutStream
-    from inflight.tasks.loading import load_task
-    from inflight.tasks.rewards import load_rewards
-    from inflight.wire.control import TensorSpec
-    from vllm_patches.engine import EngineConfig, InflightEngine
+    problems: Iterable[Problem]
+    rewards: list[Reward]
+    held_out: list[Problem] | None  # --eval-task's problems
+    tool_latency: Callable[[], float] | None
 
-    model_path = resolve_model(cfg.model)
-    contract = cfg.contract()  # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
+
+def load_work(cfg: ServeConfig) -> Work:
     problems, default_reward = load_task(
         cfg.task,
         cfg.task_seed,
@@ -54,48 +63,38 @@ async def serve(cfg: ServeConfig) -> int:
     )
     held_out = load_eval_problems(cfg) if cfg.eval_task else None
     latency = parse_latency(cfg.tool_latency, cfg.seed) if cfg.tool_latency else None
-    engine = await InflightEngine.start(
-        EngineConfig(
-            model=str(model_path),
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            seed=cfg.seed,
-            enforce_eager=cfg.enforce_eager,
-            kv_cache_gib=cfg.kv_cache_gib,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            dtype=cfg.dtype,
-            head_dtype=cfg.head_dtype,
-            update_memory=cfg.update_memory,
-        ),
-        version=cfg.version,
-    )
+    return Work(problems, rewards, held_out, latency)
+
+
+async def serve(cfg: ServeConfig) -> int:
+    # vLLM (the engine, the driver's SamplingParams) and transformers are imported only here, once a serve really
+    # starts: `--help` and a refused flag answer at once instead of after seconds of imports.
+    from transformers import AutoTokenizer
+
+    from inflight.serve.control import ControlClient
+    from inflight.serve.driver import RolloutDriver
+
+    model_path = resolve_model(cfg.model)
+    contract = cfg.contract()  # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
+    work = load_work(cfg)
+    engine = await start_engine(cfg, model_path)
     try:
         expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
         tensors = [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())]
         http = await _maybe_http(cfg, engine, model_path)
+        keys = await _secure(cfg, engine)
     except BaseException:
         engine.shutdown()
         raise
-    keys = None
-    if cfg.secret_file:
-        from inflight.wire.secure import derive_keys, read_secret, weights_key
-
-        secret = read_secret(cfg.secret_file)
-        keys = derive_keys(secret)
-        try:
-            await engine.set_weights_key(weights_key(secret))  # updates are verified by keyed tags, not CRC32
-        except BaseException:
-            engine.shutdown()
-            raise
     stream = RolloutStream(cfg.rollouts, keys=keys)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    driver = RolloutDriver(engine, cfg, problems, rewards, stream, tokenizer, latency)
+    driver = RolloutDriver(engine, cfg, work.problems, work.rewards, stream, tokenizer, work.tool_latency)
     control = ControlClient(cfg.control, driver, tensors, keys=keys, contract=contract)
     reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s)
     control.on_update = reporter.update_event
-    if held_out:
+    if work.held_out:
         driver.evaluation = Evaluation(
-            engine, cfg, held_out, rewards, tokenizer, driver.server_id, reporter.eval_result
+            engine, cfg, work.held_out, work.rewards, tokenizer, driver.server_id, reporter.eval_result
         )
     try:
         return await _run(cfg, driver, stream, control, reporter)
@@ -110,12 +109,37 @@ async def serve(cfg: ServeConfig) -> int:
         engine.shutdown()
 
 
+async def start_engine(cfg: ServeConfig, model_path: Path):
+    """The patched vLLM engine (vllm_patches/engine.py:InflightEngine) with the serve's engine knobs."""
+    from vllm_patches.engine import EngineConfig, InflightEngine  # vLLM: see `serve`
+
+    config = EngineConfig(
+        model=str(model_path),
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        seed=cfg.seed,
+        enforce_eager=cfg.enforce_eager,
+        kv_cache_gib=cfg.kv_cache_gib,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        dtype=cfg.dtype,
+        head_dtype=cfg.head_dtype,
+        update_memory=cfg.update_memory,
+    )
+    return await InflightEngine.start(config, version=cfg.version)
+
+
+async def _secure(cfg: ServeConfig, engine) -> CurveKeys | None:
+    """With --secret-file: the sockets' CURVE keys, and the engine verifies updates by keyed tags, not CRC32."""
+    if not cfg.secret_file:
+        return None
+    secret = read_secret(cfg.secret_file)
+    await engine.set_weights_key(weights_key(secret))
+    return derive_keys(secret)
+
+
 async def _maybe_http(cfg: ServeConfig, engine, model_path: Path):
     if not cfg.http_port:
         return None
-    from inflight.models import MODEL_NAMES
-    from inflight.serve.http import start_http
-
     served_name = cfg.model if cfg.model in MODEL_NAMES else model_path.name
     return await start_http(engine, str(model_path), served_name, cfg.http_host, cfg.http_port)
 
@@ -168,8 +192,6 @@ def main(argv: list[str] | None = None) -> int:
     about = "Patched vLLM engine + rollout driver streaming per-token-versioned rollouts over ZeroMQ."
     cfg = parse_dataclass(ServeConfig, argv, "python -m inflight.serve", about)
     setup_logging()
-    from inflight.machine import resolve_precision, serve_device
-
     device = serve_device()
     precision = resolve_precision(cfg.dtype, device)
     log.info("serve precision: %s (%s)", precision.dtype, precision.reason)
@@ -178,7 +200,5 @@ def main(argv: list[str] | None = None) -> int:
     code = asyncio.run(serve(cfg))
     # The engine was shut down inside serve(); collect it now, while modules are intact: left to interpreter
     # teardown, AsyncLLM.__del__ calls shutdown again on half-torn-down globals and prints a TypeError traceback.
-    import gc
-
     gc.collect()
     return code

@@ -1,239 +1,83 @@
-"""`ServeConfig`: every knob of `python -m inflight.serve`, with defaults that serve the embedded demo on CPU."""
+"""`ServeConfig`: every knob of `python -m inflight.serve`, with defaults that serve the embedded demo on CPU.
+
+The knobs come in groups by concern (the task and its rewards, the held-out eval, the environment, admission, the
+engine), each a small dataclass with its own checks; `ServeConfig` inherits them all plus the knobs both sides share
+(inflight/wire/contract.py:SharedKnobs), so the flags stay one flat list. `inflight.run` forwards some of these knobs
+under its own flags (inflight/run/config.py, by reference: `knob_of`).
+"""
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
-from inflight.config import require
-from inflight.wire.contract import GROUP_SIZE, MIN_P, TEMPERATURE, TOP_P, RunContract
+from inflight.config import knob, require
+from inflight.envs.loading import load_env
+from inflight.machine import is_cuda
+from inflight.serve.latency import parse_latency
+from inflight.wire.contract import RunContract, SecretKnob, SharedKnobs
+from inflight.wire.memory import trim_every_s
 from inflight.wire.weights import UPDATE_MEMORY
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
 
 
-def _h(text: str, **kw) -> dict:
-    return {"help": text, **kw}
+@dataclass
+class TaskKnobs:
+    """Where prompts come from and how completions are scored."""
+
+    task: str = knob(
+        "arithmetic", "arithmetic, jsonl:<path>, parquet:<path>, hf:<dir|name>[@split] or reasoning-gym:<dataset>[,...]"
+    )
+    task_args: str = knob("", "the task's JSON options (reasoning-gym: size, datasets, weights); empty = defaults")
+    prompt_key: str = knob("prompt", "column holding the prompt: a string or chat messages")
+    answer_key: str = knob("answer", "column holding the reference answer; empty = none")
+    system_prompt: str = knob("", "system message put before every prompt; empty = none")
+    task_seed: int = knob(0, "seed of the prompt stream")
+    max_operand: int = knob(20, "arithmetic difficulty: operands in [0, max_operand]")
+    arithmetic_terms: int = knob(2, "arithmetic: operands per problem (3+ = multi-step, usual precedence)")
+    arithmetic_ops: str = knob("+", "arithmetic: the operators drawn from, e.g. '+-*'")
+    reward: str = knob(
+        "",
+        "rewards as module:function[,module:function...], f(text, problem) or TRL's "
+        "f(prompts, completions, **columns); empty = the task's own",
+    )
+    reward_weights: str = knob("", "one weight per --reward, comma-separated; empty = all 1.0")
+    reward_convention: str = knob(
+        "auto",
+        "auto = by each reward's signature; sample = f(text, problem); group = TRL's per-group call",
+        choices=("auto", "sample", "group"),
+    )
+    reward_constant_steps: int = knob(
+        10, "warn once when a reward is the same on every sample of this many steps in a row; 0 = never"
+    )
+
+    def validate_task(self) -> None:
+        require(self.arithmetic_terms >= 2, "arithmetic_terms", self.arithmetic_terms, ">= 2")
+        require(
+            bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"),
+            "arithmetic_ops",
+            self.arithmetic_ops,
+            "one or more of '+', '-', '*', e.g. '+-*'",
+        )
 
 
 @dataclass
-class ServeConfig:
-    model: str = field(
-        default="smollm2", metadata=_h("prepared model name (smollm2, tiny-llama, tiny-qwen2) or HF dir")
-    )
-    server_id: str = field(default="", metadata=_h("name (default <hostname>-<pid>); records say <name>@<run>"))
-    rollouts: str = field(default="tcp://127.0.0.1:5555", metadata=_h("learner's rollout address (ZeroMQ PUSH to it)"))
-    control: str = field(default="tcp://127.0.0.1:5556", metadata=_h("learner's control address (ZeroMQ DEALER)"))
-    task: str = field(
-        default="arithmetic",
-        metadata=_h("'arithmetic', 'jsonl:<path>', 'parquet:<path>' or 'hf:<saved dir or dataset name>[@split]'"),
-    )
-    prompt_key: str = field(default="prompt", metadata=_h("column holding the prompt: a string or chat messages"))
-    answer_key: str = field(default="answer", metadata=_h("column holding the reference answer; empty = none"))
-    system_prompt: str = field(default="", metadata=_h("system message put before every prompt; empty = none"))
-    task_seed: int = field(default=0, metadata=_h("seed of the prompt stream"))
-    max_operand: int = field(default=20, metadata=_h("arithmetic difficulty: operands in [0, max_operand]"))
-    arithmetic_terms: int = field(
-        default=2, metadata=_h("arithmetic: operands per problem (3+ = multi-step, usual precedence)")
-    )
-    arithmetic_ops: str = field(default="+", metadata=_h("arithmetic: the operators drawn from, e.g. '+-*'"))
-    reward: str = field(
-        default="",
-        metadata=_h(
-            "rewards as module:function[,module:function...], f(text, problem) "
-            "or TRL's f(prompts, completions, **columns); empty = the task's "
-            "own"
-        ),
-    )
-    reward_weights: str = field(default="", metadata=_h("one weight per --reward, comma-separated; empty = all 1.0"))
-    reward_convention: str = field(
-        default="auto",
-        metadata=_h(
-            "auto = by each reward's signature; sample = f(text, problem); group = TRL's per-group call",
-            choices=("auto", "sample", "group"),
-        ),
-    )
-    reward_constant_steps: int = field(
-        default=10,
-        metadata=_h("warn once when a reward is the same on every sample of this many steps in a row; 0 = never"),
-    )
-    eval_task: str = field(
-        default="",
-        metadata=_h(
-            "held-out task scored between groups (as --task, e.g. hf:dir@test; same keys, rewards); empty = none"
-        ),
-    )
-    eval_every: int = field(
-        default=0,
-        metadata=_h(
-            "score --eval-task each time the served version reaches a multiple of this (learner versions); 0 = never"
-        ),
-    )
-    eval_problems: int = field(default=64, metadata=_h("problems of --eval-task per eval (its first ones)"))
-    eval_temperature: float = field(default=0.0, metadata=_h("eval sampling temperature; 0 = greedy"))
-    group_size: int = field(
-        default=GROUP_SIZE,
-        metadata=_h("completions sampled per prompt (the learner's --group-size: another is refused)"),
-    )
-    max_inflight: int = field(default=64, metadata=_h("most requests generating at once"))
-    max_tokens: int = field(default=48, metadata=_h("completion budget per sample"))
-    temperature: float = field(
-        default=TEMPERATURE,
-        metadata=_h("sampling temperature (behaviour logprobs are after it; the learner's --temperature)"),
-    )
-    top_p: float = field(
-        default=TOP_P,
-        metadata=_h(
-            "nucleus sampling, 1.0 = off (the learner's --top-p: it computes logprobs under the same truncation)"
-        ),
-    )
-    top_k: int = field(default=-1, metadata=_h("top-k sampling, -1 = off (the learner's --top-k)"))
-    min_p: float = field(default=MIN_P, metadata=_h("min-p sampling, 0.0 = off (the learner's --min-p)"))
-    mode: str = field(default="never-stop", metadata=_h("how weight updates interrupt generation", choices=MODES))
-    kv: str = field(default="keep", metadata=_h("KV cache after a commit", choices=("keep", "recompute")))
-    max_outstanding: int = field(default=256, metadata=_h("most rollouts generating or waiting to be sent"))
-    max_lag: int = field(
-        default=1,
-        metadata=_h(
-            "admit a group only while admitted - consumed < (max_lag+1) * groups_per_step; -1 = no learner gate"
-        ),
-    )
-    groups_per_step: int = field(default=4, metadata=_h("groups the learner trains on per step"))
-    max_groups: int = field(default=0, metadata=_h("stop admitting after this many groups; 0 = endless"))
-    env: str = field(
-        default="single-turn",
-        metadata=_h(
-            "environment episodes run in: 'single-turn' (the task's "
-            "prompt, one turn), 'calculator' (<calc> tool calls) or "
-            "module:Class (inflight/envs/base.py)"
-        ),
-    )
-    env_args: str = field(
-        default="", metadata=_h("the environment's own keyword arguments as a JSON object, e.g. '{\"max_calls\": 4}'")
-    )
-    max_turns: int = field(default=4, metadata=_h("most policy turns per episode (--max-tokens is per turn)"))
-    env_timeout_s: float = field(
-        default=30.0,
-        metadata=_h(
-            "seconds one environment call (reset or step) may take before its episode ends as an environment error"
-        ),
-    )
-    tool_latency: str = field(
-        default="",
-        metadata=_h(
-            "simulated tool latency per sample: 'lognormal:MEDIAN_S,SIGMA' or 'pareto:SCALE_S,ALPHA'; empty = none"
-        ),
-    )
-    http_port: int = field(default=0, metadata=_h("also answer vLLM's OpenAI API on this port; 0 = off"))
-    http_host: str = field(default="127.0.0.1", metadata=_h("bind address of the OpenAI API"))
-    metrics: str = field(default="", metadata=_h("append one JSON line of progress metrics per interval to this file"))
-    progress_s: float = field(default=5.0, metadata=_h("seconds between progress lines"))
-    max_model_len: int = field(default=1024, metadata=_h("engine context length"))
-    max_num_seqs: int = field(default=256, metadata=_h("engine batch limit"))
-    kv_cache_gib: float = field(
-        default=1.0,
-        metadata=_h(
-            "CPU: KV cache size in GiB (fractions allowed); allocated "
-            "and zeroed at start: a smaller one starts faster. Not used "
-            "on CUDA (--gpu-memory-utilization)"
-        ),
-    )
-    gpu_memory_utilization: float = field(
-        default=0.9,
-        metadata=_h(
-            "CUDA: the fraction of the GPU's memory vLLM may "
-            "take, in (0, 1] (weights, activations, CUDA "
-            "graphs; the KV cache gets the rest); used there "
-            "in place of --kv-cache-gib. Not used on "
-            "CPU"
-        ),
-    )
-    enforce_eager: bool = field(
-        default=True,
-        metadata=_h(
-            "true = eager forward passes; false lets vLLM compile the "
-            "model and capture CUDA graphs (faster decoding on GPU). "
-            "Graphs hold parameter addresses, so false needs "
-            "--update-memory low"
-        ),
-    )
-    dtype: str = field(
-        default="auto",
-        metadata=_h(
-            "engine dtype; auto = bfloat16 where the device computes it "
-            "natively (CUDA; a CPU with AMX or avx512_bf16), float32 elsewhere "
-            "(the learner's --autocast auto picks the same on the same kind of "
-            "machine); float32 keeps behaviour logprobs within 1e-5 of an fp32 "
-            "learner's",
-            choices=("auto", "bfloat16", "float16", "float32"),
-        ),
-    )
-    head_dtype: str = field(
-        default="float32",
-        metadata=_h(
-            "LM head precision: float32 projects the last hidden "
-            "state in fp32, as the learner's fp32 head does (the bf16 "
-            "head's rounding was most of the bf16 lag-0 mismatch); "
-            "model = the engine dtype. A no-op for a float32 engine",
-            choices=("float32", "model"),
-        ),
-    )
-    update_memory: str = field(
-        default="double",
-        metadata=_h(
-            "double = each update is loaded and processed into a "
-            "second copy of the weights off the engine thread and "
-            "swapped in by reference (the commit stalls generation "
-            "O(layers), not O(bytes); one extra copy of the weights "
-            "while staged); low = copied into the live weights on "
-            "the engine thread (no copy; keeps storage addresses, "
-            "as CUDA graphs need)",
-            choices=UPDATE_MEMORY,
-        ),
-    )
-    seed: int = field(default=0, metadata=_h("engine sampling seed"))
-    version: int = field(default=0, metadata=_h("weight version of the served checkpoint"))
-    wait_for_learner: bool = field(
-        default=True,
-        metadata=_h(
-            "admit nothing until the learner reports its latest "
-            "published version, then until that version is committed "
-            "here: a (re)started serve never generates with stale "
-            "weights"
-        ),
-    )
-    secret_file: str = field(
-        default="",
-        metadata=_h(
-            "shared secret (>= 16 bytes): ZeroMQ CURVE on the learner's "
-            "sockets and keyed BLAKE2b tags on every weight update; the "
-            "learner must be given the same file"
-        ),
-    )
+class EvalKnobs:
+    """A held-out task scored between groups."""
 
-    def validate(self) -> None:
-        require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
-        require(
-            self.max_inflight >= self.group_size,
-            "max_inflight",
-            self.max_inflight,
-            f">= group_size ({self.group_size})",
-        )
-        require(
-            self.max_outstanding >= self.group_size,
-            "max_outstanding",
-            self.max_outstanding,
-            f">= group_size ({self.group_size})",
-        )
-        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
-        require(self.temperature > 0, "temperature", self.temperature, "> 0 (greedy has no behaviour distribution)")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1], 1.0 = off")
-        require(self.top_k >= -1, "top_k", self.top_k, ">= 1, or -1 / 0 = off")
-        require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1], 0.0 = off")
-        require(self.max_lag >= -1, "max_lag", self.max_lag, ">= -1")
-        require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
-        require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
+    eval_task: str = knob(
+        "", "held-out task scored between groups (as --task, e.g. hf:dir@test; same keys, rewards); empty = none"
+    )
+    eval_every: int = knob(
+        0, "score --eval-task each time the served version reaches a multiple of this (learner versions); 0 = never"
+    )
+    eval_problems: int = knob(64, "problems of --eval-task per eval (its first ones)")
+    eval_temperature: float = knob(0.0, "eval sampling temperature; 0 = greedy")
+
+    def validate_eval(self) -> None:
         require(self.eval_every >= 0, "eval_every", self.eval_every, ">= 0 (0 = no eval)")
         require(
             not self.eval_every or bool(self.eval_task),
@@ -249,18 +93,115 @@ class ServeConfig:
         )
         require(self.eval_problems >= 1, "eval_problems", self.eval_problems, ">= 1")
         require(self.eval_temperature >= 0, "eval_temperature", self.eval_temperature, ">= 0 (0 = greedy)")
+
+
+@dataclass
+class EnvKnobs:
+    """The environment episodes run in, and the tools' simulated latency."""
+
+    env: str = knob(
+        "single-turn",
+        "environment episodes run in: 'single-turn' (the task's prompt, one turn), "
+        "'calculator' (<calc> tool calls) or module:Class (inflight/envs/base.py)",
+    )
+    env_args: str = knob("", "the environment's own keyword arguments as a JSON object, e.g. '{\"max_calls\": 4}'")
+    max_turns: int = knob(4, "most policy turns per episode (--max-tokens is per turn)")
+    env_timeout_s: float = knob(
+        30.0, "seconds one environment call (reset or step) may take before its episode ends as an environment error"
+    )
+    tool_latency: str = knob(
+        "", "simulated tool latency per sample: 'lognormal:MEDIAN_S,SIGMA' or 'pareto:SCALE_S,ALPHA'; empty = none"
+    )
+
+    def validate_env(self) -> None:
         require(self.max_turns >= 1, "max_turns", self.max_turns, ">= 1")
         require(self.env_timeout_s > 0, "env_timeout_s", self.env_timeout_s, "> 0 seconds")
-        require(self.arithmetic_terms >= 2, "arithmetic_terms", self.arithmetic_terms, ">= 2")
-        require(
-            bool(self.arithmetic_ops) and set(self.arithmetic_ops) <= set("+-*"),
-            "arithmetic_ops",
-            self.arithmetic_ops,
-            "one or more of '+', '-', '*', e.g. '+-*'",
-        )
-        from inflight.envs.loading import load_env
-
         load_env(self.env, self.env_args)  # a bad --env or --env-args is refused before the engine starts
+        if self.tool_latency:
+            parse_latency(self.tool_latency)
+
+
+@dataclass
+class AdmissionKnobs:
+    """When a group is admitted and how updates interrupt generation (inflight/serve/driver.py:Admission)."""
+
+    max_inflight: int = knob(64, "most requests generating at once")
+    max_tokens: int = knob(48, "completion budget per sample")
+    max_outstanding: int = knob(256, "most rollouts generating or waiting to be sent")
+    admit_lag: int = knob(
+        1,
+        "the serve's admission window: admit a group only while admitted - consumed < "
+        "(admit_lag+1) * groups_per_step; -1 = no learner gate",
+    )
+    max_groups: int = knob(0, "stop admitting after this many groups; 0 = endless")
+    mode: str = knob("never-stop", "how weight updates interrupt generation", choices=MODES)
+    kv: str = knob("keep", "KV cache after a commit", choices=("keep", "recompute"))
+    wait_for_learner: bool = knob(
+        True,
+        "admit nothing until the learner reports its latest published version, "
+        "then until that version is committed here: a (re)started serve never generates "
+        "with stale weights",
+    )
+    version: int = knob(0, "weight version of the served checkpoint")
+
+    def validate_admission(self, group_size: int) -> None:
+        require(self.max_inflight >= group_size, "max_inflight", self.max_inflight, f">= group_size ({group_size})")
+        require(
+            self.max_outstanding >= group_size, "max_outstanding", self.max_outstanding, f">= group_size ({group_size})"
+        )
+        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+        require(self.admit_lag >= -1, "admit_lag", self.admit_lag, ">= 0, or -1 = no learner gate")
+
+
+@dataclass
+class EngineKnobs:
+    """The vLLM engine: its memory, precision, sampling seed and how updates are staged."""
+
+    max_model_len: int = knob(1024, "engine context length")
+    max_num_seqs: int = knob(256, "engine batch limit")
+    kv_cache_gib: float = knob(
+        1.0,
+        "CPU: KV cache size in GiB (fractions allowed); allocated and zeroed at start: a "
+        "smaller one starts faster. Not used on CUDA (--gpu-memory-utilization)",
+    )
+    gpu_memory_utilization: float = knob(
+        0.9,
+        "CUDA: the fraction of the GPU's memory vLLM may take, in (0, 1] "
+        "(weights, activations, CUDA graphs; the KV cache gets the rest); used "
+        "there in place of --kv-cache-gib. Not used on CPU",
+    )
+    enforce_eager: bool = knob(
+        True,
+        "true = eager forward passes; false lets vLLM compile the model and capture "
+        "CUDA graphs (faster decoding on GPU). Graphs hold parameter addresses, so false "
+        "needs --update-memory low",
+    )
+    dtype: str = knob(
+        "auto",
+        "engine dtype; auto = bfloat16 where the device computes it natively (CUDA; a CPU with "
+        "AMX or avx512_bf16), float32 elsewhere (the learner's --autocast auto picks the same on the "
+        "same kind of machine); float32 keeps behaviour logprobs within 1e-5 of an fp32 learner's",
+        choices=("auto", "bfloat16", "float16", "float32"),
+    )
+    head_dtype: str = knob(
+        "float32",
+        "LM head precision: float32 projects the last hidden state in fp32, as the "
+        "learner's fp32 head does (the bf16 head's rounding was most of the bf16 lag-0 mismatch); "
+        "model = the engine dtype. A no-op for a float32 engine",
+        choices=("float32", "model"),
+    )
+    update_memory: str = knob(
+        "double",
+        "double = each update is loaded and processed into a second copy of the "
+        "weights off the engine thread and swapped in by reference (the commit stalls "
+        "generation O(layers), not O(bytes); one extra copy of the weights while staged); low "
+        "= copied into the live weights on the engine thread (no copy; keeps storage "
+        "addresses, as CUDA graphs need)",
+        choices=UPDATE_MEMORY,
+    )
+    seed: int = knob(0, "engine sampling seed")
+
+    def validate_engine(self) -> None:
         require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "> 0 GiB (fractions allowed, e.g. 0.25)")
         require(
             0 < self.gpu_memory_utilization <= 1,
@@ -268,41 +209,52 @@ class ServeConfig:
             self.gpu_memory_utilization,
             "in (0, 1]: the fraction of the GPU's memory vLLM may take, e.g. 0.9",
         )
+        # Imported here: inflight.run (on a learner node, without vllm_patches) imports this module for the knobs it
+        # forwards to the serve, and only a serve validates its engine.
         from vllm_patches.engine import check_graph_safe_updates
 
         check_graph_safe_updates(self.enforce_eager, self.update_memory)
-        from inflight.wire.memory import trim_every_s
-
         trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update
-        if self.secret_file:
-            from inflight.wire.secure import read_secret
-
-            read_secret(self.secret_file)
-        if self.tool_latency:
-            from inflight.serve.latency import parse_latency
-
-            parse_latency(self.tool_latency)
-
-    def contract(self) -> RunContract:
-        """What this serve samples with, for `Hello` (inflight/wire/contract.py); once `main` resolved `--dtype`."""
-        # vLLM reads top_k -1 and 0 both as off; the contract holds 0
-        return RunContract(
-            group_size=self.group_size,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(self.top_k, 0),
-            min_p=self.min_p,
-            dtype=self.dtype,
-            head_dtype="float32" if self.head_dtype == "float32" else self.dtype,
-        )
 
     def memory_sizing(self, device: str) -> str:
         """Which flag sizes the engine's memory on `device`, in words for the start-up log."""
-        from inflight.machine import is_cuda
-
         if is_cuda(device):
             return f"--gpu-memory-utilization {self.gpu_memory_utilization} (--kv-cache-gib is not used on CUDA)"
         return f"--kv-cache-gib {self.kv_cache_gib} (--gpu-memory-utilization is not used on CPU)"
+
+
+@dataclass
+class ServeConfig(EngineKnobs, AdmissionKnobs, EnvKnobs, EvalKnobs, TaskKnobs, SecretKnob, SharedKnobs):
+    """The serve's knobs: the groups above (listed last to first, so `--help` starts with the shared ones), and
+    where it connects, what it reports and how it is called."""
+
+    # The serve's old flag for its admission window: the same name is the learner's staleness gate.
+    RENAMED_FLAGS: ClassVar[dict[str, str]] = {
+        "--max-lag": "the serve's admission window is --admit-lag now (--max-lag is the learner's "
+        "staleness gate; inflight.run has always called the serve's --admit-lag)"
+    }
+
+    server_id: str = knob("", "name (default <hostname>-<pid>); records say <name>@<run>")
+    rollouts: str = knob("tcp://127.0.0.1:5555", "learner's rollout address (ZeroMQ PUSH to it)")
+    control: str = knob("tcp://127.0.0.1:5556", "learner's control address (ZeroMQ DEALER)")
+    http_port: int = knob(0, "also answer vLLM's OpenAI API on this port; 0 = off")
+    http_host: str = knob("127.0.0.1", "bind address of the OpenAI API")
+    metrics: str = knob("", "append one JSON line of progress metrics per interval to this file")
+    progress_s: float = knob(5.0, "seconds between progress lines")
+
+    def validate(self) -> None:
+        self.validate_shared()
+        self.validate_admission(self.group_size)
+        require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
+        self.validate_task()
+        self.validate_eval()
+        self.validate_env()
+        self.validate_engine()
+        self.validate_secret()
+
+    def contract(self) -> RunContract:
+        """What this serve samples with, for `Hello` (inflight/wire/contract.py); once `main` resolved `--dtype`."""
+        return self.run_contract(self.dtype, "float32" if self.head_dtype == "float32" else self.dtype)
 
     def resolved_server_id(self) -> str:
         return self.server_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -5,9 +5,13 @@ is sent, or the learner reports progress:
 - requests generating + group_size <= max_inflight;
 - outstanding rollouts (generating + finished but not yet handed to ZeroMQ) + group_size <= max_outstanding, so a
   learner that stops reading stops generation with bounded memory and nothing dropped;
-- the learner gate: groups admitted − groups consumed < (max_lag + 1) × groups_per_step (max_lag −1 turns it off);
+- the learner gate (the serve's admission window): groups admitted − groups consumed < (admit_lag + 1) ×
+  groups_per_step (admit_lag −1 turns it off);
 - in `blocking` mode (synchronous RL): at most groups_per_step groups per weight version, so the engine is idle when
   the next update arrives.
+
+`Admission` holds that gate's state; `RolloutDriver` admits groups through it, runs their episodes, scores them and
+hands their records to the stream.
 """
 
 from __future__ import annotations
@@ -18,13 +22,17 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from vllm import SamplingParams
+
+from inflight.envs.loading import load_env
 from inflight.serve.config import ServeConfig
 from inflight.serve.episodes import Episode, EpisodeRunner
 from inflight.serve.stream import RolloutStream
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
-from inflight.wire.rollouts import Sampling, Times, encode_rollout, make_rollout
+from inflight.wire.rollouts import Rollout, Sampling, Times, encode_rollout, make_rollout
 
 log = logging.getLogger("inflight.serve")
 
@@ -49,6 +57,59 @@ class DriverStats:
     env_tokens: int = 0
     policy_tokens: int = 0
 
+    def count(self, ep: Episode) -> None:
+        """One finished episode made into a rollout."""
+        self.rollouts_made += 1
+        self.turns += ep.turns
+        self.env_s += ep.env_s
+        self.env_errors += bool(ep.env_error)
+        self.tool_errors += ep.tool_errors
+        self.env_tokens += sum(ep.env)
+        self.policy_tokens += len(ep.env) - sum(ep.env)
+
+
+class VersionedEngine(Protocol):
+    """What admission reads of the engine (vllm_patches/engine.py:InflightEngine): the weight version it serves."""
+
+    version: int
+
+
+class Admission:
+    """The gate's state: the version the learner requires, the groups it consumed, the groups admitted per version.
+    `can_admit` is re-asked whenever the driver is notified; every other check reads the config or the driver's
+    counts."""
+
+    def __init__(self, cfg: ServeConfig, engine: VersionedEngine, stats: DriverStats):
+        self.cfg, self.engine, self.stats = cfg, engine, stats
+        self.groups_consumed = 0
+        # None: waiting for the learner's first Progress (--wait-for-learner); then the version to have committed.
+        self.required_version: int | None = None if cfg.wait_for_learner else cfg.version
+        self._version_admitted = 0  # the engine version the last group was admitted under: blocking mode's gate
+        self._admitted_under_it = 0  # how many groups were admitted under it
+
+    def can_admit(self, outstanding: int, stopping: bool) -> bool:
+        cfg, n = self.cfg, self.cfg.group_size
+        if self.required_version is None or self.engine.version < self.required_version:
+            return False
+        if stopping or (cfg.max_groups and self.stats.groups_admitted >= cfg.max_groups):
+            return False
+        if self.stats.requests_inflight + n > cfg.max_inflight or outstanding + n > cfg.max_outstanding:
+            return False
+        ahead = self.stats.groups_admitted - self.groups_consumed
+        if cfg.admit_lag >= 0 and ahead >= (cfg.admit_lag + 1) * cfg.groups_per_step:
+            return False
+        return not (
+            cfg.mode == "blocking"
+            and self._version_admitted == self.engine.version
+            and self._admitted_under_it >= cfg.groups_per_step
+        )
+
+    def admitted(self) -> None:
+        """A group was admitted now: counted against the engine's current version."""
+        version = self.engine.version
+        same = self._version_admitted == version
+        self._version_admitted, self._admitted_under_it = version, self._admitted_under_it + 1 if same else 1
+
 
 class RolloutDriver:
     def __init__(
@@ -63,8 +124,6 @@ class RolloutDriver:
         env=None,
     ):
         """`env`: the environment episodes run in (inflight/envs/); None = `--env` as `cfg` names it."""
-        from inflight.envs.loading import load_env
-
         self.engine, self.cfg, self.rewards, self.stream = engine, cfg, rewards, stream
         self.constant_watch = ConstantRewardWatch(cfg.groups_per_step, cfg.reward_constant_steps)
         self.evaluation = None  # an inflight/serve/eval.py:Evaluation when --eval-task is given
@@ -78,10 +137,7 @@ class RolloutDriver:
         self.episodes = EpisodeRunner(
             engine, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling, tool_latency
         )
-        self.groups_consumed = 0
-        # None: waiting for the learner's first Progress (--wait-for-learner); then the version to have committed.
-        self.required_version: int | None = None if cfg.wait_for_learner else cfg.version
-        self._admitted_at = (0, 0)  # (engine version, groups admitted under it): blocking mode's gate
+        self.admission = Admission(cfg, engine, self.stats)
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.stopping = False
@@ -90,10 +146,14 @@ class RolloutDriver:
         """Something that admission depends on changed (a request finished, a record was sent, progress arrived)."""
         self._changed.set()
 
+    @property
+    def groups_consumed(self) -> int:
+        return self.admission.groups_consumed
+
     def learner_published(self, version: int) -> None:
         """The learner's latest published version, from its first Progress: admission waits until it is committed."""
-        if self.required_version is None:
-            self.required_version = version
+        if self.admission.required_version is None:
+            self.admission.required_version = version
             if version > self.engine.version:
                 log.info(
                     "the learner has published v%d; this serve has v%d: waiting for the update before admitting",
@@ -103,8 +163,8 @@ class RolloutDriver:
             self.notify()
 
     def set_consumed(self, groups_consumed: int) -> None:
-        if groups_consumed > self.groups_consumed:
-            self.groups_consumed = groups_consumed
+        if groups_consumed > self.admission.groups_consumed:
+            self.admission.groups_consumed = groups_consumed
             self.notify()
 
     @property
@@ -112,22 +172,7 @@ class RolloutDriver:
         return self.stats.samples_open + len(self.stream.outbox) + self.stream.retained_records
 
     def can_admit(self) -> bool:
-        cfg, n = self.cfg, self.cfg.group_size
-        if self.required_version is None or self.engine.version < self.required_version:
-            return False
-        if self.stopping or (cfg.max_groups and self.stats.groups_admitted >= cfg.max_groups):
-            return False
-        if self.stats.requests_inflight + n > cfg.max_inflight or self.outstanding + n > cfg.max_outstanding:
-            return False
-        if cfg.max_lag >= 0 and (
-            self.stats.groups_admitted - self.groups_consumed >= (cfg.max_lag + 1) * cfg.groups_per_step
-        ):
-            return False
-        return not (
-            cfg.mode == "blocking"
-            and self._admitted_at[0] == self.engine.version
-            and self._admitted_at[1] >= cfg.groups_per_step
-        )
+        return self.admission.can_admit(self.outstanding, self.stopping)
 
     async def run(self) -> None:
         """Admit groups for as long as the driver runs; each group is its own task."""
@@ -143,9 +188,7 @@ class RolloutDriver:
             self.stats.groups_admitted += 1
             self.stats.requests_inflight += self.cfg.group_size  # counted now: the group's tasks start later
             self.stats.samples_open += self.cfg.group_size
-            version = self.engine.version
-            at, count = self._admitted_at
-            self._admitted_at = (version, count + 1 if at == version else 1)
+            self.admission.admitted()
             task = asyncio.create_task(self._run_group(group_index, problem))
             self._tasks.add(task)
             task.add_done_callback(self._group_done)
@@ -176,63 +219,28 @@ class RolloutDriver:
             for index, ep in enumerate(episodes):
                 # an episode an environment failure ended scores 0, whatever its last turn said
                 reward = 0.0 if ep.env_error else scores.total[index] + ep.env_reward
-                self._count(ep)
+                self.stats.count(ep)
                 self.stats.rewards_sum += reward
-                self.stream.offer(encode_rollout(self._record(group_id, index, problem, ep, reward)), group_id)
+                record = rollout_record(self.cfg, self.server_id, group_id, index, problem, ep, reward)
+                self.stream.offer(encode_rollout(record), group_id)
             self.stats.groups_finished += 1
         finally:
             self.stats.samples_open -= n
             self.notify()
 
-    def _sampling(self, max_tokens: int):
+    def _sampling(self, max_tokens: int) -> SamplingParams:
         """One turn's SamplingParams: the serve's sampler, the environment's stop strings (kept in the text)."""
-        from vllm import SamplingParams
-
         cfg = self.cfg
         stop = list(getattr(self.env, "stop", ()))
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            top_k=cfg.top_k,
+            top_k=cfg.top_k,  # 0 = off, here as on the learner and in the contract
             min_p=cfg.min_p,
             logprobs=0,
             stop=stop or None,
             include_stop_str_in_output=bool(stop),
-        )
-
-    def _count(self, ep: Episode) -> None:
-        s = self.stats
-        s.rollouts_made += 1
-        s.turns += ep.turns
-        s.env_s += ep.env_s
-        s.env_errors += bool(ep.env_error)
-        s.tool_errors += ep.tool_errors
-        s.env_tokens += sum(ep.env)
-        s.policy_tokens += len(ep.env) - sum(ep.env)
-
-    def _record(self, group_id: str, index: int, problem: Problem, ep: Episode, reward: float):
-        cfg = self.cfg
-        return make_rollout(
-            prompt_ids=ep.prompt_ids,
-            completion_ids=ep.token_ids,
-            logprobs=ep.logprobs,
-            versions=ep.versions,
-            kv_versions=ep.kv_versions,
-            roles=ep.env,
-            rollout_id=f"{group_id}-{index}",
-            group_id=group_id,
-            group_size=cfg.group_size,
-            index=index,
-            server_id=self.server_id,
-            model=cfg.model,
-            reward=reward,
-            finish_reason=ep.finish_reason,
-            sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens, cfg.min_p),
-            times=Times(ep.submitted, ep.first_token or ep.finished, ep.finished),
-            problem_id=problem.id,
-            resubmissions=ep.resubmissions,
-            turns=ep.turns,
         )
 
     def _account(self, scores: GroupScores) -> None:
@@ -254,4 +262,31 @@ def prompt_token_ids(tokenizer, problem: Problem) -> list[int]:
     """The chat template applied to the problem's messages (system prompt included), ready for generation."""
     return list(
         tokenizer.apply_chat_template(problem.chat(), add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+
+
+def rollout_record(
+    cfg: ServeConfig, server_id: str, group_id: str, index: int, problem: Problem, ep: Episode, reward: float
+) -> Rollout:
+    """The rollout of the group's `index`-th episode, finished and scored."""
+    return make_rollout(
+        prompt_ids=ep.prompt_ids,
+        completion_ids=ep.token_ids,
+        logprobs=ep.logprobs,
+        versions=ep.versions,
+        kv_versions=ep.kv_versions,
+        roles=ep.env,
+        rollout_id=f"{group_id}-{index}",
+        group_id=group_id,
+        group_size=cfg.group_size,
+        index=index,
+        server_id=server_id,
+        model=cfg.model,
+        reward=reward,
+        finish_reason=ep.finish_reason,
+        sampling=Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_tokens, cfg.min_p),
+        times=Times(ep.submitted, ep.first_token or ep.finished, ep.finished),
+        problem_id=problem.id,
+        resubmissions=ep.resubmissions,
+        turns=ep.turns,
     )

@@ -22,17 +22,26 @@ weights move, naming the first differing field, both values and the flag that fi
 
 Not in it: the model (checked tensor by tensor against `Hello.tensors`), and knobs that only pace or bound generation
 (groups per step, max tokens, update mode): they change how fast samples come, not what one means.
+
+`SharedKnobs` declares, once, the flags of what both sides must be given alike (the contract's sampling fields, the
+model, the groups per step); `SecretKnob` the shared secret. ServeConfig, LearnConfig and RunConfig inherit them, so
+`--group-size`, `--top-k`, ... have one name, default and help on every entry point.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
-# The shared defaults: ServeConfig, LearnConfig and RunConfig take theirs from here, so they cannot drift apart.
+from inflight.config import knob, require
+from inflight.wire.secure import read_secret
+
+# The shared defaults: `SharedKnobs` and `RunContract` take theirs from here, so the flags and the wire agree.
 GROUP_SIZE = 8
 TEMPERATURE = 1.0
 TOP_P = 1.0  # no nucleus truncation: the learner's logprobs are a full softmax
-TOP_K = 0  # 0 = off (vLLM also reads -1 as off; `RunContract` holds 0)
+TOP_K = 0  # the one spelling of off, on every side and on the wire (vLLM's SamplingParams reads 0 as off too)
 MIN_P = 0.0  # no min-p truncation
 _TOLERANCE = 1e-6  # floats given as the same decimal on both sides compare equal; anything else differs
 
@@ -107,3 +116,69 @@ _REASONS = {
     ),
     "dtype": _dtype_reason,
 }
+
+
+@dataclass
+class SharedKnobs:
+    """The flags a serve and its learner are given alike (`inflight.run` gives both the same value)."""
+
+    model: str = knob(
+        "smollm2",
+        "prepared model name (inflight/models.py: smollm2, tiny-llama, ...) or HF dir; the "
+        "serve and its learner load the same one",
+    )
+    group_size: int = knob(
+        GROUP_SIZE,
+        "completions sampled per prompt; the learner's advantages are baselined "
+        "within a group: a serve of another size is refused at Hello",
+    )
+    groups_per_step: int = knob(4, "whole groups per learner step (the serve's admission window counts in steps)")
+    temperature: float = knob(
+        TEMPERATURE,
+        "sampling temperature: behaviour logprobs are after it and the learner "
+        "computes its own at it; a serve of another is refused at Hello",
+    )
+    top_p: float = knob(
+        TOP_P,
+        "nucleus sampling, 1.0 = off; the learner computes its logprobs under the same "
+        "truncation (learner/truncation.py); a serve of another is refused at Hello",
+    )
+    top_k: int = knob(TOP_K, "top-k sampling, 0 = off; both sides must have the same (refused at Hello)")
+    min_p: float = knob(MIN_P, "min-p sampling, 0.0 = off; both sides must have the same (refused at Hello)")
+
+    def validate_shared(self) -> None:
+        require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
+        require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
+        require(self.temperature > 0, "temperature", self.temperature, "> 0 (greedy has no behaviour distribution)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1], 1.0 = off")
+        require(self.top_k != -1, "top_k", self.top_k, "0 for off (-1, vLLM's other spelling of off, is not used here)")
+        require(self.top_k >= 0, "top_k", self.top_k, ">= 1, or 0 = off")
+        require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1], 0.0 = off")
+
+    def run_contract(self, dtype: str, head_dtype: str) -> RunContract:
+        """This side's contract, with its resolved compute dtype and its LM head's precision."""
+        return RunContract(
+            group_size=self.group_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            dtype=dtype,
+            head_dtype=head_dtype,
+        )
+
+
+@dataclass
+class SecretKnob:
+    """The shared secret: the serve and the learner must be given the same file."""
+
+    secret_file: str = knob(
+        "",
+        "shared secret (>= 16 bytes): ZeroMQ CURVE on the learner's rollout and control "
+        "sockets (only serves given the same file connect) and keyed BLAKE2b tags on every "
+        "weight update, verified by the serves; both sides must be given the same file",
+    )
+
+    def validate_secret(self) -> None:
+        if self.secret_file:
+            read_secret(self.secret_file)  # a missing or short file is refused at start, naming the flag

@@ -130,7 +130,7 @@ def make_driver(engine, model_dirs, env, problems, **overrides):
     from inflight.serve.driver import RolloutDriver
 
     model = model_dirs["tiny-qwen2"]
-    cfg = ServeConfig(model=str(model), wait_for_learner=False, max_lag=-1, max_tokens=5,
+    cfg = ServeConfig(model=str(model), wait_for_learner=False, admit_lag=-1, max_tokens=5,
                       **{"group_size": 2, "max_groups": 1, "max_turns": 3, **overrides})  # fmt: skip
     cfg.validate()
     return RolloutDriver(engine, cfg, problems, [], Outbox(), AutoTokenizer.from_pretrained(model), env=env)

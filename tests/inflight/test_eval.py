@@ -38,7 +38,7 @@ def test_eval_every_2_scores_the_held_out_split_at_versions_2_and_4_each_by_the_
                                 for a in range(3)))  # fmt: skip
     model = model_dirs["tiny-qwen2"]
     cfg = ServeConfig(model=str(model), wait_for_learner=False, group_size=2, max_groups=1, max_tokens=6,
-                      max_lag=-1, eval_task=f"jsonl:{held_out}", eval_every=2, prompt_key="question")  # fmt: skip
+                      admit_lag=-1, eval_task=f"jsonl:{held_out}", eval_every=2, prompt_key="question")  # fmt: skip
     cfg.validate()
     rewards = load_rewards("serve_rewards:text_length,inflight.tasks.jsonl:reward_fn", "1.0,1.0")
     loop = asyncio.new_event_loop()

@@ -42,7 +42,7 @@ def test_learner_killed_mid_run_resumes_and_every_group_is_trained_exactly_once(
     first.wait_for("inflight.learn ready", 120)
     serve = ServeProcess(["--model", str(model), "--rollouts", f"tcp://127.0.0.1:{ports[0]}", "--control",
                           f"tcp://127.0.0.1:{ports[1]}", "--group-size", str(GROUP), "--groups-per-step",
-                          str(PER_STEP), "--max-lag", "1", "--max-tokens", "8", "--max-groups", str(GROUPS),
+                          str(PER_STEP), "--admit-lag", "1", "--max-tokens", "8", "--max-groups", str(GROUPS),
                           "--metrics", str(tmp_path / "serve.jsonl")])  # fmt: skip
     second = None
     try:

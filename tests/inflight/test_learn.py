@@ -25,7 +25,7 @@ def start_pair(model_dir, run_dir, steps: int, extra_learn=(), extra_serve=()):
     learn.wait_for("inflight.learn ready", timeout_s=120)
     serve = ServeProcess(["--model", str(model_dir), "--rollouts", f"tcp://127.0.0.1:{p[0]}",
                           "--control", f"tcp://127.0.0.1:{p[1]}", "--group-size", "4", "--max-tokens", "12",
-                          "--groups-per-step", "2", "--max-lag", "1", "--metrics", str(run_dir / "serve.jsonl"),
+                          "--groups-per-step", "2", "--admit-lag", "1", "--metrics", str(run_dir / "serve.jsonl"),
                           "--reward", "serve_rewards:text_length",
                           *extra_serve])  # fmt: skip
     return learn, serve

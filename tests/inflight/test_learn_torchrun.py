@@ -106,7 +106,7 @@ def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_and_it_then_
         learn.wait_for("inflight.learn ready", timeout_s=180)
         serve = ServeProcess(["--model", str(path), "--rollouts", f"tcp://127.0.0.1:{ports[0]}", "--control",
                               f"tcp://127.0.0.1:{ports[1]}", "--group-size", "4", "--max-tokens", "12",
-                              "--groups-per-step", "2", "--max-lag", "1", "--reward", "serve_rewards:text_length",
+                              "--groups-per-step", "2", "--admit-lag", "1", "--reward", "serve_rewards:text_length",
                               "--http-port", str(http)])  # fmt: skip
         deadline = time.monotonic() + 600
         while learn.proc.poll() is None:

@@ -125,7 +125,7 @@ def test_two_weighted_rewards_give_the_records_and_progress_means_a_hand_computa
     rx, ctl, metrics = RolloutReceiver(hwm=1), ControlServer(), tmp_path / "serve-metrics.jsonl"
     serve = ServeProcess([
         "--model", str(model_dirs["tiny-qwen2"]), "--rollouts", rx.address, "--control", ctl.address,
-        "--wait-for-learner", "false", "--group-size", str(GROUP), "--max-lag", "0", "--groups-per-step", str(GROUPS),
+        "--wait-for-learner", "false", "--group-size", str(GROUP), "--admit-lag", "0", "--groups-per-step", str(GROUPS),
         "--max-tokens", str(MAX_TOKENS), "--reward", "serve_rewards:answer_tenth,serve_rewards:share_if_odd_answer",
         "--reward-weights", "1.0,0.5", "--metrics", str(metrics),
     ])  # fmt: skip

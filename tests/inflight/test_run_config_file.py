@@ -19,7 +19,7 @@ from inflight.config import parse_dataclass
 from inflight.learn.config import LearnConfig
 from inflight.run.app import plan
 from inflight.run.config import RunConfig
-from inflight.run.config_file import RUN_SETS, dump_run_toml, load_run_file, side_config, write_run_toml
+from inflight.run.config_file import RUN_SETS, SIDE_CONFIGS, dump_run_toml, load_run_file, write_run_toml
 from inflight.run.launch import side_commands
 from inflight.serve.config import ServeConfig
 
@@ -47,7 +47,7 @@ SAME_BY_FLAGS = ["--steps", "3", "--mode", "blocking", "--lr", "1.0", "--port-ba
 
 def side_configs(commands: dict[str, list[str]]) -> dict[str, dict]:
     """Each side's argv parsed by that side's own parser, as a dict: what the side would run with."""
-    return {side: dataclasses.asdict(parse_dataclass(side_config(side), argv[2:], side, ""))
+    return {side: dataclasses.asdict(parse_dataclass(SIDE_CONFIGS[side], argv[2:], side, ""))
             for side, argv in commands.items()}  # fmt: skip
 
 
@@ -115,7 +115,8 @@ def test_a_single_word_pass_through_that_starts_with_dashes_is_accepted(tmp_path
         ("[serve]\nmax-inflite = 3\n", r"unknown key 'max-inflite' in the \[serve\] .*did you mean max_inflight"),
         ("stepz = 3\n", r"unknown key 'stepz' in the top level .*did you mean steps"),
         ("[learn]\nlr = 0.1\n", r"\[learn\] lr is set by the run from its top-level key 'lr'"),
-        ("[serve]\nmax_lag = 2\n", r"\[serve\] max_lag is set by the run from its top-level key 'admit_lag'"),
+        ("[serve]\nadmit_lag = 2\n", r"\[serve\] admit_lag is set by the run from its top-level key 'admit_lag'"),
+        ("[serve]\nmax_lag = 2\n", r"\[serve\] max_lag was renamed: the serve's admission window is --admit-lag"),
         ("steps = '3'\n", r"top level steps = '3' is a str, expected a int"),
         ("[learn]\nloss = 'pppo'\n", r"\[learn\] loss = 'pppo', expected one of tis, ppo, mask"),
         ("[trainer]\nlr = 1\n", r"unknown table \[trainer\]"),

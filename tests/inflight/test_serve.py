@@ -80,7 +80,7 @@ def running(model_dirs, tmp_path_factory):
     serve = ServeProcess([
         "--model", str(model_dirs["tiny-llama"]), "--rollouts", side.rx.address, "--control", side.ctl.address,
         "--task", f"jsonl:{prompts}", "--reward", "serve_rewards:answer_tenth", "--group-size", str(GROUP),
-        "--max-tokens", str(MAX_TOKENS), "--max-lag", "-1", "--max-inflight", "8", "--max-outstanding", "16",
+        "--max-tokens", str(MAX_TOKENS), "--admit-lag", "-1", "--max-inflight", "8", "--max-outstanding", "16",
         "--http-port", str(port), "--metrics", str(tmp / "metrics.jsonl"),
     ])  # fmt: skip
     serve.wait_for("inflight.serve ready")
@@ -175,7 +175,7 @@ def test_backpressure_bounds_outstanding_work_and_delivers_every_rollout_once(mo
     side, max_groups, per_step = LearnerSide(), 10, 2
     serve = ServeProcess([
         "--model", str(model_dirs["tiny-llama"]), "--rollouts", side.rx.address, "--control", side.ctl.address,
-        "--group-size", str(GROUP), "--max-tokens", "8", "--max-lag", "0", "--groups-per-step", str(per_step),
+        "--group-size", str(GROUP), "--max-tokens", "8", "--admit-lag", "0", "--groups-per-step", str(per_step),
         "--max-groups", str(max_groups), "--max-outstanding", "8",
     ])  # fmt: skip
     try:

@@ -78,3 +78,10 @@ def test_a_run_refuses_cuda_graphs_over_the_double_update_path_before_anything_s
         plan(["--run-dir", str(tmp_path / "run"), "--serve-gpus", "0", "--serve-args", "--enforce-eager false"])
     assert exited.value.code == 2
     assert "--enforce-eager false with --update-memory double" in capsys.readouterr().err
+
+
+def test_the_serves_old_max_lag_flag_is_refused_naming_admit_lag(capsys) -> None:
+    """--max-lag is the learner's staleness gate; the serve's admission window is --admit-lag (never an alias)."""
+    err = usage_error(capsys, "--max-lag", "2")
+    assert "--max-lag was renamed" in err and "--admit-lag" in err
+    assert parse("--admit-lag", "2").admit_lag == 2

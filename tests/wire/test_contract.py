@@ -3,6 +3,7 @@ shared by every config, sent in Hello, and every differing field named with its 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import msgspec
@@ -12,7 +13,7 @@ from inflight.learn.config import LearnConfig
 from inflight.run.config import RunConfig
 from inflight.run.launch import side_commands
 from inflight.serve.config import ServeConfig
-from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, RunContract
+from inflight.wire.contract import GROUP_SIZE, TEMPERATURE, RunContract, SharedKnobs
 from inflight.wire.control import CONTROL_SCHEMA, ControlError, Hello, decode_control, encode_control
 
 LEARNER = RunContract(group_size=8, temperature=1.0, dtype="float32")
@@ -64,7 +65,7 @@ def test_serve_learn_and_run_take_their_shared_defaults_from_the_contract_and_ag
     for cfg in (ServeConfig(), LearnConfig(), RunConfig()):
         assert (cfg.group_size, cfg.temperature) == (GROUP_SIZE, TEMPERATURE), type(cfg).__name__
     serve = ServeConfig(dtype="float32").contract()
-    assert serve.top_k == 0  # the serve's --top-k -1 (off) is the learner's full softmax
+    assert serve.top_k == 0  # off, spelled 0 on every side: the learner's full softmax
     assert serve.mismatch(LearnConfig(autocast="none").contract(), "s") == ""
 
 
@@ -113,3 +114,33 @@ def test_the_serve_and_learner_configs_declare_their_heads_precision():
     assert ServeConfig(dtype="bfloat16").contract().head_dtype == "float32"  # --head-dtype float32 by default
     assert ServeConfig(dtype="bfloat16", head_dtype="model").contract().head_dtype == "bfloat16"
     assert LearnConfig(dtype="float32", autocast="bfloat16").contract().head_dtype == "float32"
+
+
+def test_every_shared_knob_is_declared_once_and_reaches_each_config_with_the_same_default_and_help():
+    """ServeConfig, LearnConfig and RunConfig inherit SharedKnobs: one declaration, so no side can drift."""
+    shared = {f.name: f for f in dataclasses.fields(SharedKnobs)}
+    assert {"group_size", "temperature", "top_p", "top_k", "min_p"} <= set(shared)
+    for cls in (ServeConfig, LearnConfig, RunConfig):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name, declared in shared.items():
+            assert fields[name].default == declared.default, (cls.__name__, name)
+            assert fields[name].metadata is declared.metadata, (cls.__name__, name)  # the very same declaration
+
+
+def test_a_run_flag_that_forwards_a_sides_knob_has_that_knobs_default_and_help():
+    run = {f.name: f for f in dataclasses.fields(RunConfig)}
+    for side, names in (
+        (ServeConfig, ("admit_lag", "max_tokens", "mode", "task", "env")),
+        (LearnConfig, ("max_lag", "lr")),
+    ):
+        own = {f.name: f for f in dataclasses.fields(side)}
+        for name in names:
+            assert run[name].default == own[name].default, name
+            assert run[name].metadata["help"].endswith(own[name].metadata["help"]), name
+
+
+@pytest.mark.parametrize("cls", [ServeConfig, LearnConfig, RunConfig])
+def test_top_k_minus_one_is_refused_on_every_side_naming_zero_as_the_one_spelling_of_off(cls):
+    with pytest.raises(ValueError, match=r"--top-k is -1, expected 0 for off"):
+        cls(top_k=-1).validate()
+    cls(top_k=0).validate_shared()  # 0 = off, accepted everywhere
