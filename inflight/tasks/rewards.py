@@ -9,6 +9,8 @@ Two conventions, told apart by the function's signature (`convention_of`), or fo
   the completion (text, or `[{"role": "assistant", "content": text}]` for a chat dataset), each column of the row but
   `prompt`/`completion` a keyword argument holding one value per completion, and `completion_ids` the token ids.
 
+Built-in rewards are named without a module (`--reward math`: math-verify, inflight/tasks/math_reward.py).
+
 Picked by signature: a function with a parameter named `prompts` or `completions`, or with `**kwargs`, is `group`;
 one that takes exactly two positional arguments is `sample`; anything else is refused with the fix.
 
@@ -34,6 +36,8 @@ from inflight.tasks.base import Problem
 log = logging.getLogger("inflight.rewards")
 CONVENTIONS = ("auto", "sample", "group")
 RESERVED = ("prompt", "completion", "prompts", "completions", "completion_ids")  # never passed as a column
+# `--reward <name>`: rewards shipped here, named without their module (a `module:function` is never a bare name)
+BUILTIN_REWARDS = {"math": "inflight.tasks.math_reward:reward_fn"}
 
 
 @dataclass
@@ -89,7 +93,7 @@ def load_rewards(specs: str, weights: str = "", convention: str = "auto") -> lis
     for spec, weight in zip(names, values, strict=True):
         fn = import_function(spec)
         kind = convention_of(fn, spec) if convention == "auto" else convention
-        rewards.append(Reward(spec.partition(":")[2], fn, kind, weight))
+        rewards.append(Reward(spec.partition(":")[2] or spec, fn, kind, weight))
     if len({r.name for r in rewards}) < len(rewards):  # two modules' `reward`: key the metrics by the whole spec
         for r, spec in zip(rewards, names, strict=True):
             r.name = spec
@@ -112,10 +116,14 @@ def _weights(text: str, n: int) -> list[float]:
 
 
 def import_function(spec: str) -> Callable:
-    """The callable `module:function` names; a ValueError naming `--reward` and the fix otherwise."""
-    module_name, sep, attr = spec.partition(":")
+    """The callable `module:function` (or a built-in name, BUILTIN_REWARDS) names; a ValueError naming `--reward`
+    and the fix otherwise."""
+    module_name, sep, attr = BUILTIN_REWARDS.get(spec, spec).partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"--reward is {spec!r}, expected 'module:function', e.g. inflight.tasks.arithmetic:reward_fn")
+        raise ValueError(
+            f"--reward is {spec!r}, expected 'module:function' (e.g. inflight.tasks.arithmetic:reward_fn) or a "
+            f"built-in reward: {', '.join(BUILTIN_REWARDS)}"
+        )
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
