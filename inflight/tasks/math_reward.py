@@ -1,9 +1,9 @@
 """The built-in `math` reward (`--reward math`): math-verify checks the completion's final answer against the reference.
 
-math-verify (the checker TRL's accuracy reward uses; `pip install 'inflight[envs]'`) parses both sides to SymPy, LaTeX
-or plain: `\\frac{1}{2}` equals `0.5`, `\\boxed{42}` equals `42`, `1,000` equals `1000`. The completion's `\\boxed{}`
-answer is preferred; without one, its last mathematical expression counts. A reference without `\\boxed{}` is read as
-if boxed. 1.0 when they agree, else 0.0; a completion with nothing parseable is 0.0.
+math-verify (the checker TRL's accuracy reward uses; `pip install 'inflight[envs]'`, checked when `--reward math` is
+loaded) parses both sides to SymPy, LaTeX or plain: `\\frac{1}{2}` equals `0.5`, `\\boxed{42}` equals `42`, `1,000`
+equals `1000`. The completion's `\\boxed{}` answer is preferred; without one, its last mathematical expression counts.
+A reference without `\\boxed{}` is read as if boxed. 1.0 when they agree, else 0.0; nothing parseable is 0.0.
 
 Why a child process: math-verify bounds its parse and compare with `signal.alarm`, which works only on a main thread
 (the serve scores in worker threads), and an alarm cannot interrupt C code such as SymPy's big-integer power
@@ -15,7 +15,6 @@ and is counted, inflight/tasks/rewards.py) and the next call starts a new one. T
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import select
 import subprocess
@@ -29,9 +28,6 @@ from inflight.tasks.base import Problem
 CHECK_TIMEOUT_S = 3  # math-verify's own alarm per parse and per comparison, inside the child
 HARD_LIMIT_S = 30.0  # a child silent this long on a check is stuck where no alarm reaches: killed
 START_LIMIT_S = 120.0  # a new child's imports and warm-up check (seconds on a loaded CPU)
-
-if importlib.util.find_spec("math_verify") is None:  # refused when --reward math is loaded, before the engine starts
-    raise ImportError("--reward math needs the math-verify package: pip install 'inflight[envs]'")
 
 
 class MathCheck(msgspec.Struct):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
@@ -36,8 +37,8 @@ from inflight.tasks.base import Problem
 log = logging.getLogger("inflight.rewards")
 CONVENTIONS = ("auto", "sample", "group")
 RESERVED = ("prompt", "completion", "prompts", "completions", "completion_ids")  # never passed as a column
-# `--reward <name>`: rewards shipped here, named without their module (a `module:function` is never a bare name)
-BUILTIN_REWARDS = {"math": "inflight.tasks.math_reward:reward_fn"}
+# `--reward <name>`: rewards shipped here, named without a module -> (module:function, the optional package it needs)
+BUILTIN_REWARDS = {"math": ("inflight.tasks.math_reward:reward_fn", "math_verify")}
 
 
 @dataclass
@@ -118,7 +119,11 @@ def _weights(text: str, n: int) -> list[float]:
 def import_function(spec: str) -> Callable:
     """The callable `module:function` (or a built-in name, BUILTIN_REWARDS) names; a ValueError naming `--reward`
     and the fix otherwise."""
-    module_name, sep, attr = BUILTIN_REWARDS.get(spec, spec).partition(":")
+    if spec in BUILTIN_REWARDS:
+        name, (spec, package) = spec, BUILTIN_REWARDS[spec]
+        if importlib.util.find_spec(package) is None:  # refused at load, before the engine starts
+            raise ValueError(f"--reward {name!r} needs the {package} package: pip install 'inflight[envs]'")
+    module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
             f"--reward is {spec!r}, expected 'module:function' (e.g. inflight.tasks.arithmetic:reward_fn) or a "
