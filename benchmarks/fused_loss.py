@@ -42,17 +42,17 @@ def make_inputs(tokens: int, hidden: int, vocab: int, device: str, seed: int = 0
 
 def run_naive(b: dict, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     logp = naive_token_logprobs(h, w, b["targets"])
-    return policy_loss(logp, b["behaviour"], b["advantages"], b["mask"], b["seq_ids"], CFG)[0]
+    return policy_loss(logp, b["behaviour"], b["advantages"], b["mask"], b["seq_ids"], CFG).loss
 
 
 def run_chunked(b: dict, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     logp = token_logprobs(h, w, b["targets"], chunk_tokens=1024)
-    return policy_loss(logp, b["behaviour"], b["advantages"], b["mask"], b["seq_ids"], CFG)[0]
+    return policy_loss(logp, b["behaviour"], b["advantages"], b["mask"], b["seq_ids"], CFG).loss
 
 
 def run_fused(b: dict, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return fused_policy_loss(h, w, b["targets"], b["behaviour"], b["advantages"], b["mask"], b["seq_ids"], CFG,
-                             chunk_tokens=1024)[0]  # fmt: skip
+                             chunk_tokens=1024).loss  # fmt: skip
 
 
 PATHS = {"naive": run_naive, "chunked": run_chunked, "fused": run_fused}

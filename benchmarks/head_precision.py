@@ -57,7 +57,7 @@ def learner_gaps(model_dir: Path, completions, autocast: torch.dtype | None) -> 
     samples = [Sample(c.prompt_ids, c.token_ids, c.logprobs, 0.0, [True] * len(c.token_ids)) for c in completions]
     batch = make_batch(samples, pad_id=0)
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, 1.0, positions=batch.mask, autocast=autocast)
+        logp = model(batch.input_ids, batch.targets, 1.0, positions=batch.mask, autocast=autocast).logp
     return (logp - batch.behaviour_logp).abs()[batch.mask]
 
 

@@ -19,6 +19,7 @@ is Σ_t weight_t · ℓ_t; `aggregation_weights` builds it exactly as `policy_lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +40,15 @@ class FusedLossInputs:
     seq_ids: torch.Tensor
     cfg: LossConfig
     normalizer: float | None = None
+
+
+class FusedPolicyLoss(NamedTuple):
+    """`fused_policy_loss`'s result: the scalar loss (differentiable w.r.t. the hidden states and the LM head weight),
+    the detached per-token logprobs (fp32, fp64 for fp64 inputs) and `policy_loss`'s metrics."""
+
+    loss: torch.Tensor
+    logp: torch.Tensor
+    metrics: dict[str, float]
 
 
 def fused_enabled(mode: str, device: torch.device) -> bool:
@@ -92,9 +102,9 @@ def fused_policy_loss(
     normalizer: float | None = None,
     chunk_tokens: int = 2048,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(loss, logp, metrics): the scalar loss (differentiable w.r.t. hidden and the LM head weight), the detached
-    fp32 per-token logprobs, and `policy_loss`'s metrics. backend: 'auto' (Triton on CUDA when it is there, else
+) -> FusedPolicyLoss:
+    """The loss, the per-token logprobs and the metrics (`FusedPolicyLoss`) of `token_logprobs` + `policy_loss`,
+    computed with the LM head chunk by chunk. backend: 'auto' (Triton on CUDA when it is there, else
     torch), 'triton' or 'torch'."""
     _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_tokens, None)
     for name, t in (
@@ -124,7 +134,7 @@ def fused_policy_loss(
         use_triton,
     )
     log_ratio = torch.where(mask, logp - behaviour_logp.detach().float(), 0.0)
-    return loss, logp, _metrics(log_ratio, mask, hit.bool())
+    return FusedPolicyLoss(loss, logp, _metrics(log_ratio, mask, hit.bool()))
 
 
 def _params(cfg: LossConfig) -> tuple[float, float]:

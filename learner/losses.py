@@ -24,6 +24,7 @@ the whole-batch loss (a sequence must not be split across ranks). learner/step.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -64,6 +65,13 @@ class LossConfig:
                 raise ValueError(message)
 
 
+class PolicyLoss(NamedTuple):
+    """`policy_loss`'s result: the scalar loss (differentiable w.r.t. `logp`) and its float metrics."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
 def policy_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -72,7 +80,7 @@ def policy_loss(
     seq_ids: torch.Tensor,
     cfg: LossConfig,
     normalizer: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> PolicyLoss:
     """Scalar loss (differentiable w.r.t. `logp`) and float metrics, for [T]-shaped per-token inputs.
 
     `normalizer`: the aggregation's final denominator — None uses the local count (unmasked tokens, or sequences with
@@ -98,7 +106,7 @@ def policy_loss(
         loss = per_token.sum() / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
     else:
         loss = _sequence_mean(per_token, mask, seq_ids, normalizer)
-    return loss, _metrics(log_ratio.detach(), mask, trust_region_hit)
+    return PolicyLoss(loss, _metrics(log_ratio.detach(), mask, trust_region_hit))
 
 
 def _per_token_loss(

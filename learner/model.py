@@ -16,6 +16,7 @@ import json
 import math
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,6 +29,43 @@ from learner.logprobs import token_logprobs
 from learner.truncation import Truncation
 
 _WRAPPER_PREFIX = "hf."  # PolicyModel keeps the HF model under `self.hf`; HF names are the names below it
+
+
+@dataclass
+class PolicyOutput:
+    """What `PolicyModel.forward` returns, whatever its arguments.
+
+    `logp` [B, L] float32 always (detached when the loss was fused). `loss` (scalar) and `metrics` (`policy_loss`'s)
+    only when `fused` loss inputs were given — the loss computed together with the LM head; otherwise `loss` is None
+    and `metrics` empty, and the caller computes the loss from `logp` (learner/losses.py). A dataclass FSDP2 traverses:
+    it hooks its backward on the tensors inside that need gradients.
+    """
+
+    logp: torch.Tensor
+    loss: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _HeadRows:
+    """The rows that go through the LM head: hidden states [N, H] in the head's dtype, their targets [N], and their
+    flat positions in [B · L] when `positions` picked a subset (`index`; None: every position, N = B · L)."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    index: torch.Tensor | None
+
+    def pick(self, per_token: torch.Tensor) -> torch.Tensor:
+        """A [B, L] per-token tensor at these rows, [N]."""
+        flat = per_token.reshape(-1)
+        return flat if self.index is None else flat.index_select(0, self.index)
+
+    def scatter(self, values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """[N] values back to [B, L] (0 at the positions left out), a copy, not a view: FSDP2 warns that in-place
+        ops on a view of the root's output would skip its hooks."""
+        if self.index is not None:
+            values = values.new_zeros(shape.numel()).index_copy(0, self.index, values)
+        return values.view(shape).clone()
 
 
 class PolicyModel(torch.nn.Module):
@@ -54,8 +92,9 @@ class PolicyModel(torch.nn.Module):
         autocast: torch.dtype | None = None,
         fused: FusedLossInputs | None = None,
         truncation: Truncation | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """[B, L] float32: log softmax(logits[b, t] / temperature)[targets[b, t]], logits from input_ids[b, :t+1].
+    ) -> PolicyOutput:
+        """`logp` [B, L] float32: log softmax(logits[b, t] / T)[targets[b, t]], logits from input_ids[b, :t+1], T the
+        temperature.
 
         With right padding no attention mask is needed: causal attention keeps real positions from seeing the pads
         that follow them; the values at pad positions are meaningless and must be masked by the caller.
@@ -63,70 +102,86 @@ class PolicyModel(torch.nn.Module):
         others are 0. `autocast` (e.g. torch.bfloat16): the decoder runs under autocast in that dtype, while the LM
         head and the log-softmax stay in the parameters' dtype — the logprobs feed importance ratios.
         `fused` ([B, L] loss inputs): the policy loss is computed with the LM head in one pass (learner/fused_loss.py,
-        the Triton kernel on CUDA) and the forward returns (logp [B, L] detached, loss, metrics) instead.
+        the Triton kernel on CUDA) and returned in `loss` and `metrics`, `logp` then detached.
         `truncation` (top-k / top-p / min-p sampling, learner/truncation.py): logprobs under the sampler's kept set;
         the fused loss computes full-softmax logprobs only, so the two are refused together.
         """
-        if fused is not None and truncation is not None and truncation.active:
-            raise ValueError(
-                "the fused loss computes full-softmax logprobs: with top-k/top-p/min-p sampling set "
-                "TrainConfig.fused_loss='off'"
-            )
-        if input_ids.dim() != 2 or targets.shape != input_ids.shape:
-            raise ValueError(
-                f"input_ids has shape {tuple(input_ids.shape)} and targets {tuple(targets.shape)}, "
-                "expected the same [batch, length] shape"
-            )
-        if positions is not None and positions.shape != input_ids.shape:
-            raise ValueError(
-                f"positions has shape {tuple(positions.shape)}, expected input_ids' {tuple(input_ids.shape)}"
-            )
-        device = input_ids.device.type
-        with torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None):
+        _check_forward_inputs(input_ids, targets, positions, fused, truncation)
+        rows = self._head_rows(input_ids, targets, attention_mask, positions, autocast)
+        with torch.autocast(input_ids.device.type, enabled=False):
+            if fused is None:
+                out = PolicyOutput(self._logprobs(rows, temperature, chunk_tokens, truncation))
+            else:
+                out = self._fused_loss(rows, fused, temperature, chunk_tokens)
+        return replace(out, logp=rows.scatter(out.logp, input_ids.shape))
+
+    def _head_rows(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        autocast: torch.dtype | None,
+    ) -> _HeadRows:
+        """The decoder's last hidden states (under autocast when asked) at `positions`, cast to the LM head's dtype."""
+        with torch.autocast(input_ids.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
             hidden = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = hidden.last_hidden_state
-        lm_head = self.hf.lm_head
-        hidden = hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype)
+        hidden = hidden.reshape(-1, hidden.shape[-1]).to(self.hf.lm_head.weight.dtype)
         flat_targets = targets.reshape(-1)
-        index = positions.reshape(-1).nonzero().squeeze(1) if positions is not None else None
-        if index is not None:
-            hidden, flat_targets = hidden.index_select(0, index), flat_targets.index_select(0, index)
-        with torch.autocast(device, enabled=False):
-            if fused is None:
-                logp = token_logprobs(
-                    hidden,
-                    lm_head.weight,
-                    flat_targets,
-                    temperature,
-                    chunk_tokens,
-                    getattr(lm_head, "bias", None),
-                    truncation,
-                )
-            else:
-                if getattr(lm_head, "bias", None) is not None:
-                    raise ValueError("the fused loss takes an LM head without bias: set TrainConfig.fused_loss='off'")
+        if positions is None:
+            return _HeadRows(hidden, flat_targets, None)
+        index = positions.reshape(-1).nonzero().squeeze(1)
+        return _HeadRows(hidden.index_select(0, index), flat_targets.index_select(0, index), index)
 
-                def pick(t: torch.Tensor) -> torch.Tensor:  # the rows that went through the LM head
-                    return t.reshape(-1) if index is None else t.reshape(-1).index_select(0, index)
+    def _logprobs(
+        self, rows: _HeadRows, temperature: float, chunk_tokens: int, truncation: Truncation | None
+    ) -> torch.Tensor:
+        lm_head = self.hf.lm_head
+        bias = getattr(lm_head, "bias", None)
+        return token_logprobs(rows.hidden, lm_head.weight, rows.targets, temperature, chunk_tokens, bias, truncation)
 
-                loss, logp, metrics = fused_policy_loss(
-                    hidden,
-                    lm_head.weight,
-                    flat_targets,
-                    pick(fused.behaviour_logp),
-                    pick(fused.advantages),
-                    pick(fused.mask),
-                    pick(fused.seq_ids),
-                    fused.cfg,
-                    temperature,
-                    fused.normalizer,
-                    chunk_tokens,
-                )
-        if index is not None:
-            logp = logp.new_zeros(input_ids.numel()).index_copy(0, index, logp)
-        # A copy, not a view: FSDP2 warns that in-place ops on a view of the root's output would skip its hooks.
-        logp = logp.view(input_ids.shape).clone()
-        return logp if fused is None else (logp, loss, metrics)
+    def _fused_loss(
+        self, rows: _HeadRows, fused: FusedLossInputs, temperature: float, chunk_tokens: int
+    ) -> PolicyOutput:
+        lm_head = self.hf.lm_head
+        if getattr(lm_head, "bias", None) is not None:
+            raise ValueError("the fused loss takes an LM head without bias: set TrainConfig.fused_loss='off'")
+        result = fused_policy_loss(
+            rows.hidden,
+            lm_head.weight,
+            rows.targets,
+            rows.pick(fused.behaviour_logp),
+            rows.pick(fused.advantages),
+            rows.pick(fused.mask),
+            rows.pick(fused.seq_ids),
+            fused.cfg,
+            temperature,
+            fused.normalizer,
+            chunk_tokens,
+        )
+        return PolicyOutput(result.logp, result.loss, result.metrics)
+
+
+def _check_forward_inputs(
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    positions: torch.Tensor | None,
+    fused: FusedLossInputs | None,
+    truncation: Truncation | None,
+) -> None:
+    if fused is not None and truncation is not None and truncation.active:
+        raise ValueError(
+            "the fused loss computes full-softmax logprobs: with top-k/top-p/min-p sampling set "
+            "TrainConfig.fused_loss='off'"
+        )
+    if input_ids.dim() != 2 or targets.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)} and targets {tuple(targets.shape)}, "
+            "expected the same [batch, length] shape"
+        )
+    if positions is not None and positions.shape != input_ids.shape:
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected input_ids' {tuple(input_ids.shape)}")
 
 
 def load_policy(

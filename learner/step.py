@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from learner.fused_loss import FUSED_MODES, FusedLossInputs, fused_enabled
 from learner.losses import LossConfig, policy_loss
+from learner.model import PolicyModel, PolicyOutput
 from learner.truncation import Truncation
 
 AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}
@@ -157,7 +158,7 @@ def _check_sample(index: int, s: Sample) -> None:
 
 
 def train_step(
-    model: torch.nn.Module,
+    model: PolicyModel,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: TrainConfig,
@@ -185,40 +186,49 @@ def train_step(
     given = global_tokens if cfg.loss.aggregation == "token" else global_sequences
     normalizer = float(given) if given is not None else _global_count(batch, cfg.loss.aggregation, model)
     normalizer = max(normalizer, 1.0)  # nothing trains anywhere: a zero loss, not 0 / 0
-
-    positions = batch.mask if probe_mask is None else batch.mask | probe_mask  # the LM head runs only where needed
-    if fused_enabled(cfg.fused_loss, batch.input_ids.device) and not cfg.truncation.active:
-        fused = FusedLossInputs(batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg.loss, normalizer)
-        logp, loss, metrics = model(
-            batch.input_ids,
-            batch.targets,
-            cfg.temperature,
-            cfg.chunk_tokens,
-            positions=positions,
-            autocast=AUTOCAST[cfg.autocast],
-            fused=fused,
-        )
-    else:
-        logp = model(
-            batch.input_ids,
-            batch.targets,
-            cfg.temperature,
-            cfg.chunk_tokens,
-            positions=positions,
-            autocast=AUTOCAST[cfg.autocast],
-            truncation=cfg.truncation,
-        )
-        flat = [t.reshape(-1) for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
-        loss, metrics = policy_loss(*flat, cfg.loss, normalizer=normalizer)
+    out = _forward_loss(model, batch, cfg, normalizer, probe_mask)
+    metrics = dict(out.metrics)
     if probe_mask is not None:
-        with torch.no_grad():
-            gap = (logp.detach() - batch.behaviour_logp).abs()[probe_mask]
-        metrics["probe_abs_logratio_sum"], metrics["probe_tokens"] = float(gap.sum()), float(gap.numel())
-    (loss * world_size).backward()  # FSDP2 divides the reduced gradient by world_size; this undoes it
+        metrics.update(_probe_metrics(out.logp, batch.behaviour_logp, probe_mask))
+    (out.loss * world_size).backward()  # FSDP2 divides the reduced gradient by world_size; this undoes it
     grad_norm = _clip_grad_norm(model, cfg.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": _sum_over_ranks(loss.detach(), model), "grad_norm": grad_norm, "normalizer": normalizer, **metrics}
+    loss = _sum_over_ranks(out.loss.detach(), model)
+    return {"loss": loss, "grad_norm": grad_norm, "normalizer": normalizer, **metrics}
+
+
+def _forward_loss(
+    model: PolicyModel, batch: Batch, cfg: TrainConfig, normalizer: float, probe_mask: torch.Tensor | None
+) -> PolicyOutput:
+    """The policy's logprobs and this rank's share of the loss: fused with the LM head where `cfg.fused_loss` turns it
+    on (full-softmax only, so not with a truncation), else `policy_loss` over the logprobs."""
+    positions = batch.mask if probe_mask is None else batch.mask | probe_mask  # the LM head runs only where needed
+    fused = None
+    if fused_enabled(cfg.fused_loss, batch.input_ids.device) and not cfg.truncation.active:
+        fused = FusedLossInputs(batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg.loss, normalizer)
+    out = model(
+        batch.input_ids,
+        batch.targets,
+        cfg.temperature,
+        cfg.chunk_tokens,
+        positions=positions,
+        autocast=AUTOCAST[cfg.autocast],
+        fused=fused,
+        truncation=cfg.truncation,
+    )
+    if out.loss is not None:
+        return out
+    flat = [t.reshape(-1) for t in (out.logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
+    result = policy_loss(*flat, cfg.loss, normalizer=normalizer)
+    return PolicyOutput(out.logp, result.loss, result.metrics)
+
+
+def _probe_metrics(logp: torch.Tensor, behaviour_logp: torch.Tensor, probe_mask: torch.Tensor) -> dict[str, float]:
+    """Σ |logπθ − logμ| and the token count over `probe_mask` (rank-local), outside the graph."""
+    with torch.no_grad():
+        gap = (logp.detach() - behaviour_logp).abs()[probe_mask]
+    return {"probe_abs_logratio_sum": float(gap.sum()), "probe_tokens": float(gap.numel())}
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

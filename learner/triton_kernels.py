@@ -41,6 +41,22 @@ def _row_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
+    lse = _log_normaliser(base, vocab, inv_temp, BLOCK_V)
+    target = tl.load(targets_ptr + row)
+    logp = tl.load(base + target).to(tl.float32) * inv_temp - lse
+    w = tl.load(weight_ptr + row)
+    live = w != 0.0
+    term, dterm, hit = _loss_term(logp, tl.load(behaviour_ptr + row), tl.load(adv_ptr + row), live, kind, p1, p2)
+    tl.store(logp_ptr + row, logp)
+    tl.store(loss_ptr + row, w * term)
+    tl.store(hit_ptr + row, (hit & live).to(tl.int8))
+    if write_grad:
+        _write_logit_grad(base, vocab, inv_temp, lse, target, w * dterm * inv_temp, BLOCK_V)
+
+
+@triton.jit
+def _log_normaliser(base, vocab, inv_temp, BLOCK_V: tl.constexpr):
+    """Pass 1: log Σ exp(logit / T) over the row, with an online max per lane so no tile overflows."""
     offs = tl.arange(0, BLOCK_V)
     run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     run_sum = tl.zeros([BLOCK_V], tl.float32)
@@ -48,19 +64,19 @@ def _row_kernel(
         cols = start + offs
         x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32) * inv_temp
         new_max = tl.maximum(run_max, x)
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # a lane that has seen only padding stays at 0
         run_sum = run_sum * tl.exp(run_max - safe) + tl.exp(x - safe)
         run_max = new_max
     row_max = tl.max(run_max, axis=0)
-    lse = row_max + tl.log(tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
-    target = tl.load(targets_ptr + row)
-    logp = tl.load(base + target).to(tl.float32) * inv_temp - lse
+    return row_max + tl.log(tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
 
-    w = tl.load(weight_ptr + row)
-    live = w != 0.0
-    log_ratio = tl.where(live, logp - tl.load(behaviour_ptr + row), 0.0)
-    ratio = tl.exp(log_ratio)
-    adv = tl.where(live, tl.load(adv_ptr + row), 0.0)
+
+@triton.jit
+def _loss_term(logp, behaviour, adv, live, kind: tl.constexpr, p1, p2):
+    """(loss term, d term / d logp, trust-region hit) of one token; a masked token (`live` False) gets ratio 1 and
+    advantage 0, so its behaviour logprob never reaches an exp."""
+    ratio = tl.exp(tl.where(live, logp - behaviour, 0.0))
+    adv = tl.where(live, adv, 0.0)
     if kind == 0:  # tis: -A * min(r, cap).detach() * logp
         capped = tl.minimum(ratio, p1)
         term = -adv * capped * logp
@@ -77,17 +93,18 @@ def _row_kernel(
         term = tl.where(in_band, -adv * ratio, 0.0)
         dterm = term
         hit = ~in_band
-    tl.store(logp_ptr + row, logp)
-    tl.store(loss_ptr + row, w * term)
-    tl.store(hit_ptr + row, (hit & live).to(tl.int8))
+    return term, dterm, hit
 
-    if write_grad:
-        g = w * dterm * inv_temp
-        for start in range(0, vocab, BLOCK_V):
-            cols = start + offs
-            x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32) * inv_temp
-            grad = -g * tl.exp(x - lse) + tl.where(cols == target, g, 0.0)
-            tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < vocab)
+
+@triton.jit
+def _write_logit_grad(base, vocab, inv_temp, lse, target, g, BLOCK_V: tl.constexpr):
+    """Pass 2: the logit gradient g · (onehot(target) − softmax(logit / T)), written over the row in its dtype."""
+    offs = tl.arange(0, BLOCK_V)
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + offs
+        x = tl.load(base + cols, mask=cols < vocab, other=0.0).to(tl.float32) * inv_temp
+        grad = -g * tl.exp(x - lse) + tl.where(cols == target, g, 0.0)
+        tl.store(base + cols, grad.to(base.dtype.element_ty), mask=cols < vocab)
 
 
 def row_pass(

@@ -213,14 +213,16 @@ def test_the_learner_never_trains_environment_tokens_their_content_and_placehold
         gradient of the whole loss w.r.t. every position's logprob."""
         batch = make_batch([Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, 1.0, s.token_mask)
                             for s in sample_list], pad_id=0)  # fmt: skip
-        logp = model(batch.input_ids, batch.targets, 1.0).detach().requires_grad_(True)
+        logp = model(batch.input_ids, batch.targets, 1.0).logp.detach().requires_grad_(True)
         flat = [t.reshape(-1) for t in (batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
         loss, _ = policy_loss(logp.reshape(-1), *flat[:2], flat[2], flat[3], LossConfig(), normalizer=100.0)
         loss.backward()
         each = torch.zeros(batch.mask.numel())
         for i in torch.nonzero(flat[2]).flatten():
             one = torch.zeros_like(flat[2]).index_fill_(0, i, True)
-            each[i] = policy_loss(logp.reshape(-1).detach(), *flat[:2], one, flat[3], LossConfig(), normalizer=100.0)[0]
+            each[i] = policy_loss(
+                logp.reshape(-1).detach(), *flat[:2], one, flat[3], LossConfig(), normalizer=100.0
+            ).loss
         return each.view_as(batch.mask), logp.grad, batch.mask, loss.detach()
 
     base_terms, base_grad, mask, base_loss = terms(samples)

@@ -45,7 +45,7 @@ def learner_logprobs(model_dir, rollouts, dtype=torch.float32) -> tuple[torch.Te
     batch = make_batch(samples, pad_id=0)
     temperature = rollouts[0].sampling.temperature
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, temperature=temperature)
+        logp = model(batch.input_ids, batch.targets, temperature=temperature).logp
         lm_head, bounds = model.hf.lm_head.weight.double(), []
         for row in range(batch.input_ids.shape[0]):  # one row at a time: [tokens, vocab] float64 logits
             mask = batch.mask[row]

@@ -31,7 +31,7 @@ def learner_logprobs(model_dir, rollouts, truncation: Truncation | None) -> tupl
                for r in rollouts]  # fmt: skip
     batch = make_batch(samples, pad_id=0)
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, rollouts[0].sampling.temperature, truncation=truncation)
+        logp = model(batch.input_ids, batch.targets, rollouts[0].sampling.temperature, truncation=truncation).logp
     return logp[batch.mask], batch.behaviour_logp[batch.mask]
 
 

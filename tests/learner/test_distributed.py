@@ -78,7 +78,7 @@ def make_samples(model: PolicyModel, cfg: TrainConfig, seed: int) -> tuple[list[
         samples.append(Sample(ids[:p_len], ids[p_len:], [0.0] * c_len, 0.0, token_mask))
     batch = make_batch(samples, PAD_ID)
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, cfg.temperature)
+        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp
     advantages = [1.0, -0.6, 0.8, -1.2]
     first = []
     for row, (s, adv) in enumerate(zip(samples, advantages, strict=True)):
@@ -205,7 +205,7 @@ def step_error(model: PolicyModel, batch, cfg: TrainConfig) -> tuple[dict[str, f
     relative to the largest (`logprob_gradient_bound` with scale 1)."""
     with torch.no_grad():
         hidden = model.hf.model(input_ids=batch.input_ids).last_hidden_state[batch.mask]
-        logp = model(batch.input_ids, batch.targets, cfg.temperature).flatten()
+        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp.flatten()
     lm_head = model.hf.lm_head.weight
     relative = logprob_gradient_bound(torch.float64, hidden, lm_head, cfg.temperature, 1.0)
     mask = batch.mask.flatten()

@@ -231,7 +231,7 @@ def test_rank_losses_with_global_normalizer_sum_to_whole_batch_loss(kind: str, a
         loss.backward()
         losses.append(loss.detach())
         grads.append(logp.grad)
-        local_losses.append(policy_loss(shard.logp, *args)[0])
+        local_losses.append(policy_loss(shard.logp, *args).loss)
 
     # Both float64 computations err as in test_loss_value_gradient_and_metrics_match_float64_token_loop.
     _, _, _, loss_scale = reference_loss(whole, cfg)

@@ -48,8 +48,8 @@ def test_logprobs_equal_float64_hf_logits_with_right_padding(policy: tuple[str, 
     reference_hf = copy.deepcopy(model.hf).double()
     with torch.no_grad():
         expected = reference_logprobs(reference_hf, input_ids, targets, mask, temperature)
-        unmasked = model(input_ids, targets, temperature, chunk_tokens=7)  # chunks straddle rows and padding
-        masked = model(input_ids, targets, temperature, attention_mask=mask)
+        unmasked = model(input_ids, targets, temperature, chunk_tokens=7).logp  # chunks straddle rows and padding
+        masked = model(input_ids, targets, temperature, attention_mask=mask).logp
         hidden = reference_hf.model(input_ids=input_ids, attention_mask=mask).last_hidden_state[mask.bool()]
     real = mask.bool()
     assert unmasked.dtype == torch.float32 and unmasked.shape == input_ids.shape
@@ -71,7 +71,7 @@ def test_gradients_equal_those_through_hf_logits(policy: tuple[str, PolicyModel]
     weights = torch.randn(input_ids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * mask
     reference_hf = copy.deepcopy(model.hf)
 
-    (model(input_ids, targets, 0.7, chunk_tokens=5) * weights).sum().backward()
+    (model(input_ids, targets, 0.7, chunk_tokens=5).logp * weights).sum().backward()
     (reference_logprobs(reference_hf, input_ids, targets, mask, 0.7) * weights).sum().backward()
 
     with torch.no_grad():

@@ -23,9 +23,9 @@ from tolerances import (
     sum_bound,
 )
 
-from learner.fused_loss import aggregation_weights
+from learner.fused_loss import FusedLossInputs, aggregation_weights
 from learner.losses import LossConfig, policy_loss
-from learner.model import PolicyModel, load_policy
+from learner.model import PolicyModel, PolicyOutput, load_policy
 from learner.step import Batch, Sample, TrainConfig, make_batch, make_optimizer, train_step
 
 PAD = 0
@@ -53,7 +53,7 @@ def step_metric_bounds(model: PolicyModel, batch: Batch, cfg: TrainConfig) -> di
     lp_error = 2 * lm_head_logprob_bound(torch.float64, final_hidden(model, batch), model.hf.lm_head.weight,
                                          cfg.temperature)  # fmt: skip
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, cfg.temperature).flatten()
+        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp.flatten()
     mask = batch.mask.flatten()
     weights = aggregation_weights(mask, batch.seq_ids.flatten(), cfg.loss.aggregation)
     loss = policy_loss_bound(logp, batch.behaviour_logp.flatten(), batch.advantages.flatten(), weights, lp_error,
@@ -113,7 +113,7 @@ def test_train_step_loss_is_policy_loss_of_the_model_logprobs_and_moves_weights(
     cfg = TrainConfig(temperature=0.7, loss=LossConfig(kind="ppo"))
     batch = make_batch(SAMPLES, PAD)
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, cfg.temperature)
+        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp
         flat = [t.flatten() for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
         expected_loss, expected_metrics = policy_loss(*flat, cfg.loss)
     before = [p.detach().clone() for p in model.parameters()]
@@ -186,11 +186,11 @@ def test_lm_head_only_at_positions_gives_the_same_logprobs_and_gradients(tiny_ll
     # matmuls, and which oneDNN kernel each gets (AMX or AVX2) decides how far apart they round (1.8e-5 on an AMD EPYC).
     model = copy.deepcopy(tiny_llama).double()
     batch = make_batch(SAMPLES, PAD)
-    full = model(batch.input_ids, batch.targets, 1.0)
+    full = model(batch.input_ids, batch.targets, 1.0).logp
     full.masked_fill(~batch.mask, 0.0).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    part = model(batch.input_ids, batch.targets, 1.0, positions=batch.mask)
+    part = model(batch.input_ids, batch.targets, 1.0, positions=batch.mask).logp
     part.sum().backward()
     assert torch.equal(part[~batch.mask], torch.zeros(int((~batch.mask).sum()), dtype=torch.float64))
     # Both float64 paths err by up to the LM head's bound (its log-sum-exp over the vocabulary is the longest sum).
@@ -204,11 +204,30 @@ def test_lm_head_only_at_positions_gives_the_same_logprobs_and_gradients(tiny_ll
         model(batch.input_ids, batch.targets, 1.0, positions=batch.mask[:, :2])
 
 
+def test_forward_returns_one_output_type_carrying_a_loss_only_when_fused(tiny_llama: PolicyModel) -> None:
+    model = copy.deepcopy(tiny_llama).double()  # a check of logic (two paths to one loss), so in float64
+    batch = make_batch(SAMPLES, PAD)
+    per_token = (batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)
+    plain = model(batch.input_ids, batch.targets, 1.0, positions=batch.mask)
+    fused = model(
+        batch.input_ids, batch.targets, 1.0, positions=batch.mask, fused=FusedLossInputs(*per_token, LossConfig())
+    )
+    assert type(plain) is PolicyOutput and type(fused) is PolicyOutput
+    assert plain.loss is None and plain.metrics == {} and plain.logp.requires_grad
+    assert fused.loss is not None and fused.loss.requires_grad and not fused.logp.requires_grad
+    expected = policy_loss(*(t.reshape(-1) for t in (plain.logp, *per_token)), LossConfig())
+    bounds = step_metric_bounds(model, batch, TrainConfig(temperature=1.0))
+    check_within(abs(float(fused.loss.detach()) - float(expected.loss.detach())), bounds["loss"], "loss")
+    assert fused.metrics.keys() == expected.metrics.keys()
+    for key, value in expected.metrics.items():
+        check_within(abs(fused.metrics[key] - value), bounds[key], key)
+
+
 def test_bf16_autocast_decoder_is_close_to_fp32_and_keeps_fp32_master_weights(tiny_llama: PolicyModel) -> None:
     model = copy.deepcopy(tiny_llama)
     batch = make_batch(SAMPLES, PAD)
-    exact = model(batch.input_ids, batch.targets, 1.0)[batch.mask]
-    fast = model(batch.input_ids, batch.targets, 1.0, autocast=torch.bfloat16)[batch.mask]
+    exact = model(batch.input_ids, batch.targets, 1.0).logp[batch.mask]
+    fast = model(batch.input_ids, batch.targets, 1.0, autocast=torch.bfloat16).logp[batch.mask]
     gap = (fast - exact).abs().max().item()
     assert fast.dtype == torch.float32
     # bf16 rounding shows, but only at the bf16 level: each decoder layer's bf16 matmuls leave the hidden state off

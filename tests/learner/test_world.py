@@ -87,8 +87,8 @@ def test_sharded_with_a_compute_dtype_the_decoder_layers_run_in_bf16_and_the_lm_
     sample = Sample(list(range(5, 12)), list(range(20, 29)), [-5.0] * 9, 1.0, [True] * 9)
     batch = make_batch([sample], pad_id=0)
     with torch.no_grad():
-        want = reference(batch.input_ids, batch.targets, 1.0)
-        got = model(batch.input_ids, batch.targets, 1.0)
+        want = reference(batch.input_ids, batch.targets, 1.0).logp
+        got = model(batch.input_ids, batch.targets, 1.0).logp
     assert seen == {"layer": torch.bfloat16, "head": torch.float32}
     gap = (got - want)[batch.mask].abs().max().item()
     print(f"\nlargest |bf16 layers - fp32| logprob gap {gap:.2e}")
