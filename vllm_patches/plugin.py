@@ -10,6 +10,11 @@ exact: every token sampled after the commit carries the new version, every token
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import sys
+import threading
 import time
 
 from vllm_patches.kv_age import KvAgeTracker, install
@@ -53,6 +58,7 @@ def inflight_kv_spans(self, request_id: str) -> list[tuple[int, int]]:
 
 
 def register() -> None:
+    # Imported here: vLLM loads its general plugins while it is itself being imported and set up in every process.
     from vllm.v1.engine.core import EngineCore
 
     for method in (inflight_commit, inflight_track_kv, inflight_kv_spans):
@@ -70,12 +76,6 @@ def _exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
     parent pid; when it changes (re-parented), SIGTERM runs vLLM's own shutdown, and after `grace_s` the process exits
     regardless.
     """
-    import multiprocessing
-    import os
-    import signal
-    import sys
-    import threading
-
     watching = any(t.name == "inflight-parent-watch" for t in threading.enumerate())
     if multiprocessing.parent_process() is None or watching:
         return

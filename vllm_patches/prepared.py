@@ -35,8 +35,13 @@ from dataclasses import dataclass, field
 from types import MethodType
 
 import torch
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
+from vllm.model_executor.model_loader.reload import layerwise
+from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, restore_layer_on_meta, to_meta_tensor
+from vllm.model_executor.model_loader.reload.utils import get_layer_size
 
-from vllm_patches.staging import leave_the_engines_core
+from vllm_patches import faults
+from vllm_patches.cores import leave_the_engines_core
 
 _MISSING = object()  # an attribute the live module did not have before a swap
 _OWN_STATE = ("_parameters", "_buffers", "_non_persistent_buffers_set")
@@ -96,6 +101,21 @@ def _set_attributes(module: torch.nn.Module, values: dict[str, object]) -> None:
             module.__dict__[name] = value
 
 
+@dataclass(frozen=True)
+class ShadowPreparer:
+    """The staging thread's `prepare` collaborator for one update (vllm_patches/staging.py:PrepareUpdate): builds the
+    update's processed weights into a shadow of `model`; fails half-way where a test planned it for the worker's
+    `ordinal`-th update (vllm_patches/faults.py)."""
+
+    model: torch.nn.Module
+    version: int
+    ordinal: int
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedWeights:
+        weights = faults.half_way(list(tensors.items()), "prepare", self.ordinal)
+        return prepare(self.model, weights, self.version)
+
+
 def shadow_tree(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[torch.nn.Module, torch.nn.Module]]:
     """A shallow copy of `model`'s module tree and the live → shadow map. A module that appears twice in the tree (a
     tied head that *is* the embedding) is copied once, so the shadow keeps the aliasing."""
@@ -122,24 +142,22 @@ def prepare(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     """Load and process `weights` (checkpoint names and format) into a shadow of `model`; the live model is not
     touched. Runs on any thread (the serve's staging thread, moved off the engine's cores by
     staging.leave_the_engines_core). Raises if a layer that received weights could not be processed."""
-    from vllm.model_executor.model_loader.reload import layerwise
-
     start = time.perf_counter()
     weights = _yielding(weights)
     root, pairs = shadow_tree(model)
     root.__dict__["_do_torchao_reload"] = False  # vLLM's torchao hook would re-enter a reload
-    armed = [(live, shadow) for live, shadow in pairs.items() if _arm(live, shadow, layerwise)]
+    armed = [(live, shadow) for live, shadow in pairs.items() if _arm(live, shadow)]
     with torch.no_grad():
         root.load_weights(weights)
-        processed = [(live, shadow) for live, shadow in armed if _finish(shadow, layerwise)]
+        processed = [(live, shadow) for live, shadow in armed if _finish(shadow)]
         prepared = PreparedWeights(version, [(live, _changed(live, shadow)) for live, shadow in processed])
         prepared.layers += _tied_layers(pairs, processed)
-    _forget(pairs, layerwise)
+    _forget(pairs)
     prepared.prepare_s = time.perf_counter() - start
     return prepared
 
 
-def _forget(pairs: dict[torch.nn.Module, torch.nn.Module], layerwise) -> None:
+def _forget(pairs: dict[torch.nn.Module, torch.nn.Module]) -> None:
     """Cut every reference the update leaves from what goes live back to its shadow, so each shadow tree is freed once
     swapped in (and the weights it replaced with it). Two kinds: vLLM's reload record of a shadow (`LAYERWISE_INFO`, a
     WeakKeyDictionary whose value refers back to its key, so it never expires), and the loaders on the new tensors —
@@ -179,20 +197,17 @@ def _yielding(weights: Iterable[tuple[str, torch.Tensor]], pause_s: float = 0.00
         yield item
 
 
-def _arm(live: torch.nn.Module, shadow: torch.nn.Module, layerwise) -> bool:
+def _arm(live: torch.nn.Module, shadow: torch.nn.Module) -> bool:
     """Put `shadow` in checkpoint format on meta with vLLM's deferred loader, as `initialize_layerwise_reload` does for
     a live layer, but with no kernel tensors to copy back: processing ends in the shadow's own new tensors. Returns
     whether the layer can load anything."""
-    from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, restore_layer_on_meta
-    from vllm.model_executor.model_loader.reload.utils import get_layer_size
-
     if not (shadow._parameters or shadow._buffers) or type(shadow).__name__ in SKIP_MODULES:
         return False
     info, live_info = layerwise.get_layerwise_info(shadow), layerwise.get_layerwise_info(live)
     info.restore_metadata, info.restore_device = _own_metadata(live_info.restore_metadata), live_info.restore_device
     method = shadow.__dict__.get("quant_method")
     if method is not None and hasattr(method, "moe_kernel"):
-        method.moe_kernel = None  # first-load path: pad and prepack (see worker_extension._experts_set_up_afresh)
+        method.moe_kernel = None  # first-load path: pad and prepack (see commit._experts_set_up_afresh)
     restore_layer_on_meta(shadow, info)
     _own_copies_of_the_rest(live, shadow)
     if get_layer_size(shadow) == 0:
@@ -206,8 +221,6 @@ def _own_metadata(metadata):
     parameters on every reload and wraps their loaders in place, harmless when the layer is always the same one; with a
     new shadow per update, the second update's loads would go through the first shadow's wrappers — into the layer
     that update made live. Each shadow therefore gets tensors of its own (same class and attributes)."""
-    from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
-
     params, buffers = metadata
     return {n: to_meta_tensor(t) for n, t in params.items()}, {n: to_meta_tensor(t) for n, t in buffers.items()}
 
@@ -227,11 +240,9 @@ def _own_copies_of_the_rest(live: torch.nn.Module, shadow: torch.nn.Module) -> N
             table[name] = own
 
 
-def _finish(shadow: torch.nn.Module, layerwise) -> bool:
+def _finish(shadow: torch.nn.Module) -> bool:
     """Process `shadow` if the online loader left it waiting (padding: fewer elements loaded than allocated); return
     whether it now holds processed new weights. A layer that received nothing stays live."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
     info = layerwise.get_layerwise_info(shadow)
     if info.can_load() and info.load_numel > 0:  # processed layers were reset by the loader: can_load() is False
         if is_deferred_attention_layer(shadow):

@@ -1,5 +1,6 @@
-"""What the worker extension's `inflight_*` methods and the EngineCore utility `inflight_commit` return, as typed
-records shared by the worker (writer) and `vllm_patches/engine.py:InflightEngine` (reader).
+"""What crosses between the worker and the engine: what the worker extension's `inflight_*` methods and the EngineCore
+utility `inflight_commit` return, and the `StagedSignal` a worker's staging thread pushes when its update is staged
+(vllm_patches/staging.py:StagedNotifier), as typed records shared by the worker (writer) and the engine (reader).
 
 The results cross processes inside vLLM: worker → EngineCore by pickle with the multiprocess executor (Structs pickle
 as themselves) and EngineCore → front-end by vLLM's msgpack, which encodes a Struct as a map and, unless
@@ -24,7 +25,7 @@ class GroupJoined(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class StageStatus(msgspec.Struct, forbid_unknown_fields=True):
-    """`inflight_begin_update`, `inflight_update_status`, `inflight_wait_staged`: one worker's staged update.
+    """`inflight_begin_update`, `inflight_update_status` and every `StagedSignal`: one worker's staged update.
 
     `receive_s`, `verify_s` and `prepare_s` (loading into a processed copy, `--update-memory double`) are durations in
     seconds, 0 until done; `started_at` and `staged_at` are wall clock
@@ -41,6 +42,19 @@ class StageStatus(msgspec.Struct, forbid_unknown_fields=True):
     started_at: float
     staged_at: float
     prepare_s: float = 0.0
+
+
+class StagedSignal(msgspec.Struct, forbid_unknown_fields=True):
+    """A worker's staging thread to the engine, once, when the update begun under `ticket` is staged or failed.
+
+    Sent on the staged-signal channel (vllm_patches/updates.py:StagedSignals), not through vLLM: the engine awaits it
+    while EngineCore keeps stepping. `ticket` is the engine's number for that `update()` (a late signal of an update the
+    engine gave up on carries an older one and is dropped); `worker` is the sender's rank among the engine's workers.
+    """
+
+    ticket: int
+    worker: int
+    status: StageStatus
 
 
 class CommitApplied(msgspec.Struct, forbid_unknown_fields=True):

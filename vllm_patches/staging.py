@@ -15,19 +15,30 @@ a host synchronisation) before the device-to-device copies into the parameters.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import torch
+import zmq
 
 from inflight.wire.group import WeightsGroup
 from inflight.wire.transfer import receive_update
 from inflight.wire.weights import UpdateManifest, unpack_buckets
-from vllm_patches.rpc import StageStatus
+from vllm_patches.cores import leave_the_engines_core
+from vllm_patches.rpc import StagedSignal, StageStatus
+
+if TYPE_CHECKING:  # prepared.py imports vLLM's loaders (~15 s): the wire's tests and benchmarks stage without them
+    from vllm_patches.prepared import PreparedWeights
+
+log = logging.getLogger(__name__)
 
 
 class StageState(str, Enum):
@@ -35,6 +46,22 @@ class StageState(str, Enum):
     STAGED = "staged"
     FAILED = "failed"
     COMMITTED = "committed"
+
+
+@dataclass
+class HeldTensors:
+    """The whole tensors of the version a worker serves, kept after a commit: the in-place path's rollback source and
+    the base a delta update (`manifest.base_version`) is applied to."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+class PrepareUpdate(Protocol):
+    """Builds the processed weights of one update from its verified tensors (vllm_patches/prepared.py:ShadowPreparer),
+    on the staging thread, without touching the live model."""
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedWeights: ...
 
 
 class StagedUpdate:
@@ -46,16 +73,18 @@ class StagedUpdate:
         group: WeightsGroup,
         device: torch.device | str = "cpu",
         weights_key: bytes | None = None,
-        prepare: Callable[[dict], object] | None = None,
-        base: tuple[int, dict[str, torch.Tensor]] | None = None,
+        prepare: PrepareUpdate | None = None,
+        base: HeldTensors | None = None,
+        on_finished: Callable[[StageStatus], None] | None = None,
     ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
-        `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`, e.g.
-        vllm_patches/prepared.py:prepare), then release the tensors unless the manifest says `keep_base`; the update is
-        staged only once that is done. `base`: (version, whole tensors) the receiver holds, what a delta update
-        (`manifest.base_version`) is applied to; a delta on anything else fails the stage, naming both versions."""
+        `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`), then
+        release the tensors unless the manifest says `keep_base`; the update is staged only once that is done. `base`:
+        the whole tensors the receiver holds, what a delta update is applied to; a delta on anything else fails the
+        stage, naming both versions. `on_finished`: handed the final status (staged or failed) once, by this thread
+        (the worker's `StagedNotifier.announce`)."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
-        self.base = base
+        self.base, self.on_finished = base, on_finished
         self.prepare, self.prepared, self.prepare_s = prepare, None, 0.0
         self.state = StageState.RECEIVING
         self.error: str | None = None
@@ -92,9 +121,9 @@ class StagedUpdate:
                     self._ready.synchronize()  # receive_s is the transfer's, not the time to queue it
                 self.receive_s = time.perf_counter() - self.started
                 # CUDA: host copies, side stream
-                self.tensors = unpack_buckets(
-                    self.manifest, buckets, verify=True, weights_key=self.weights_key, base=self.base
-                )
+                base = None if self.base is None else (self.base.version, self.base.tensors)
+                key = self.weights_key
+                self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=key, base=base)
             self.base = None  # a delta's new tensors are copies: the base is no longer needed here
             self.verify_s = time.perf_counter() - self.started - self.receive_s
             if self.prepare is not None:
@@ -109,7 +138,16 @@ class StagedUpdate:
             self.tensors = {}
             self.state = StageState.FAILED
         finally:
+            self._announce()
             self._done.set()
+
+    def _announce(self) -> None:
+        if self.on_finished is None:
+            return
+        try:
+            self.on_finished(self.status())
+        except Exception:  # the engine then times out on this update, naming it; the worker must not die of it
+            log.exception("could not signal the end of staging v%d to the engine", self.manifest.version)
 
     def ready_on_current_stream(self) -> None:
         """Make the caller's current CUDA stream wait for the staged buckets (a no-op on CPU), and tell the caching
@@ -142,52 +180,30 @@ class StagedUpdate:
         )
 
 
-def spare_cores() -> set[int]:
-    """The cores this process may run on but its compute threads do not, or an empty set where there are none.
+class StagedNotifier:
+    """A worker's end of the staged signal (vllm_patches/updates.py:StagedSignals, which says why it exists):
+    `announce` pushes one update's final status to the engine. Called from the staging thread
+    (one at a time: an update begins only after the previous one finished receiving); a lock makes the hand-over of
+    the socket between successive staging threads safe."""
 
-    vLLM's CPU worker pins itself (and its OpenMP team) to the cores it computes on; its parent, the EngineCore, may
-    use the rest (vLLM keeps one for scheduling). The EngineCore only busy-waits on the worker's answer while a step
-    runs (a `sched_yield` loop), so on such a core background work gets nearly all of it, where on the worker's own
-    core every cycle it takes is one the decode does not get. An unpinned worker (GPU) has none: its parent's cores
-    are its own."""
-    with contextlib.suppress(AttributeError, OSError):  # not Linux, or the parent is gone
-        return os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
-    return set()
+    def __init__(self, address: str, worker: int) -> None:
+        self.worker = worker
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 1000)  # closing never hangs a worker on an engine that is gone
+        self._socket.connect(address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._lock = threading.Lock()
 
+    def announce(self, ticket: int, status: StageStatus) -> None:
+        frame = self._encoder.encode(StagedSignal(ticket, self.worker, status))
+        with self._lock:
+            self._socket.send(frame)
 
-def leave_the_engines_core() -> None:
-    """Move the calling (background) thread off the worker's compute cores where there are spare ones, and lower its
-    priority to nice 10, so where it must share a core the engine's threads get ~90% of it. (Nice 19 starved the
-    preparation for tens of seconds under load; a niced thread holding the GIL cannot starve the engine: the engine
-    blocks on the GIL, not runnable, so the holder runs until Python's switch interval hands the GIL over.)
-
-    Measured on 2 cores (SmolLM2, 16 requests decoding): on the EngineCore's core instead of on both, a prepared update
-    was built in 0.5-0.7 s instead of 1.6-2.9 s, and the tokens an update cost the decode fell from ~155 to ~95 (8
-    updates each, against the quiet seconds after each). Settings of this thread only; threads it starts inherit
-    them."""
-    spare = spare_cores()
-    with contextlib.suppress(AttributeError, OSError):
-        if spare:
-            os.sched_setaffinity(0, spare)
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-
-
-@contextlib.contextmanager
-def on_spare_cores():
-    """Run the calling thread on `spare_cores()` for the block (unchanged where there are none), then put its own
-    cores back. Threads created inside keep the spare cores: used to start the weights group, whose transport thread
-    (gloo's TCP loop) then receives each update's bytes beside the decode instead of on its core."""
-    spare, own = spare_cores(), None
-    with contextlib.suppress(AttributeError, OSError):
-        if spare:
-            own = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, spare)
-    try:
-        yield
-    finally:
-        if own is not None:
-            os.sched_setaffinity(0, own)
+    def close(self) -> None:
+        with self._lock:
+            self._socket.close()
+        self._context.term()
 
 
 def _stall_hook_from_env() -> Callable[[int, int], None] | None:

@@ -28,6 +28,7 @@ from inflight.wire.control import (
     decode_control,
     encode_control,
 )
+from vllm_patches.updates import UpdateError
 
 log = logging.getLogger("inflight.serve")
 
@@ -152,8 +153,6 @@ class ControlClient:
         await self.send(reply)
 
     async def _update(self, m: UpdateWeights) -> None:
-        from vllm_patches.engine import UpdateError
-
         if self.cfg.mode == "blocking":
             await self.driver.wait_idle()
         try:

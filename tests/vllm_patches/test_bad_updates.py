@@ -17,7 +17,7 @@ from support import Sender, greedy, load_state, start_engine, stop_engine
 from transformers import AutoTokenizer
 
 from inflight.wire.weights import UpdateManifest, pack_bucket
-from vllm_patches.engine import UpdateError
+from vllm_patches.updates import UpdateError
 
 pytestmark = pytest.mark.engine
 TIMEOUT_S = 4.0
@@ -175,7 +175,7 @@ def test_only_the_expected_reload_warnings_are_silenced():
     """The commit's log filter hides the per-update false alarms of reload_weights, not a real failure to load."""
     import logging
 
-    from vllm_patches.worker_extension import _ExpectedReloadWarnings
+    from vllm_patches.commit import _ExpectedReloadWarnings
 
     def record(layer: str) -> logging.LogRecord:
         return logging.LogRecord("vllm", logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None)

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.run.demo import DEMO_FLAGS
 from inflight.wire.weights import plan_update, tensor_crc32
-from vllm_patches.engine import UpdateError
 from vllm_patches.rpc import HeldWeights, rpc_result
+from vllm_patches.updates import UpdateError
 
 pytestmark = pytest.mark.engine
 

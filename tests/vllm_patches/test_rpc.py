@@ -55,7 +55,7 @@ def test_the_commit_utility_result_keeps_each_workers_record():
 def test_a_renamed_field_in_a_worker_result_names_the_method_and_the_field():
     arrived = through_engine_core_output([a_status()])
     arrived[0]["bytes_done"] = arrived[0].pop("bytes_received")  # the worker renamed a field the engine reads
-    with pytest.raises(TypeError, match=r"inflight_wait_staged returned .*unknown field `bytes_done`"):
-        rpc_result(arrived, list[StageStatus], "inflight_wait_staged")
+    with pytest.raises(TypeError, match=r"inflight_update_status returned .*unknown field `bytes_done`"):
+        rpc_result(arrived, list[StageStatus], "inflight_update_status")
     with pytest.raises(TypeError, match=r"inflight_commit returned .*missing required field `workers`"):
         rpc_result({"version": 1, "stall_s": 0.1}, CommitResult, "inflight_commit")

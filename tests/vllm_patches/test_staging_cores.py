@@ -1,4 +1,4 @@
-"""Where a serve worker's background work runs (vllm_patches/staging.py): off the cores the worker computes on, on
+"""Where a serve worker's background work runs (vllm_patches/cores.py): off the cores the worker computes on, on
 the ones its parent (vLLM's EngineCore) may use and the worker does not. Real processes: a child pinned to one core,
 as vLLM's CPU worker pins itself, under a parent allowed on more. The benchmark that shows what this buys is
 `benchmarks.weight_swap` (generation lost per update, BENCHMARKS.md)."""
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 CHILD = """
 import json, os, sys, threading
-from vllm_patches.staging import leave_the_engines_core, on_spare_cores, spare_cores
+from vllm_patches.cores import leave_the_engines_core, on_spare_cores, spare_cores
 
 os.sched_setaffinity(0, {int(sys.argv[1])})  # as vLLM's CPU worker pins its compute thread
 seen = {"spare": sorted(spare_cores()), "base_nice": os.getpriority(os.PRIO_PROCESS, 0)}
@@ -67,7 +67,7 @@ def test_an_unpinned_worker_has_no_spare_core_and_its_background_thread_stays_wh
     # A GPU worker is not pinned: its parent's cores are its own, so nothing moves (only the priority is lowered).
     code = (
         "import json, os, threading\n"
-        "from vllm_patches.staging import leave_the_engines_core, spare_cores\n"
+        "from vllm_patches.cores import leave_the_engines_core, spare_cores\n"
         "before = sorted(os.sched_getaffinity(0)); leave_the_engines_core()\n"
         "after = sorted(os.sched_getaffinity(0))\n"
         "print(json.dumps({'spare': sorted(spare_cores()), 'before': before, 'after': after}))"

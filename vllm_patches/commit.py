@@ -1,0 +1,188 @@
+"""LiveWeights: puts a staged update into a worker's live model, all-or-nothing, between two engine steps.
+
+Called by the worker extension's `inflight_commit_staged` (itself reached from the EngineCore utility
+`vllm_patches/plugin.py:inflight_commit`). Two commit paths, chosen once per engine (the serve's `--update-memory`):
+- `double` (default): the staging thread already loaded and processed the update into a shadow copy of the changed
+  layers (vllm_patches/prepared.py); the commit swaps references, O(layers), whatever the model size.
+- `low`: the commit runs vLLM's layerwise reload into the live storage on the engine thread, O(bytes); every
+  parameter keeps its storage (what a kernel holding addresses, e.g. a CUDA graph, needs).
+
+On CPU, linear weights are repacked after loading, so plain `model.load_weights` cannot update them; the in-place path
+goes through vLLM's layerwise `reload_weights` and then re-processes a tied `lm_head`, which that path skips. Fused MoE
+experts need one more step (`_experts_set_up_afresh`): vLLM's reload treats a set-up kernel as "a weight update" and
+skips the experts' own post-load processing — on CPU the prepack into the grouped-gemm layout — so the live storage
+received unpacked weights and the engine matched neither checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+from inflight.wire.memory import trim_after_update
+from inflight.wire.weights import UPDATE_MEMORY, ManifestError, tensor_crc32
+from vllm_patches import faults
+from vllm_patches.checkpoint import ServedCheckpoint
+from vllm_patches.rpc import CommitApplied, HeldWeights
+from vllm_patches.staging import HeldTensors, StagedUpdate, StageState
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ModelRunner(Protocol):
+    def get_model(self) -> torch.nn.Module: ...
+
+    def reset_encoder_cache(self) -> None: ...
+
+
+class ServingWorker(Protocol):
+    """What the commit paths use of vLLM's Worker (the extension is mixed into it)."""
+
+    model_runner: ModelRunner
+    model_config: Any  # vLLM's ModelConfig: `hf_config` is read
+
+    def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]], is_checkpoint_format: bool): ...
+
+
+class LiveWeights:
+    """The worker's live model: commits a staged update into it and keeps what a rollback or a delta needs."""
+
+    def __init__(self, worker: ServingWorker, checkpoint: ServedCheckpoint):
+        self.worker, self.checkpoint = worker, checkpoint
+        self.memory = "double"  # the commit path, one of UPDATE_MEMORY: chosen before the first update
+        # The whole tensors of what is live: the in-place path's rollback source and the next delta's base.
+        self.held: HeldTensors | None = None
+        self._log_filter: _ExpectedReloadWarnings | None = None
+
+    def choose_memory(self, mode: str, updated: bool) -> str:
+        """Choose the commit path for this engine's life; refused after an update (`updated`): a rollback source of
+        one path is not valid for the other. Returns the mode."""
+        if mode not in UPDATE_MEMORY:
+            raise ManifestError(f"update_memory is {mode!r}, expected one of {list(UPDATE_MEMORY)}")
+        if updated and mode != self.memory:
+            raise ManifestError(
+                f"update_memory is {self.memory!r} and an update was staged: it is chosen before the first update "
+                f"and kept for the engine's life (asked for {mode!r})"
+            )
+        self.memory = mode
+        return mode
+
+    def held_weights(self) -> HeldWeights:
+        if self.held is None:
+            return HeldWeights(-1, {})
+        return HeldWeights(self.held.version, {name: tensor_crc32(t) for name, t in self.held.tensors.items()})
+
+    def commit(self, stage: StagedUpdate | None, version: int, ordinal: int) -> CommitApplied:
+        """Put `stage` (the worker's `ordinal`-th update) into the live model: swap in its prepared layers or reload it
+        in place. All-or-nothing; raises ManifestError naming what is staged unless it is `version`, verified."""
+        if stage is None or stage.state != StageState.STAGED or stage.manifest.version != version:
+            got = "nothing" if stage is None else f"v{stage.manifest.version} in state {stage.state.value}"
+            detail = f" ({stage.error})" if stage is not None and stage.error else ""
+            raise ManifestError(f"cannot commit v{version}: {got} is staged{detail}")
+        start = time.perf_counter()
+        try:
+            swapped = self._swap(stage, ordinal) if stage.prepared is not None else self._in_place(stage, ordinal)
+        except Exception:
+            stage.state = StageState.FAILED
+            raise
+        stage.state = StageState.COMMITTED
+        # The swap path keeps whole tensors only when the learner may send a delta next (keep_base): a model's copy.
+        keep = stage.prepared is None or stage.manifest.keep_base
+        self.held = HeldTensors(version, stage.tensors) if keep else None
+        applied = time.perf_counter() - start
+        # Freed weights and buckets go back to the OS every 30 s (INFLIGHT_TRIM_EVERY_S), off the engine's critical
+        # path: a trim after every commit added ~20 ms to each stall (inflight.wire.memory).
+        trim_after_update()
+        return CommitApplied(version, applied, swapped)
+
+    def _swap(self, stage: StagedUpdate, ordinal: int) -> int:
+        layers = faults.half_way(stage.prepared.layers, "swap", ordinal)
+        swapped = stage.prepared.swap_in(layers)  # all-or-nothing by itself; the old weights go on return
+        self.worker.model_runner.reset_encoder_cache()  # what reload_weights also invalidates (multimodal caches)
+        return swapped
+
+    def _in_place(self, stage: StagedUpdate, ordinal: int) -> int:
+        stage.ready_on_current_stream()  # CUDA: the copies below queue behind the side stream's transfer
+        try:
+            self._apply(faults.half_way(list(stage.tensors.items()), "apply", ordinal))
+        except Exception:
+            self._apply(self._rollback_source())
+            raise
+        return 0
+
+    def _apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        model = self.worker.model_runner.get_model()
+        lm_head = getattr(model, "lm_head", None)
+        tied = getattr(self.worker.model_config.hf_config, "tie_word_embeddings", False)
+        self._silence_expected_warnings(tied)
+        with _experts_set_up_afresh(model):
+            try:
+                self.worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            except Exception:
+                # vLLM's reload has no cleanup of its own: layers it had not reached are left on the meta device with
+                # deferred loaders, and the rollback's reload then fails on them ("no attribute 'weight_loader'").
+                # Finalising puts every layer back on real tensors (partly new), which the rollback then overwrites.
+                finalize_layerwise_reload(model, self.worker.model_config)
+                raise
+        if tied and lm_head is not None and hasattr(lm_head, "quant_method"):
+            # reload_weights skips a tied lm_head; on CPU it keeps its own prepacked copy of the old matrix.
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def _silence_expected_warnings(self, tied: bool) -> None:
+        if self._log_filter is None:
+            expected = ["RotaryEmbedding", "ParallelLMHead"] if tied else ["RotaryEmbedding"]
+            self._log_filter = _ExpectedReloadWarnings(expected)
+            logging.getLogger(_LAYERWISE_LOGGER).addFilter(self._log_filter)
+
+    def _rollback_source(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.held is not None:
+            return iter(self.held.tensors.items())
+        return self.checkpoint.tensors()
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """reload_weights warns "<Layer>: Failed to load weights" for layers the checkpoint holds no tensor for: the
+    rotary embedding (a computed cos/sin cache) and a tied LM head (it is the embedding; the commit re-processes it
+    right after). Expected on every update, they would fill the serve log with false alarms; any other layer's
+    warning still shows (an untied head that fails to load is a real failure)."""
+
+    def __init__(self, layers: list[str]):
+        super().__init__()
+        self.messages = frozenset(f"{layer}: Failed to load weights" for layer in layers)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.messages
+
+
+@contextmanager
+def _experts_set_up_afresh(model: torch.nn.Module) -> Iterator[int]:
+    """Make a reload process every unquantized fused-MoE layer exactly as the first load did; yields how many.
+
+    `UnquantizedFusedMoEMethod._setup_kernel` reads "kernel already built" as "a weight update" and then skips
+    `fused_experts.process_weights_after_loading` (the CPU prepack into the grouped-gemm layout, zentorch's setup, the
+    intermediate-size padding). Clearing `moe_kernel` for the reload sends each layer down the first-load path — pad,
+    prepack, build the kernel — into the layer's materialised tensors, which reload then copies into the live storage
+    (shapes and data_ptr unchanged), so a swapped engine equals a fresh one. A layer the reload did not reach gets its
+    old kernel back, so a failed reload never leaves a layer without one (the rollback reload rebuilds it too).
+    """
+    methods = [
+        m.quant_method
+        for m in model.modules()
+        if isinstance(getattr(m, "quant_method", None), UnquantizedFusedMoEMethod)
+    ]
+    kernels = [method.moe_kernel for method in methods]
+    for method in methods:
+        method.moe_kernel = None
+    try:
+        yield len(methods)
+    finally:
+        for method, kernel in zip(methods, kernels, strict=True):
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
