@@ -77,7 +77,9 @@ class ControlPlane:
             else:
                 log.log(action.level, "%s", action.text)
 
-    def send_progress(self, consumed_by_server: dict[str, int], version: int, published: int, acks=None) -> None:
+    def send_progress(
+        self, consumed_by_server: dict[str, int], version: int, published: int, acks: dict[str, set[str]] | None = None
+    ) -> None:
         """Progress to every serve; `acks` (server id -> group ids) are delivered and removed, or kept for a serve
         not known (yet) — a restarted serve gets them once it has said Hello."""
         for serve in self.serves.values():
@@ -118,9 +120,9 @@ class ControlPlane:
         # `settle` decides on them. The rendezvous itself is bounded by the group's timeout.
         self.wait_until(rendezvous.finished, None)
         self.group = rendezvous.group  # closed again by the settle's BreakGroup if a member was replaced meanwhile
-        formed, actions = self.membership.settle(formation, rendezvous.group is not None, rendezvous.error)
-        self.perform(actions)
-        return self.membership.members() if formed else []
+        settled = self.membership.settle(formation, rendezvous.group is not None, rendezvous.error)
+        self.perform(settled.actions)
+        return self.membership.members() if settled.formed else []
 
     def wait_for_commits(self, version: int) -> None:
         """Until every member has answered the update of `version`, at most `timeout_s`. A wait the protocol needs:
@@ -138,7 +140,7 @@ class ControlPlane:
         self.wait_until(lambda: False, self.quiet_after_s)
         probe = Progress(version=-1, groups_consumed=0)  # harmless to a live serve; fails fast to a vanished one
         gone = {s.identity for s in self.membership.heard_since(start) if not self.control.send(s.identity, probe)}
-        dead, actions = self.membership.drop_quiet(start, gone)
-        log.error("publishing v%d failed (%s); dropping serves that went quiet: %s", version, error, dead)
-        self.perform(actions)
-        return dead
+        dropped = self.membership.drop_quiet(start, gone)
+        log.error("publishing v%d failed (%s); dropping serves that went quiet: %s", version, error, dropped.server_ids)
+        self.perform(dropped.actions)
+        return dropped.server_ids

@@ -75,6 +75,22 @@ class Log:
 Action = Send | BreakGroup | Log
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What became of a planned group: `formed` with every planned serve as members, and the `actions` to take."""
+
+    formed: bool
+    actions: list[Action]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The serves dropped after a failed broadcast (`server_ids`), and the `actions` to take."""
+
+    server_ids: list[str]
+    actions: list[Action]
+
+
 @dataclass
 class Formation:
     """A weights group to form: `serves` in rank order, `ranks[i]` the first rank of `serves[i]` (rank 0 is the
@@ -196,8 +212,8 @@ class Membership:
             rank += serve.hello.workers
         return Formation(f"inflight-weights-{self.generation}", live, ranks, rank)
 
-    def settle(self, formation: Formation, formed: bool, error: str | None = None) -> tuple[bool, list[Action]]:
-        """What became of `formation`: (True, ...) when it formed with every planned serve still accepted, which are
+    def settle(self, formation: Formation, formed: bool, error: str | None = None) -> Settled:
+        """What became of `formation`: formed when it formed with every planned serve still accepted, which are
         now members. Not formed: the serves that did not report a successful `Joined` are dropped. Formed, but a
         planned serve was replaced or dropped meanwhile (a Hello under a new identity): `BreakGroup` — publishing to
         that group would send to an orphaned rank."""
@@ -210,13 +226,13 @@ class Membership:
                 f"weights group {name} did not form ({error}); dropping serves that did not join: "
                 f"{[s.server_id for s in absent]}"
             )
-            return False, [Log(logging.ERROR, text)]
+            return Settled(False, [Log(logging.ERROR, text)])
         if any(self.serves.get(s.identity) is not s for s in formation.serves):
-            return False, [self.dissolve("a serve restarted while the group formed")]
+            return Settled(False, [self.dissolve("a serve restarted while the group formed")])
         for serve in formation.serves:
             serve.member = True
         text = f"weights group {name} formed: {len(formation.serves)} serves, world {formation.world_size}"
-        return True, [Log(logging.INFO, text)]
+        return Settled(True, [Log(logging.INFO, text)])
 
     def uncommitted(self, version: int) -> list[Serve]:
         """Members that have not answered the update of `version` yet (a serve applies one update at a time)."""
@@ -226,13 +242,13 @@ class Membership:
         """Serves that sent anything at or after `since`."""
         return [s for s in self.serves.values() if s.last_seen >= since]
 
-    def drop_quiet(self, since: float, unreachable: Collection[bytes] = ()) -> tuple[list[str], list[Action]]:
+    def drop_quiet(self, since: float, unreachable: Collection[bytes] = ()) -> Dropped:
         """After a failed broadcast: drop the serves silent since `since` (the failure) or whose identity is in
         `unreachable` (their connection is gone); their server ids and the `BreakGroup` for the failed group."""
         dead = [s for s in self.serves.values() if s.last_seen < since or s.identity in unreachable]
         for serve in dead:
             self.serves.pop(serve.identity, None)
-        return [s.server_id for s in dead], [self.dissolve("a broadcast failed")]
+        return Dropped([s.server_id for s in dead], [self.dissolve("a broadcast failed")])
 
 
 def _answered(update: UpdateDone | None, version: int) -> bool:

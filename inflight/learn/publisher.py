@@ -69,7 +69,9 @@ class DeltaBase:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     last_full: int = 0  # the version of the last full update broadcast
 
-    def base_for(self, version: int, members: list[Serve], cast: Mapping[str, torch.Tensor]):
+    def base_for(
+        self, version: int, members: list[Serve], cast: Mapping[str, torch.Tensor]
+    ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """(version, tensors) to send `version` as a delta on, or None: in full. A delta needs every member to have
         committed exactly the last version sent, no full update due (every `full_every` versions) and the same
         names, dtypes and shapes."""
@@ -252,7 +254,7 @@ class WeightPublisher:
     def _members_ready(self, previous: int | None) -> list[Serve]:
         """The members, once every one answered the last version sent (`previous`; not version - 1: --publish-every
         > 1) and the group is formed with every accepted serve; [] when there is no serve to send to."""
-        self.plane.pump(0)
+        self.plane.pump(0)  # what arrived since the service's loop last read: the commits and Hellos decided on here
         if self.plane.group is not None and previous is not None:
             self.plane.wait_for_commits(previous)
         return self.plane.ensure_group()

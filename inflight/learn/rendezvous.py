@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from inflight.learn.membership import Formation, Send
 from inflight.wire.control import JoinGroup
 from inflight.wire.group import GroupAddress, WeightsGroup, WeightsGroupError, open_store
@@ -22,7 +24,7 @@ class Rendezvous:
 
     address: GroupAddress
     joins: list[Send]
-    store: object  # the TCPStore rank 0 hosts
+    store: dist.TCPStore  # rank 0 hosts it
     thread: threading.Thread | None = None
     group: WeightsGroup | None = None
     error: str | None = None

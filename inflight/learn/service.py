@@ -39,7 +39,7 @@ from inflight.wire.endpoints import ControlServer, RolloutReceiver
 from inflight.wire.memory import trim_after_update
 from inflight.wire.records import StepMetrics, encode_line, to_record
 from inflight.wire.rollouts import Rollout, RolloutError, decode_rollout
-from inflight.wire.secure import derive_keys, read_secret, weights_key
+from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
 
 log = logging.getLogger("inflight.learn")
 PROGRESS_EVERY_S = 1.0  # Progress while waiting, even with nothing to acknowledge: a joining serve waits for it
@@ -50,7 +50,9 @@ class RolloutIntake:
     records and the acknowledgements owed. `consumed`/`by_server` come from the checkpoint; `keys` are the CURVE
     keys of --secret-file (inflight/wire/secure.py:derive_keys) or None."""
 
-    def __init__(self, cfg: LearnConfig, consumed: Iterable[str] | dict, by_server: dict[str, int], keys=None):
+    def __init__(
+        self, cfg: LearnConfig, consumed: Iterable[str] | dict, by_server: dict[str, int], keys: CurveKeys | None = None
+    ):
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         self.replay = JournalReplay(cfg.replay) if cfg.replay else None
         self.receiver = None if self.replay else RolloutReceiver(cfg.host, cfg.rollouts_port, keys=keys)

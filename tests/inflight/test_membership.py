@@ -29,8 +29,7 @@ def formed_with(membership: Membership, now: float = 1.0):
     formation = membership.plan()
     for serve in formation.serves:
         membership.receive(serve.identity, Joined(server_id=serve.server_id, group_name=formation.group_name), now)
-    formed, _ = membership.settle(formation, True)
-    assert formed
+    assert membership.settle(formation, True).formed
     return formation
 
 
@@ -53,8 +52,9 @@ def test_a_group_that_formed_with_every_planned_serve_makes_them_members():
     membership.receive(A, hello(), now=1.0)
     formation = membership.plan()
     membership.receive(A, Joined(server_id="serve-a@01", group_name=formation.group_name), now=2.0)
-    formed, actions = membership.settle(formation, True)
-    assert formed and actions == [Log(logging.INFO, "weights group inflight-weights-1 formed: 1 serves, world 2")]
+    settled = membership.settle(formation, True)
+    assert settled.formed
+    assert settled.actions == [Log(logging.INFO, "weights group inflight-weights-1 formed: 1 serves, world 2")]
     assert [s.identity for s in membership.members()] == [A] and membership.in_sync()
 
 
@@ -65,10 +65,12 @@ def test_a_group_that_did_not_form_drops_the_serves_that_did_not_join_and_keeps_
     formation = membership.plan()
     membership.receive(A, Joined(server_id="serve-a@01", group_name=formation.group_name), now=2.0)
     membership.receive(C, Joined(server_id="serve-c@03", group_name=formation.group_name, ok=False), now=2.0)
-    formed, actions = membership.settle(formation, False, "store timeout")
-    assert not formed
-    assert logs(actions, logging.ERROR) == ["weights group inflight-weights-1 did not form (store timeout); dropping "
-                                            "serves that did not join: ['serve-b@02', 'serve-c@03']"]  # fmt: skip
+    settled = membership.settle(formation, False, "store timeout")
+    assert not settled.formed
+    assert logs(settled.actions, logging.ERROR) == [
+        "weights group inflight-weights-1 did not form (store timeout); dropping serves that did not join: "
+        "['serve-b@02', 'serve-c@03']"
+    ]
     assert list(membership.serves) == [A] and membership.members() == []
     assert membership.plan().group_name == "inflight-weights-2"  # the next try is a group of a new name
 
@@ -159,8 +161,8 @@ def test_after_a_failed_broadcast_a_serve_silent_since_the_failure_is_dropped_an
     membership.receive(B, hello("serve-b@02"), now=1.0)
     formed_with(membership, now=2.0)
     membership.receive(A, Status(), now=10.5)  # A keeps talking after the failure at 10.0; B went silent at 2.0
-    dead, actions = membership.drop_quiet(since=10.0)
-    assert dead == ["serve-b@02"] and actions == [BreakGroup("a broadcast failed")]
+    dropped = membership.drop_quiet(since=10.0)
+    assert dropped.server_ids == ["serve-b@02"] and dropped.actions == [BreakGroup("a broadcast failed")]
     assert list(membership.serves) == [A] and membership.members() == []  # the rest re-form a group
 
 
@@ -171,8 +173,8 @@ def test_a_serve_heard_after_the_failure_whose_connection_is_gone_is_dropped_too
     membership.receive(A, Status(), now=10.5)
     membership.receive(B, Status(), now=10.5)
     assert membership.heard_since(10.0) == list(membership.serves.values())
-    dead, _ = membership.drop_quiet(since=10.0, unreachable={B})
-    assert dead == ["serve-b@02"] and list(membership.serves) == [A]
+    dropped = membership.drop_quiet(since=10.0, unreachable={B})
+    assert dropped.server_ids == ["serve-b@02"] and list(membership.serves) == [A]
 
 
 # -- rejoin -----------------------------------------------------------------------------------------------------------
@@ -207,8 +209,8 @@ def test_a_hello_repeated_by_the_same_process_while_the_group_forms_keeps_its_re
     record = membership.serves[A]
     assert membership.receive(A, hello(version=3), now=2.0) == []
     membership.receive(A, Joined(server_id="serve-a@01", group_name=formation.group_name), now=2.5)
-    formed, _ = membership.settle(formation, True)
-    assert formed and membership.serves[A] is record and record.member and record.version == 3
+    assert membership.settle(formation, True).formed
+    assert membership.serves[A] is record and record.member and record.version == 3
     assert membership.receive(A, hello(), now=3.0) == [] and record.member  # and once formed, it stays a member
 
 
@@ -238,8 +240,8 @@ def test_a_member_replaced_while_the_group_forms_leaves_it_not_formed_and_nothin
     formation = membership.plan()
     assert membership.receive(B, hello(), now=2.0)[-1].level == logging.INFO  # reconnected while the group forms
     membership.receive(A, Joined(server_id="serve-a@01", group_name=formation.group_name), now=2.5)
-    formed, actions = membership.settle(formation, True)
-    assert not formed and actions == [BreakGroup("a serve restarted while the group formed")]
+    settled = membership.settle(formation, True)
+    assert not settled.formed and settled.actions == [BreakGroup("a serve restarted while the group formed")]
     assert membership.members() == [] and list(membership.serves) == [B]
     assert membership.catch_up(4) == 4  # the replacement still needs the weights: the next publish re-forms
     assert [s.identity for s in membership.plan().serves] == [B]
