@@ -146,14 +146,14 @@ def _params(cfg: LossConfig) -> tuple[float, float]:
 
 
 def _torch_row_pass(
-    logits,
-    targets,
-    behaviour,
-    adv,
-    weight,
-    logp,
-    loss,
-    hit,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    behaviour: torch.Tensor,
+    adv: torch.Tensor,
+    weight: torch.Tensor,
+    logp: torch.Tensor,
+    loss: torch.Tensor,
+    hit: torch.Tensor,
     temperature: float,
     kind: str,
     p1: float,

@@ -22,7 +22,9 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from learner.fused_loss import FusedLossInputs, fused_policy_loss
 from learner.logprobs import token_logprobs
@@ -189,7 +191,8 @@ def load_policy(
 ) -> PolicyModel:
     """The HF checkpoint in `model_dir` as a PolicyModel in `dtype` on `device` (the learner passes its
     `learner/world.py:World.device`), dropout off, no KV cache."""
-    from transformers import AutoModelForCausalLM  # heavy import, kept off the module import path
+    # transformers takes seconds to import: kept off the import path of `python -m inflight.learn --help`
+    from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     hf_model.config.use_cache = False
@@ -209,8 +212,6 @@ def shard_policy(
     run in it while their master weights and gradient reductions stay in the parameter dtype; the root never gets it,
     so the LM head and the logprobs keep the parameter dtype (they feed importance ratios).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     layers = {}
     if compute_dtype is not None:
         reduce_dtype = next(model.parameters()).dtype
@@ -229,8 +230,6 @@ def full_hf_state(model: PolicyModel) -> dict[str, torch.Tensor]:
     is the one tensor); an untied head is included.
     """
     if _is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)
         if dist.get_rank() != 0:
@@ -285,8 +284,6 @@ def local_hf_state(model: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _row_sharded(t: DTensor) -> bool:
-    from torch.distributed.tensor import Shard
-
     return t.device_mesh.ndim == 1 and len(t.placements) == 1 and t.placements[0] == Shard(0) and t.dim() > 0
 
 
@@ -314,7 +311,7 @@ def _rows_to_rank0(name: str, t: DTensor, max_piece_bytes: int) -> Iterator[Piec
         offset += count
 
 
-def _rows_from(local: torch.Tensor, source: int, first: int, n: int, group) -> torch.Tensor:
+def _rows_from(local: torch.Tensor, source: int, first: int, n: int, group: dist.ProcessGroup) -> torch.Tensor:
     if source == 0:
         return local[first : first + n]
     block = torch.empty((n, *local.shape[1:]), dtype=local.dtype, device=local.device)

@@ -81,7 +81,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 
 class Sample(NamedTuple):
-    """One finished rollout as the learner trains on it; a plain 5-tuple in this order works too."""
+    """One finished rollout as the learner trains on it."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -109,7 +109,7 @@ class Batch:
         return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def make_batch(samples: Sequence[Sample | tuple], pad_id: int) -> Batch:
+def make_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
     """Pack samples into a right-padded Batch (rows of length max(len(prompt) + len(completion)) − 1).
 
     The completion token j of a sample with a P-token prompt is the target at position P − 1 + j, where its
@@ -119,7 +119,6 @@ def make_batch(samples: Sequence[Sample | tuple], pad_id: int) -> Batch:
         raise ValueError("samples is empty, expected at least one (prompt, completion, ...) sample")
     if pad_id < 0:
         raise ValueError(f"pad_id is {pad_id}, expected a token id >= 0 (e.g. the tokenizer's pad or eos id)")
-    samples = [Sample(*s) for s in samples]
     for index, sample in enumerate(samples):
         _check_sample(index, sample)
     length = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) - 1
@@ -145,6 +144,10 @@ def make_batch(samples: Sequence[Sample | tuple], pad_id: int) -> Batch:
 
 
 def _check_sample(index: int, s: Sample) -> None:
+    if not isinstance(s, Sample):
+        raise TypeError(
+            f"samples[{index}] is a {type(s).__name__}, expected a learner.step.Sample: its fields are read by name"
+        )
     if len(s.prompt_ids) < 1:
         raise ValueError(f"samples[{index}].prompt_ids is empty, expected >= 1 token (the first token has no logprob)")
     if len(s.completion_ids) < 1:

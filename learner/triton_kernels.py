@@ -14,6 +14,7 @@ where Triton and CUDA are (learner/fused_loss.py decides); the torch path in fus
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -108,20 +109,22 @@ def _write_logit_grad(base, vocab, inv_temp, lse, target, g, BLOCK_V: tl.constex
 
 
 def row_pass(
-    logits,
-    targets,
-    behaviour,
-    adv,
-    weight,
-    logp,
-    loss,
-    hit,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    behaviour: torch.Tensor,
+    adv: torch.Tensor,
+    weight: torch.Tensor,
+    logp: torch.Tensor,
+    loss: torch.Tensor,
+    hit: torch.Tensor,
     temperature: float,
     kind: str,
     p1: float,
     p2: float,
     write_grad: bool,
 ) -> None:
+    """`_row_kernel` over every row of the [C, V] `logits` chunk, one program per row; the arguments and outputs of
+    learner/fused_loss.py:_torch_row_pass (`hit` int8 here)."""
     rows, vocab = logits.shape
     if rows == 0:
         return

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHTS_BACKENDS = ("gloo", "nccl")
@@ -121,8 +118,6 @@ def start_world(device: str = "auto", weights_backend: str = "gloo") -> World:
     rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mesh = None
     if size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh(device_type, (size,))
     return World(device_type, rank, local_rank, size, weights_backend, mesh)
 

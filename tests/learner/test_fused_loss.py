@@ -9,10 +9,15 @@ where that rounding enters (see `logprob_tolerance` and `check`), never read off
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tolerances import (
     assert_within,
     check_within,
@@ -23,9 +28,9 @@ from tolerances import (
     unit_roundoff,
 )
 
-from learner.fused_loss import aggregation_weights, fused_policy_loss, triton_available
+from learner.fused_loss import _params, _torch_row_pass, aggregation_weights, fused_policy_loss, triton_available
 from learner.logprobs import naive_token_logprobs, token_logprobs
-from learner.losses import LossConfig, policy_loss
+from learner.losses import LOSS_KINDS, LossConfig, policy_loss
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 # (tokens, hidden, vocab, chunk): vocabularies off the kernel's 4096 tile, chunks that split the tokens unevenly
@@ -183,6 +188,57 @@ def test_triton_kernel_matches_the_float64_reference_at_real_vocabularies(size):
     seed = random.randrange(2**31)
     tokens, hidden, vocab, chunk = size
     check(make_batch(tokens, hidden, vocab, seed, "cuda"), LossConfig("tis"), 1.0, chunk, "triton", seed)
+
+
+def interpret_row_kernel(
+    inputs: dict[str, torch.Tensor], temperature: float, tmp_path: Path
+) -> dict[str, torch.Tensor]:
+    """learner/triton_kernels.py:row_pass on `inputs`, run by Triton's interpreter in a fresh process
+    (tests/learner/interpret_row_kernel.py), for every loss kind: `{kind}.logp`, `.loss`, `.hit`, `.grad`."""
+    source, target = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(inputs, source)
+    script = Path(__file__).with_name("interpret_row_kernel.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    run = subprocess.run([sys.executable, str(script), str(source), str(target), str(temperature)], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    return load_file(target)
+
+
+def test_the_triton_row_kernel_interpreted_on_cpu_matches_the_float64_row_pass(tmp_path: Path):
+    """The Triton kernel's own code, run by Triton's interpreter on CPU tensors (so it is checked where no GPU is):
+    the online log-normaliser over three 4096-wide tiles (the last partial), every loss kind, the trust-region hits
+    and the bf16 logit gradient, against the torch row pass in float64 on the same bf16 logits."""
+    pytest.importorskip("triton")
+    seed, temperature, tokens, vocab = random.randrange(2**31), 0.7, 48, 9001
+    b = make_batch(tokens, 64, vocab, seed, "cpu", temperature=temperature)  # log-ratios clear of every edge
+    weight = aggregation_weights(b["mask"], b["seq_ids"], "token").float()  # 0 where masked
+    logits = b["hidden"] @ b["weight"].t()  # bf16, as the model's LM head gives them
+    inputs = {"logits": logits, "targets": b["targets"], "behaviour": b["behaviour"], "adv": b["advantages"]}
+    got = interpret_row_kernel({**inputs, "weight": weight}, temperature, tmp_path)
+    u, x = unit_roundoff(torch.float32), logits.double() / temperature
+    for kind in LOSS_KINDS:
+        want = {"logp": torch.empty(tokens, dtype=torch.float64), "loss": torch.empty(tokens, dtype=torch.float64)}
+        hit, grad = torch.empty(tokens, dtype=torch.bool), logits.double()
+        p1, p2 = _params(LossConfig(kind))
+        _torch_row_pass(grad, b["targets"], b["behaviour"], b["advantages"], weight, want["logp"], want["loss"], hit,
+                        temperature, kind, p1, p2, True)  # fmt: skip
+        where = f"{kind}, seed {seed}"
+        # fp32: z · fp32(1/T) rounds twice (2u|x|, each x within max|x|), so x_v − LSE moves by twice that (LSE is
+        # 1-Lipschitz) plus γ of LSE's V-term sum and its exp and log, plus the subtraction's own rounding.
+        lp_tol = 4 * u * x.abs().amax(1) + sum_bound(torch.float32, vocab + 4, 1.0) + u * want["logp"].abs()
+        assert_within(got[f"{kind}.logp"], want["logp"], lp_tol, f"logp ({where})")
+        assert torch.equal(got[f"{kind}.hit"].bool(), hit), f"trust-region hits ({where})"
+        loss_bound = policy_loss_bound(want["logp"], b["behaviour"], b["advantages"], weight, lp_tol, torch.float32)
+        check_within(abs(float(got[f"{kind}.loss"].double().sum() - want["loss"].sum())), loss_bound, f"loss ({where})")
+        # The logit gradient g·(onehot − p), |g| <= w·|A|·r/T for every kind: g is off by the ratio's error (the
+        # logprob's, plus the log-ratio's rounding) and a few roundings, p by p·expm1(lp_tol); then bf16 storage.
+        log_ratio = torch.where(b["mask"], want["logp"] - b["behaviour"].double(), 0.0)
+        g_max = weight.double() * b["advantages"].double().abs() * log_ratio.exp() / temperature
+        ratio_tol = torch.expm1(lp_tol + u * log_ratio.abs()) + 4 * u
+        grad_tol = g_max * (ratio_tol + torch.expm1(lp_tol) + 8 * u)
+        bf16 = unit_roundoff(torch.bfloat16)
+        assert_within(got[f"{kind}.grad"], grad, grad_tol[:, None] + 2 * bf16 * grad.abs(), f"logit gradient ({where})")
 
 
 def test_float64_inputs_give_the_unfused_path_to_rounding():

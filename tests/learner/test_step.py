@@ -76,7 +76,7 @@ def test_make_batch_aligns_each_completion_token_with_the_position_predicting_it
 
 
 def test_make_batch_right_pads_shorter_rows_with_masked_filler() -> None:
-    batch = make_batch([SAMPLES[0], ([7], [8], [-0.25], 2.0, [True])], pad_id=PAD)
+    batch = make_batch([SAMPLES[0], Sample([7], [8], [-0.25], 2.0, [True])], pad_id=PAD)
     assert batch.input_ids.tolist() == [[11, 12, 13, 21], [7, PAD, PAD, PAD]]
     assert batch.targets.tolist() == [[12, 13, 21, 22], [8, PAD, PAD, PAD]]
     assert batch.mask[1].tolist() == [True, False, False, False]
@@ -99,11 +99,13 @@ def test_make_batch_bad_sample_raises_naming_the_sample_and_field(sample: Sample
         make_batch([SAMPLES[0], sample], PAD)
 
 
-def test_make_batch_without_samples_or_with_negative_pad_raises() -> None:
+def test_make_batch_without_samples_with_negative_pad_or_a_plain_tuple_raises() -> None:
     with pytest.raises(ValueError, match="samples is empty"):
         make_batch([], PAD)
     with pytest.raises(ValueError, match="pad_id is -1"):
         make_batch(SAMPLES, -1)
+    with pytest.raises(TypeError, match=r"samples\[1\] is a tuple, expected a learner.step.Sample"):
+        make_batch([SAMPLES[0], tuple(SAMPLES[1])], PAD)
 
 
 def test_train_step_loss_is_policy_loss_of_the_model_logprobs_and_moves_weights(tiny_llama: PolicyModel) -> None:
