@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inflight.config import parse_dataclass, setup_logging
 from inflight.machine import resolve_precision, serve_device
@@ -30,6 +31,11 @@ from inflight.tasks.loading import load_task
 from inflight.tasks.rewards import Reward, load_rewards
 from inflight.wire.control import TensorSpec
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
+
+if TYPE_CHECKING:  # annotations only: vLLM is imported when a serve starts (see `serve`)
+    from inflight.serve.control import ControlClient
+    from inflight.serve.driver import RolloutDriver
+    from vllm_patches.engine import InflightEngine
 
 log = logging.getLogger("inflight.serve")
 
@@ -109,7 +115,7 @@ async def serve(cfg: ServeConfig) -> int:
         engine.shutdown()
 
 
-async def start_engine(cfg: ServeConfig, model_path: Path):
+async def start_engine(cfg: ServeConfig, model_path: Path) -> InflightEngine:
     """The patched vLLM engine (vllm_patches/engine.py:InflightEngine) with the serve's engine knobs."""
     from vllm_patches.engine import EngineConfig, InflightEngine  # vLLM: see `serve`
 
@@ -128,7 +134,7 @@ async def start_engine(cfg: ServeConfig, model_path: Path):
     return await InflightEngine.start(config, version=cfg.version)
 
 
-async def _secure(cfg: ServeConfig, engine) -> CurveKeys | None:
+async def _secure(cfg: ServeConfig, engine: InflightEngine) -> CurveKeys | None:
     """With --secret-file: the sockets' CURVE keys, and the engine verifies updates by keyed tags, not CRC32."""
     if not cfg.secret_file:
         return None
@@ -137,14 +143,16 @@ async def _secure(cfg: ServeConfig, engine) -> CurveKeys | None:
     return derive_keys(secret)
 
 
-async def _maybe_http(cfg: ServeConfig, engine, model_path: Path):
+async def _maybe_http(cfg: ServeConfig, engine: InflightEngine, model_path: Path) -> asyncio.Task | None:
     if not cfg.http_port:
         return None
     served_name = cfg.model if cfg.model in MODEL_NAMES else model_path.name
     return await start_http(engine, str(model_path), served_name, cfg.http_host, cfg.http_port)
 
 
-async def _run(cfg: ServeConfig, driver, stream, control, reporter) -> int:
+async def _run(
+    cfg: ServeConfig, driver: RolloutDriver, stream: RolloutStream, control: ControlClient, reporter: ProgressReporter
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -179,7 +187,7 @@ async def _run(cfg: ServeConfig, driver, stream, control, reporter) -> int:
     return code
 
 
-async def _finished(cfg: ServeConfig, driver, stream) -> None:
+async def _finished(cfg: ServeConfig, driver: RolloutDriver, stream: RolloutStream) -> None:
     """Returns once `--max-groups` groups are generated and sent (never, when max_groups is 0)."""
     if not cfg.max_groups:
         await asyncio.Event().wait()
