@@ -1,10 +1,12 @@
 """StagedUpdate: one weight update being received, off the engine thread, into buffers outside the model.
 
-Owned by the worker extension. `start()` returns at once; a daemon thread receives every bucket over the weights group,
-then views and verifies every tensor (size, and its CRC32 or, with a secret, its keyed tag) and, when the engine swaps
-prepared weights (`--update-memory double`), loads and processes them into vLLM's kernel layout. Forward passes keep
-running the whole time because nothing here touches the live parameters; only `worker_extension.commit_staged` does,
-between two engine steps.
+Owned by the worker's update state (vllm_patches/worker_extension.py). `start()` returns at once; a daemon thread
+receives every bucket over the weights group, then views and verifies every tensor (size, and its CRC32 or, with a
+secret, its keyed tag) and, when the engine swaps prepared weights (`--update-memory double`), has the `prepare`
+collaborator it was handed load and process them into vLLM's kernel layout. Forward passes keep running the whole time
+because nothing here touches the live parameters; only vllm_patches/commit.py does, between two engine steps. The
+thread's last act is to hand its final status to its `on_finished` listener: in a serve, the worker's `StagedNotifier`,
+which pushes it to the engine (the engine never asks).
 
 On a CUDA device the buckets are allocated and received on a side stream of their own, so the transfer (NCCL's
 broadcast, or gloo's host-to-device copies) queues behind nothing the engine runs and the engine's kernels queue
