@@ -3,7 +3,7 @@
 A pure state machine (docs/ARCHITECTURE.md "Learner control plane"): control messages and clock readings go in, a list
 of actions comes out — `Send` a message to a ZeroMQ identity, `BreakGroup` (close the weights group), `Log` a line. It
 owns no socket, thread, clock or tensor, so every rule below is tested on its own (tests/inflight/test_membership.py);
-`inflight/learn/publisher.py:WeightPublisher` is the shell that feeds it from the control socket and performs the
+`inflight/learn/control.py:ControlPlane` is the shell that feeds it from the control socket and performs the
 actions.
 
 The rules:
@@ -104,7 +104,7 @@ class Formation:
 
 class Membership:
     """The serves and their weights-group membership. `check(hello)` returns '' for a serve the learner can update
-    and train with, else the reason to refuse it (inflight/learn/publisher.py:WeightPublisher._mismatch); without
+    and train with, else the reason to refuse it (inflight/learn/admission.py:ServeCheck); without
     one every Hello is accepted."""
 
     def __init__(self, check: Callable[[Hello], str] | None = None):

@@ -1,5 +1,5 @@
 """The learner's publisher refuses, at Hello, a serve whose run contract differs from its own
-(inflight/learn/publisher.py, inflight/wire/contract.py): real ZeroMQ sockets, a plain DEALER as the serve. Real serves
+(inflight/learn/admission.py, inflight/wire/contract.py): real ZeroMQ sockets, a plain DEALER as the serve. Real serves
 are refused end to end in tests/inflight/test_contract_refusal.py."""
 
 from __future__ import annotations

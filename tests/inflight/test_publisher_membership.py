@@ -1,4 +1,4 @@
-"""WeightPublisher membership under repeated Hellos and heartbeat bursts (inflight/learn/publisher.py).
+"""The control plane's membership under repeated Hellos and heartbeat bursts (inflight/learn/control.py).
 
 Real ZeroMQ sockets and a real gloo weights group; the serve's end is a thread speaking the control protocol with a
 plain DEALER (the real serve is exercised end to end by test_two_hosts.py, where this went wrong: after a cut link
