@@ -1,7 +1,8 @@
 """`--env` and `--env-args` into an environment: a built-in name or `module:Class`, built with `Class(**env_args)`.
 
 Built-ins: `single-turn` (one policy turn per episode, the task's prompt as is: every task works unchanged) and
-`calculator` (inflight/envs/calculator.py).
+`calculator` (inflight/envs/calculator.py). `verifiers:<taskset>` is a verifiers 0.4 environment, `--env-args` its
+EnvConfig (inflight/envs/verifiers_env.py); it runs its own episodes (inflight/serve/verifiers_runner.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from inflight.envs.base import Feedback
 from inflight.envs.calculator import Calculator
+from inflight.envs.verifiers_env import load_verifiers_env
 from inflight.tasks.base import Message, Problem
 
 
@@ -48,11 +50,18 @@ def parse_env_args(text: str) -> dict[str, Any]:
 
 def load_env(spec: str, env_args: str = ""):
     """The environment `spec` names, built with its arguments; `ValueError` naming the flag and the fix."""
+    kind, _, name = spec.partition(":")
+    if kind == "verifiers":
+        if not name:
+            raise ValueError(f"env is {spec!r}, expected verifiers:<taskset id>, e.g. verifiers:reverse-text")
+        return load_verifiers_env(name, parse_env_args(env_args))
     cls = BUILT_IN.get(spec)
     if cls is None:
         module, sep, name = spec.partition(":")
         if not sep or not module or not name:
-            raise ValueError(f"env is {spec!r}, expected one of {sorted(BUILT_IN)} or module:Class")
+            raise ValueError(
+                f"env is {spec!r}, expected one of {sorted(BUILT_IN)}, module:Class or verifiers:<taskset>"
+            )
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:

@@ -1,0 +1,211 @@
+"""`--env verifiers:<taskset>` with the real verifiers 0.4 package: loading refuses what a serve cannot honour; on the
+real engine (tiny-qwen2), a verifiers environment defined the way its docs show (tests/inflight/vf_counting.py) runs
+multi-turn episodes whose rollouts are exactly what the engine sampled and what the environment appended, versioned
+across a commit in the middle of an episode, rewarded by the environment; a reward or harness that raises or hangs
+ends its episode with reward 0, counted, and the serve goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from inflight.envs.loading import load_env
+from inflight.envs.verifiers_env import INSTALL, VerifiersEnv
+from inflight.serve.config import ServeConfig
+from inflight.wire.rollouts import decode_rollout
+
+ENV = "verifiers:vf_counting"  # tests/inflight/vf_counting.py, importable as the other test helpers are
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"agent": {"runtime": {"type": "docker"}}}, "agent.runtime.type is 'docker'"),
+    ({"agent": {"harness": {"id": "codex"}}}, "'codex' needs a container runtime"),
+    ({"agent": {"client": {"type": "eval", "base_url": "http://127.0.0.1:9/v1"}}}, "agent.client is set"),
+    ({"taskset": {"colour": 1}}, "taskset.colour"),
+    ({"taskset": 3}, "expected a JSON object"),
+])  # fmt: skip
+def test_what_a_serve_cannot_honour_is_refused_at_load_naming_the_field(args, message):
+    with pytest.raises(ValueError, match=message):
+        load_env(ENV, json.dumps(args))
+
+
+def test_an_unknown_taskset_or_a_missing_verifiers_is_refused_with_the_fix(monkeypatch):
+    with pytest.raises(ValueError, match="no_such_taskset_xyz"):
+        load_env("verifiers:no_such_taskset_xyz")
+    with pytest.raises(ValueError, match="verifiers:<taskset id>"):
+        load_env("verifiers:")
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # as if not installed
+    with pytest.raises(ValueError, match=f"needs the verifiers package.*{re.escape(INSTALL)}"):
+        load_env(ENV)
+
+
+def test_the_taskset_is_the_problem_stream_and_an_unnamed_runtime_is_the_local_subprocess():
+    env = load_env(ENV, '{"taskset": {"kinds": ["behaves", "pause"]}}')
+    assert isinstance(env, VerifiersEnv) and env.env.config.agent.runtime.type == "subprocess"
+    stream = env.problems()
+    first, second, again = next(stream), next(stream), next(stream)
+    assert [first.question, second.question, again.question] == ["Count to 2.", "Count to 3.", "Count to 2."]
+    assert first.answer == "2" and again.id == f"{first.id}#1" and env.task_of(second.id).data.kind == "pause"
+
+
+# --- on the real engine ---------------------------------------------------------------------------------------------
+
+
+class Outbox:
+    """The rollout stream's surface the driver uses; records are decoded and kept, never sent."""
+
+    def __init__(self):
+        self.outbox, self.retained_records, self.records = [], 0, []
+
+    def offer(self, record: bytes, group_id: str) -> None:
+        self.records.append(decode_rollout(record))
+
+
+class Recording:
+    """The real engine, with every request it generated kept: (request id, prompt ids, Completion)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_ids, params, request_id):
+        done = await self.engine.generate(prompt_ids, params, request_id)
+        self.calls.append((request_id, list(prompt_ids), done))
+        return done
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop, model_dirs):
+    from support import start_engine, stop_engine
+
+    engine = start_engine(loop, model_dirs["tiny-qwen2"])
+    yield engine
+    stop_engine(loop, engine)
+
+
+def run_groups(loop, engine, model_dirs, kinds, during=None, **overrides):
+    """A driver over a verifiers env of `kinds` tasks, run until its groups finished: (driver, records)."""
+    from transformers import AutoTokenizer
+
+    from inflight.serve.driver import RolloutDriver
+
+    model = model_dirs["tiny-qwen2"]
+    args = json.dumps({"taskset": {"kinds": kinds}})
+    cfg = ServeConfig(model=str(model), env=ENV, env_args=args, wait_for_learner=False, max_tokens=5,
+                      **{"admit_lag": -1, "group_size": 2, "max_groups": 1, **overrides})  # fmt: skip
+    cfg.validate()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    driver = RolloutDriver(engine, cfg, [], [], Outbox(), tokenizer, env=load_env(ENV, args))
+
+    async def go():
+        run = asyncio.create_task(driver.run())
+        try:
+            if during is not None:
+                await during()
+            deadline = time.monotonic() + 300
+            while driver.stats.groups_finished < cfg.max_groups:
+                assert time.monotonic() < deadline and not run.done(), "the groups did not finish"
+                await asyncio.sleep(0.05)
+        finally:
+            await driver.stop()
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await driver.episodes.close()
+
+    loop.run_until_complete(go())
+    return driver, driver.stream.records
+
+
+@pytest.mark.engine
+def test_a_verifiers_episode_is_what_the_engine_sampled_and_the_environment_appended(loop, engine, model_dirs):
+    recording = Recording(engine)
+    driver, records = run_groups(loop, recording, model_dirs, ["behaves"])
+    assert len(records) == 2 and len(recording.calls) == 6
+    tokenizer = driver.episodes.turns.tokenizer
+    for record in records:
+        turns = [(rid, prompt, done) for rid, prompt, done in recording.calls if rid.startswith(record.rollout_id)]
+        assert [rid.removeprefix(record.rollout_id) for rid, _, _ in turns] == ["", "-t1", "-t2"]
+        ids, roles, at = record.prompt.tolist() + record.completion.tolist(), ~record.policy_mask, len(record.prompt)
+        for k, (_, prompt, done) in enumerate(turns):
+            assert prompt == ids[:at], "each turn's prompt is exactly the ids before it: nothing re-tokenised"
+            got = slice(at - len(record.prompt), at - len(record.prompt) + len(done.token_ids))
+            assert ids[at : at + len(done.token_ids)] == done.token_ids and not roles[got].any()
+            assert record.logprobs[got].tolist() == pytest.approx(done.logprobs, abs=0)
+            assert record.versions[got].tolist() == done.versions == [engine.version] * len(done.token_ids)
+            at += len(done.token_ids)
+            env_end = at
+            while env_end < len(ids) and roles[env_end - len(record.prompt)]:
+                env_end += 1
+            if k < 2:  # the harness's tool message, then the next assistant header: environment tokens
+                text = tokenizer.decode(ids[at:env_end])
+                assert f"tool output {k + 1}: {len(done.text)} chars" in text and text.endswith("assistant\n")
+            at = env_end
+        assert at == len(ids)
+        assert np.array_equal(record.versions == -1, roles) and (record.logprobs[roles] == 0.0).all()
+        assert record.turns == 3 and record.reward == pytest.approx(1.5)  # the environment's 1.0 + 0.5 x 1.0
+    means = driver.stats.reward_means.means()
+    assert means == {"all_turns_taken": 1.0, "replied": 1.0} and driver.stats.env_errors == 0
+
+
+@pytest.mark.engine
+def test_a_commit_in_the_middle_of_a_verifiers_episode_versions_each_turn_by_the_weights_that_sampled_it(
+    loop, engine, model_dirs, tmp_path
+):
+    import vf_counting
+    from support import Sender, perturbed_checkpoint
+
+    vf_counting.GATE.update(paused=asyncio.Event(), go=asyncio.Event())
+    sender, before = Sender(), engine.version
+
+    async def commit_while_paused():
+        await sender.connect(engine)
+        await asyncio.wait_for(vf_counting.GATE["paused"].wait(), 120)
+        state = perturbed_checkpoint(model_dirs["tiny-qwen2"], tmp_path / "v", seed=before + 1)
+        await sender.push(engine, state, before + 1)
+        vf_counting.GATE["go"].set()
+
+    try:
+        _, (record,) = run_groups(loop, engine, model_dirs, ["pause"], commit_while_paused, group_size=1,
+                                  env_timeout_s=120.0)  # fmt: skip
+    finally:
+        vf_counting.GATE.clear()
+    policy, versions = record.policy_mask, record.versions
+    first_env = int(np.argmin(policy))
+    assert record.turns == 3 and (versions[:first_env] == before).all(), "the first turn was sampled before"
+    later = versions[first_env:][policy[first_env:]]
+    assert len(later) and (later == before + 1).all(), "the later turns were sampled after the commit"
+    assert (versions[~policy] == -1).all() and record.reward == pytest.approx(1.5)
+
+
+@pytest.mark.engine
+def test_a_reward_or_harness_that_raises_or_hangs_ends_its_episode_with_reward_0_counted_and_the_serve_goes_on(
+    loop, engine, model_dirs, caplog
+):
+    kinds = ["reward-raises", "harness-raises", "harness-hangs", "behaves"]
+    driver, records = run_groups(loop, engine, model_dirs, kinds, group_size=1, max_groups=len(kinds),
+                                 env_timeout_s=3.0, max_inflight=1)  # fmt: skip
+    by_kind = {driver.env.task_of(r.problem_id).data.kind: r for r in records}
+    assert set(by_kind) == set(kinds), "every episode, failed or not, is a rollout"
+    for kind in kinds[:-1]:
+        assert by_kind[kind].finish_reason == "env_error" and by_kind[kind].reward == 0.0, kind
+    assert by_kind["reward-raises"].turns == 3, "its tokens are kept, its reward is not"
+    assert by_kind["harness-raises"].completion.size == 0 and by_kind["harness-hangs"].turns == 1
+    assert by_kind["behaves"].finish_reason != "env_error" and by_kind["behaves"].reward == pytest.approx(1.5)
+    assert driver.stats.env_errors == 3
+    assert "the reward crashed" in caplog.text and "the harness crashed" in caplog.text
+    assert "longer than --env-timeout-s" in caplog.text
