@@ -27,9 +27,11 @@ from typing import Protocol
 from vllm import SamplingParams
 
 from inflight.envs.loading import load_env
+from inflight.envs.verifiers_env import VerifiersEnv
 from inflight.serve.config import ServeConfig
 from inflight.serve.episodes import Episode, EpisodeRunner
 from inflight.serve.stream import RolloutStream
+from inflight.serve.verifiers_runner import VerifiersRunner
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
 from inflight.wire.rollouts import Rollout, Sampling, Times, encode_rollout, make_rollout
@@ -131,12 +133,13 @@ class RolloutDriver:
         # One incarnation per process: a serve restarted under the same --server-id is a new stream to the learner,
         # so its group ids and consumed counts start afresh instead of colliding with those of its previous life.
         self.server_id = f"{cfg.resolved_server_id()}@{secrets.token_hex(4)}"
-        self._problems = iter(problems)
         self.stats = DriverStats()
         self.env = env if env is not None else load_env(cfg.env, cfg.env_args)
-        self.episodes = EpisodeRunner(
-            engine, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling, tool_latency
-        )
+        runner = EpisodeRunner
+        if isinstance(self.env, VerifiersEnv):  # its own taskset and rewards (--reward adds to them)
+            problems, self.rewards, runner = self.env.problems(), rewards if cfg.reward else [], VerifiersRunner
+        self._problems = iter(problems)
+        self.episodes = runner(engine, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling, tool_latency)
         self.admission = Admission(cfg, engine, self.stats)
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
