@@ -7,6 +7,7 @@ import json
 from itertools import islice
 
 import pytest
+from serve_support import TEST_KV_GIB, ServeProcess
 
 from inflight.tasks.loading import load_reward, load_task
 from inflight.tasks.reasoning_gym import TaskFileError, extract_answer, reward_fn
@@ -105,3 +106,31 @@ def test_a_missing_reasoning_gym_is_refused_with_the_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # what an environment without the package imports
     with pytest.raises(TaskFileError, match=r"--task reasoning-gym:chain_sum needs .*pip install 'inflight\[envs\]'"):
         load_task("reasoning-gym:chain_sum", seed=0)
+
+
+@pytest.mark.engine
+def test_a_reasoning_gym_task_trains_end_to_end_through_inflight_run_scored_by_its_dataset_and_math(tmp_path):
+    # SmolLM2 on chain_sum, two steps of one group: rollouts through the real serve, rewards, sockets and loss. Two
+    # rewards (the dataset's own score and --reward math, both in the serve's worker threads), and a held-out eval.
+    run_dir = tmp_path / "rg"
+    serve_args = (
+        f"--progress-s 1 --kv-cache-gib {TEST_KV_GIB} --eval-task reasoning-gym:chain_sum --eval-every 1 "
+        "--eval-problems 4"
+    )
+    flags = f"--run-dir {run_dir} --steps 2 --model smollm2 --task reasoning-gym:chain_sum --group-size 4"
+    flags += " --groups-per-step 1 --max-tokens 12 --reward inflight.tasks.reasoning_gym:reward_fn,math"
+    launcher = ServeProcess([*flags.split(), "--serve-args", serve_args], module="inflight.run")
+    try:
+        launcher.proc.wait(600)
+    finally:
+        launcher.stop()
+    assert launcher.proc.returncode == 0, launcher.tail()
+    assert json.loads((run_dir / "serve-config.json").read_text())["task"] == "reasoning-gym:chain_sum"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["tokens"] > 0 for s in steps)
+    events = [json.loads(line) for line in (run_dir / "serve-metrics.jsonl").read_text().splitlines()]
+    last = [e for e in events if e["event"] == "progress"][-1]
+    assert set(last["reward_means"]) == {"reward_fn", "math"} and last.get("reward_errors", 0) == 0
+    assert all(0.0 <= m <= 1.0 for m in last["reward_means"].values())
+    evals = [e for e in events if e["event"] == "eval"]
+    assert evals and evals[0]["task"] == "reasoning-gym:chain_sum" and evals[0]["n"] == 4
