@@ -193,10 +193,10 @@ def test_a_commit_in_the_middle_of_a_verifiers_episode_versions_each_turn_by_the
 
 
 @pytest.mark.engine
-def test_a_reward_or_harness_that_raises_or_hangs_ends_its_episode_with_reward_0_counted_and_the_serve_goes_on(
+def test_a_reward_harness_or_task_that_raises_or_hangs_ends_its_episode_with_reward_0_counted_and_the_serve_goes_on(
     loop, engine, model_dirs, caplog
 ):
-    kinds = ["reward-raises", "harness-raises", "harness-hangs", "behaves"]
+    kinds = ["reward-raises", "harness-raises", "harness-hangs", "task-raises", "task-hangs", "behaves"]
     driver, records = run_groups(loop, engine, model_dirs, kinds, group_size=1, max_groups=len(kinds),
                                  env_timeout_s=3.0, max_inflight=1)  # fmt: skip
     by_kind = {driver.env.task_of(r.problem_id).data.kind: r for r in records}
@@ -205,7 +205,8 @@ def test_a_reward_or_harness_that_raises_or_hangs_ends_its_episode_with_reward_0
         assert by_kind[kind].finish_reason == "env_error" and by_kind[kind].reward == 0.0, kind
     assert by_kind["reward-raises"].turns == 3, "its tokens are kept, its reward is not"
     assert by_kind["harness-raises"].completion.size == 0 and by_kind["harness-hangs"].turns == 1
+    assert by_kind["task-raises"].turns == by_kind["task-hangs"].turns == 0
     assert by_kind["behaves"].finish_reason != "env_error" and by_kind["behaves"].reward == pytest.approx(1.5)
-    assert driver.stats.env_errors == 3
-    assert "the reward crashed" in caplog.text and "the harness crashed" in caplog.text
+    assert driver.stats.env_errors == len(kinds) - 1
+    assert all(f"the {who} crashed" in caplog.text for who in ("reward", "harness", "task's setup"))
     assert "longer than --env-timeout-s" in caplog.text

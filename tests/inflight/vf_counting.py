@@ -2,8 +2,8 @@
 few problems, rewards, and a harness that runs its multi-turn loop in-process (no container, no program to install).
 
 The harness asks the model, answers with a tool-like message, three times. A task's `kind` makes it misbehave: its
-reward raises, its harness raises, its harness hangs, or (`pause`) its harness waits after the first turn until the
-test sets `GATE["go"]` (a commit in the middle of an episode).
+setup raises or hangs, its reward raises, its harness raises or hangs, or (`pause`) its harness waits after the first
+turn until the test sets `GATE["go"]` (a commit in the middle of an episode).
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ class CountData(vf.TaskData):
 
 
 class CountTask(vf.Task[CountData]):
+    async def setup(self, trace: vf.Trace, runtime) -> None:
+        if self.data.kind == "task-raises":
+            raise RuntimeError("the task's setup crashed")
+        if self.data.kind == "task-hangs":
+            await asyncio.Event().wait()  # never returns: the serve's --env-timeout-s ends the episode
+
     @vf.reward
     async def all_turns_taken(self, trace: vf.Trace) -> float:
         if self.data.kind == "reward-raises":
