@@ -115,6 +115,12 @@ def load_verifiers_env(name: str, env_args: dict[str, Any]) -> VerifiersEnv:
     except Exception as exc:
         raise ValueError(f"env verifiers:{name} could not be built: {type(exc).__name__}: {exc}") from exc
     warn_foreign_models(vf, name, config)
+    try:  # the taskset's load() runs lazily: a broken one is refused now, not at the first admission
+        first = next(iter(env.taskset), None)
+    except Exception as exc:
+        raise ValueError(f"env verifiers:{name}: its taskset failed to load: {type(exc).__name__}: {exc}") from exc
+    if first is None:
+        raise ValueError(f"env verifiers:{name}: its taskset has no tasks (env_args taskset: {taskset})")
     return VerifiersEnv(name, env)
 
 

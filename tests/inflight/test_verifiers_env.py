@@ -29,6 +29,8 @@ ENV = "verifiers:vf_counting"  # tests/inflight/vf_counting.py, importable as th
     ({"agent": {"client": {"type": "eval", "base_url": "http://127.0.0.1:9/v1"}}}, "agent.client is set"),
     ({"taskset": {"colour": 1}}, "taskset.colour"),
     ({"taskset": 3}, "expected a JSON object"),
+    ({"taskset": {"kinds": []}}, "its taskset has no tasks"),
+    ({"taskset": {"kinds": ["load-raises"]}}, "its taskset failed to load: RuntimeError: the taskset crashed"),
 ])  # fmt: skip
 def test_what_a_serve_cannot_honour_is_refused_at_load_naming_the_field(args, message):
     with pytest.raises(ValueError, match=message):

@@ -47,6 +47,8 @@ class CountConfig(vf.TasksetConfig):
 
 class CountTaskset(vf.Taskset[CountTask, CountConfig]):
     def load(self) -> list[CountTask]:
+        if "load-raises" in self.config.kinds:
+            raise RuntimeError("the taskset crashed")
         return [
             CountTask(CountData(idx=i, prompt=f"Count to {i + 2}.", answer=str(i + 2), kind=kind), self.config.task)
             for i, kind in enumerate(self.config.kinds)
