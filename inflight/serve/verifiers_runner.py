@@ -39,6 +39,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ from inflight.models import resolve_model
 from inflight.serve.episodes import Episode, TurnTokens
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import GroupScores
+from vllm_patches.generation import Completion
 
 log = logging.getLogger("inflight.serve")
 KEY_HEADER = "X-Inflight-Key"
@@ -77,7 +79,7 @@ class GenerateBody(msgspec.Struct):
 @dataclass
 class ModelTurn:
     prompt_ids: list[int]
-    done: Any  # vllm_patches/engine.py:Completion
+    done: Completion
 
 
 @dataclass
@@ -104,7 +106,9 @@ class TokenEndpoint:
     """`POST /inference/v1/generate` and `GET /v1/models` on 127.0.0.1 for verifiers' train client (module docstring).
     `sample(watch, body)` generates one turn; `watches` maps a trace id to its episode's watch."""
 
-    def __init__(self, sample, model: str, max_model_len: int):
+    def __init__(
+        self, sample: Callable[[EpisodeWatch, GenerateBody], Awaitable[Completion]], model: str, max_model_len: int
+    ):
         self.sample, self.model, self.max_model_len = sample, model, max_model_len
         self.key = secrets.token_urlsafe(24)
         self.watches: dict[str, EpisodeWatch] = {}
@@ -161,7 +165,7 @@ class TokenEndpoint:
         return self._json(generate_response(done, body.token_ids))
 
 
-def generate_response(done, prompt_ids: list[int]) -> dict[str, Any]:
+def generate_response(done: Completion, prompt_ids: list[int]) -> dict[str, Any]:
     """vLLM 0.32's tokens-mode `GenerateResponse`, each logprob entry also with renderers' `token` spelling."""
     entries = [
         {"token": f"token_id:{t}", "token_id": t, "logprob": lp}
@@ -301,7 +305,7 @@ class VerifiersRunner:
             for trace_id in minted:
                 self.endpoint.watches.pop(trace_id, None)
 
-    async def _sample(self, watch: EpisodeWatch, body: GenerateBody):
+    async def _sample(self, watch: EpisodeWatch, body: GenerateBody) -> Completion:
         """One model turn of an episode on the engine, counted in the driver's `requests_inflight`."""
         params = self._params(body)
         rid = watch.request_id if not watch.calls else f"{watch.request_id}-t{watch.calls}"

@@ -56,6 +56,41 @@ def test_the_taskset_is_the_problem_stream_and_an_unnamed_runtime_is_the_local_s
     assert first.answer == "2" and again.id == f"{first.id}#1" and env.task_of(second.id).data.kind == "pause"
 
 
+def _trace(ids: list[int], mask: list[bool], branches: int = 1):
+    """The two fields of a verifiers trace's branch the record is made from (a narrow fake: its shape only)."""
+    from types import SimpleNamespace
+
+    branch = SimpleNamespace(trainable=True, token_ids=ids, sampled_mask=mask)
+    return SimpleNamespace(branches=[branch] * branches)
+
+
+def _turn(prompt: list[int], ids: list[int], version: int):
+    from inflight.serve.verifiers_runner import ModelTurn
+    from vllm_patches.generation import Completion
+
+    done = Completion("r", prompt, ids, [-0.5] * len(ids), [version] * len(ids), "stop", [version] * len(ids))
+    return ModelTurn(prompt, done)
+
+
+def test_a_trace_becomes_a_record_only_where_its_sampled_spans_are_exactly_what_the_engine_sampled():
+    from inflight.serve.episodes import Episode
+    from inflight.serve.verifiers_runner import TraceError, trace_into_episode
+
+    ids = [1, 2, 3, 10, 11, 4, 5, 12]  # prompt 1 2 3, turn 10 11, environment 4 5, turn 12
+    mask = [False] * 3 + [True] * 2 + [False] * 2 + [True]
+    turns = [_turn([1, 2, 3], [10, 11], 7), _turn([1, 2, 3, 10, 11, 4, 5], [12], 8)]
+    ep = Episode()
+    trace_into_episode(ep, _trace(ids, mask), turns)
+    assert ep.prompt_ids == [1, 2, 3] and ep.token_ids == [10, 11, 4, 5, 12] and ep.turns == 2
+    assert ep.versions == [7, 7, -1, -1, 8] and ep.env == [False, False, True, True, False]
+    assert ep.logprobs == [-0.5, -0.5, 0.0, 0.0, -0.5]
+    retokenised = [_turn([1, 2, 3], [10, 11], 7), _turn([1, 2, 3, 99, 4, 5], [12], 8)]  # turn 1 re-rendered
+    with pytest.raises(TraceError, match="not what the engine sampled"):
+        trace_into_episode(Episode(), _trace(ids, mask), retokenised)
+    with pytest.raises(TraceError, match="2 trainable branches"):
+        trace_into_episode(Episode(), _trace(ids, mask, branches=2), turns)
+
+
 # --- on the real engine ---------------------------------------------------------------------------------------------
 
 
