@@ -91,6 +91,29 @@ def test_a_trace_becomes_a_record_only_where_its_sampled_spans_are_exactly_what_
         trace_into_episode(Episode(), _trace(ids, mask, branches=2), turns)
 
 
+def test_the_endpoint_answers_what_verifiers_client_parses_where_vllms_own_tokens_response_is_refused():
+    from renderers.client import MalformedGenerateResponseError, _parse_completion_logprobs
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateLogProbs,
+        GenerateLogProbsContent,
+        GenerateTokensChoice,
+    )
+
+    from inflight.serve.verifiers_runner import generate_response
+    from vllm_patches.generation import Completion
+
+    entries = [GenerateLogProbsContent(token_id=t, logprob=-0.25) for t in (5, 6, 7)]
+    vllms = GenerateTokensChoice(index=0, token_ids=[5, 6, 7], logprobs=GenerateLogProbs(content=entries))
+    with pytest.raises(MalformedGenerateResponseError):  # vLLM 0.32's tokens mode sends token_id, not "token_id:N"
+        _parse_completion_logprobs(vllms.model_dump(), [5, 6, 7])
+    done = Completion("r-1", [1, 2], [5, 6, 7], [-0.25, -0.5, -1.0], [3, 3, 4], "length", [3, 3, 4])
+    ours = generate_response(done, [1, 2])
+    (choice,) = ours["choices"]
+    assert _parse_completion_logprobs(choice, [5, 6, 7]) == [-0.25, -0.5, -1.0] and choice["token_ids"] == [5, 6, 7]
+    assert choice["weight_versions"] == [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}]
+    assert ours["prompt_token_ids"] == [1, 2] and ours["usage"]["total_tokens"] == 5
+
+
 # --- on the real engine ---------------------------------------------------------------------------------------------
 
 
