@@ -23,7 +23,7 @@ from inflight.serve.config import ServeConfig
 # The serve's own flags this script takes (same names, defaults and help).
 SERVE_FLAGS = ("model", "task", "prompt_key", "answer_key", "system_prompt", "max_operand", "reward",
                "reward_weights", "reward_convention", "temperature", "top_p", "top_k", "min_p",
-               "max_tokens")  # fmt: skip
+               "max_tokens", "task_args")  # fmt: skip
 
 
 async def measure(args) -> dict:
@@ -38,7 +38,7 @@ async def measure(args) -> dict:
 
     path = resolve_model(args.model)
     task, default_reward = load_task(args.task, args.task_seed, args.max_operand, args.prompt_key, args.answer_key,
-                                     args.system_prompt)  # fmt: skip
+                                     args.system_prompt, task_args=args.task_args)  # fmt: skip
     rewards = load_rewards(args.reward or default_reward, args.reward_weights, args.reward_convention)
     problems = [p for _, p in zip(range(args.problems), task, strict=False)]
     tok = AutoTokenizer.from_pretrained(path)

@@ -60,6 +60,7 @@ def load_work(cfg: ServeConfig) -> Work:
         cfg.system_prompt,
         terms=cfg.arithmetic_terms,
         ops=cfg.arithmetic_ops,
+        task_args=cfg.task_args,
     )
     # --reward none: only the environment's own rewards (inflight/envs/base.py)
     rewards = (

@@ -40,6 +40,7 @@ def load_eval_problems(cfg: ServeConfig) -> list[Problem]:
         shuffle=False,
         terms=cfg.arithmetic_terms,
         ops=cfg.arithmetic_ops,
+        task_args=cfg.task_args,
     )
     table = getattr(task, "problems", None)  # a table: its rows once, not cycled
     return list(table[: cfg.eval_problems]) if table is not None else list(islice(task, cfg.eval_problems))

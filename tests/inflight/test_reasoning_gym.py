@@ -81,6 +81,19 @@ def test_a_dataset_config_shapes_the_problems():
         assert int(p.answer) == int(left) + int(right) and abs(int(left)) <= 10
 
 
+def test_the_serve_hands_task_args_to_its_training_problems_and_its_held_out_eval():
+    from inflight.serve.app import load_work
+    from inflight.serve.config import ServeConfig
+
+    config = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"], "allow_parentheses": False}
+    args = json.dumps({"size": 40, "datasets": {"basic_arithmetic": config}})
+    spec = "reasoning-gym:basic_arithmetic"
+    cfg = ServeConfig(task=spec, task_args=args, eval_task=spec, eval_every=1, eval_problems=20)
+    work = load_work(cfg)
+    for problem in [*islice(work.problems, 20), *work.held_out]:
+        assert " + " in problem.question and "-" not in problem.question.removeprefix("Calculate ")
+
+
 @pytest.mark.parametrize(
     ("spec", "args", "match"),
     [
