@@ -87,6 +87,15 @@ class VerifiersEnv:
             raise ValueError(f"problem {problem_id!r} is not one of env verifiers:{self.name}'s recent tasks")
         return task
 
+    def cap_turns(self, max_turns: int) -> None:
+        """The serve's `--max-turns` for a role that sets no `max_turns` of its own (verifiers then ends the trace
+        with stop condition `max_turns`, refusing the harness's next model call)."""
+        from verifiers.v1.configs.agent import agent_config_fields
+
+        for agent in agent_config_fields(self.env.config).values():  # the same objects the Env resolves each episode
+            if agent.max_turns is None:
+                agent.max_turns = max_turns
+
     def reset(self, problem: Problem):
         raise TypeError("a verifiers environment runs its own episodes: inflight/serve/verifiers_runner.py")
 

@@ -28,7 +28,7 @@ The serve samples with its own sampler (`--temperature`, `--top-p`, ...: the lea
 an environment's `max_tokens` is honoured up to `--max-tokens`, its stop token ids are added. An episode whose
 trace failed (a reward, the harness or the task raised: verifiers records it on the trace) or whose environment held
 control longer than `--env-timeout-s` between two model calls ends with reward 0, counted as an environment error;
-the serve goes on. `--max-turns` does not apply: the environment's own `agent.max_turns` does.
+the serve goes on. `--max-turns` caps a role that sets no `max_turns` of its own (`VerifiersEnv.cap_turns`).
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ class VerifiersRunner:
     def __init__(self, engine, env: VerifiersEnv, tokenizer, cfg, stats, notify, sampling, tool_latency=None):
         self.engine, self.env, self.cfg, self.stats, self.notify = engine, env, cfg, stats, notify
         self.sampling, self.turns = sampling, TurnTokens(tokenizer)
+        env.cap_turns(cfg.max_turns)
         model = str(resolve_model(cfg.model))
         self.endpoint = TokenEndpoint(self._sample, model, cfg.max_model_len)
         self._model, self._ready, self._started, self._ctx = model, None, None, None
@@ -252,6 +253,8 @@ class VerifiersRunner:
             trace_into_episode(filled, trace, watch.turns)
             ep = filled
             ep.env_reward = trace.reward
+            if trace.stop_condition == "max_turns":
+                ep.finish_reason = "max_turns"
             account_rewards(self.stats, trace)
         except Exception as exc:
             if watch.engine_error is not None:

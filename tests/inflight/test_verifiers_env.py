@@ -54,6 +54,11 @@ def test_the_taskset_is_the_problem_stream_and_an_unnamed_runtime_is_the_local_s
     first, second, again = next(stream), next(stream), next(stream)
     assert [first.question, second.question, again.question] == ["Count to 2.", "Count to 3.", "Count to 2."]
     assert first.answer == "2" and again.id == f"{first.id}#1" and env.task_of(second.id).data.kind == "pause"
+    env.cap_turns(2)
+    assert env.env.config.agent.max_turns == 2, "--max-turns caps a role that sets none"
+    own = load_env(ENV, '{"agent": {"max_turns": 5}}')
+    own.cap_turns(2)
+    assert own.env.config.agent.max_turns == 5, "a role's own max_turns stays"
 
 
 def _trace(ids: list[int], mask: list[bool], branches: int = 1):
@@ -220,6 +225,13 @@ def test_a_verifiers_episode_is_what_the_engine_sampled_and_the_environment_appe
         assert record.turns == 3 and record.reward == pytest.approx(1.5)  # the environment's 1.0 + 0.5 x 1.0
     means = driver.stats.reward_means.means()
     assert means == {"all_turns_taken": 1.0, "replied": 1.0} and driver.stats.env_errors == 0
+
+
+@pytest.mark.engine
+def test_max_turns_ends_a_verifiers_episode_normally_after_that_many_turns(loop, engine, model_dirs):
+    _, (record,) = run_groups(loop, engine, model_dirs, ["behaves"], group_size=1, max_turns=2)
+    assert record.turns == 2 and record.finish_reason == "max_turns"
+    assert record.reward == pytest.approx(0.5), "all_turns_taken 0 (2 of 3 turns), replied 0.5 x 1"
 
 
 @pytest.mark.engine
