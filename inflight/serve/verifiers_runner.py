@@ -310,7 +310,7 @@ class VerifiersRunner:
 
     async def _sample(self, watch: EpisodeWatch, body: GenerateBody) -> Completion:
         """One model turn of an episode on the engine, counted in the driver's `requests_inflight`."""
-        params = self._params(body)
+        params = turn_sampling(self.sampling, self.cfg, body, self._warned)
         rid = watch.request_id if not watch.calls else f"{watch.request_id}-t{watch.calls}"
         watch.calls, watch.generating = watch.calls + 1, watch.generating + 1
         if not watch.counted:
@@ -325,21 +325,6 @@ class VerifiersRunner:
             self.notify()
         watch.turns.append(ModelTurn(list(body.token_ids), done))
         return done
-
-    def _params(self, body: GenerateBody):
-        """The serve's sampler for one turn: the environment's max_tokens up to --max-tokens, its stop token ids."""
-        room = self.cfg.max_model_len - len(body.token_ids)
-        if room < 1:
-            raise ValueError(f"the prompt is {len(body.token_ids)} tokens: no room under --max-model-len")
-        asked = body.sampling_params.get("max_tokens") or self.cfg.max_tokens
-        params = self.sampling(min(int(asked), self.cfg.max_tokens, room))
-        for key in SAMPLER_KEYS:
-            value = body.sampling_params.get(key)
-            if value is not None and value != getattr(params, key) and key not in self._warned:
-                self._warned.add(key)
-                log.warning("env asks %s %s; the serve samples with its own (%s)", key, value, getattr(params, key))
-        stop_ids = [int(t) for t in body.sampling_params.get("stop_token_ids") or ()]
-        return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *stop_ids])
 
     async def _start(self) -> None:
         """The endpoint and the environment's serving resources, brought up by the first episode."""
@@ -380,6 +365,23 @@ class VerifiersRunner:
         self._closing.set()
         if self._started is not None:
             await asyncio.gather(self._started, return_exceptions=True)
+
+
+def turn_sampling(sampling, cfg, body: GenerateBody, warned: set[str]):
+    """The serve's sampler (`sampling(max_tokens)`, the driver's) for one turn: the environment's max_tokens up to
+    --max-tokens and the room left, its stop token ids added; a sampler setting of its own is warned about once."""
+    room = cfg.max_model_len - len(body.token_ids)
+    if room < 1:
+        raise ValueError(f"the prompt is {len(body.token_ids)} tokens: no room under --max-model-len")
+    asked = body.sampling_params.get("max_tokens") or cfg.max_tokens
+    params = sampling(min(int(asked), cfg.max_tokens, room))
+    for key in SAMPLER_KEYS:
+        value = body.sampling_params.get(key)
+        if value is not None and value != getattr(params, key) and key not in warned:
+            warned.add(key)
+            log.warning("env asks %s %s; the serve samples with its own (%s)", key, value, getattr(params, key))
+    stop_ids = [int(t) for t in body.sampling_params.get("stop_token_ids") or ()]
+    return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *stop_ids])
 
 
 def account_rewards(stats, trace) -> None:
