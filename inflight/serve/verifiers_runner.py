@@ -74,6 +74,7 @@ class GenerateBody(msgspec.Struct):
     cache_salt: str | None = None
     features: Any = None
     content_parts: Any = None
+    stream: bool | None = False
 
 
 @dataclass
@@ -155,6 +156,8 @@ class TokenEndpoint:
             return self._error(400, f"not a generate request: {exc}")
         if body.features is not None or body.content_parts is not None:
             return self._error(400, "multimodal inputs (features, content_parts) are not supported: text only")
+        if body.stream:
+            return self._error(400, "stream is true: this endpoint answers whole responses only")
         try:
             done = await self.sample(watch, body)
         except ValueError as exc:

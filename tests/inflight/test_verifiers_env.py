@@ -119,6 +119,40 @@ def test_the_endpoint_answers_what_verifiers_client_parses_where_vllms_own_token
     assert ours["prompt_token_ids"] == [1, 2] and ours["usage"]["total_tokens"] == 5
 
 
+def test_the_endpoint_answers_only_its_key_a_running_episode_and_a_text_generate_request():
+    import httpx
+
+    from inflight.serve.verifiers_runner import KEY_HEADER, SESSION_HEADER, EpisodeWatch, TokenEndpoint
+    from vllm_patches.generation import Completion
+
+    async def sample(watch, body):  # the engine's place: echoes the prompt's last token
+        return Completion("r", body.token_ids, body.token_ids[-1:], [-0.5], [2], "stop", [2])
+
+    async def go():
+        async with TokenEndpoint(sample, "m", 64) as endpoint, httpx.AsyncClient() as client:
+            endpoint.watches["trace-1"] = EpisodeWatch("r")
+            url, good = endpoint.base_url.removesuffix("/v1") + "/inference/v1/generate", {"token_ids": [4, 5]}
+            keyed = {KEY_HEADER: endpoint.key, SESSION_HEADER: "trace-1"}
+
+            async def post(body, headers=keyed):
+                return await client.post(url, content=json.dumps(body) if isinstance(body, dict) else body,
+                                         headers=headers)  # fmt: skip
+
+            codes = [
+                (await post(good, {SESSION_HEADER: "trace-1"})).status_code,
+                (await post(good, {**keyed, SESSION_HEADER: "other"})).status_code,
+                (await post(b"{not json")).status_code,
+                (await post({**good, "content_parts": [{"type": "image_url"}]})).status_code,
+                (await post({**good, "stream": True})).status_code,
+            ]
+            answer = (await post(good)).json()
+            return codes, answer
+
+    codes, answer = asyncio.run(go())
+    assert codes == [401, 404, 400, 400, 400]
+    assert answer["choices"][0]["token_ids"] == [5] and answer["choices"][0]["weight_versions"][0]["version"] == "2"
+
+
 # --- on the real engine ---------------------------------------------------------------------------------------------
 
 
