@@ -6,6 +6,11 @@ optimizer, the step loop, checkpoints, the final export. Rank 0's network side (
 weight publisher, metrics file) is `LearnerService` (inflight/learn/service.py): every step rank 0 asks it for
 `groups_per_step` complete groups, staleness-gated (`next_groups`), and broadcasts the samples; all ranks train on
 their slice; the new full weights go out as `version + 1` (`publish`). The loop is visible in `Learner.run`.
+
+The step's samples reach the other ranks by `broadcast_samples`: msgpack bytes in a uint8 tensor over the default
+group (never pickle), on that group's device (`learner/world.py:World.device`: NCCL moves GPU memory only); every rank
+trains on its slice `samples[rank::world]`, and an empty broadcast means "stop", so all ranks leave the loop at the
+same step.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import msgspec
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.config import LearnConfig
-from inflight.learn.dist import broadcast_samples
 from inflight.learn.samples import GatedSample, GateStats
 from inflight.learn.service import LearnerService
 from inflight.learn.tracking import Reporting
@@ -40,6 +46,7 @@ from learner.truncation import Truncation
 from learner.world import World, WorldError, start_world
 
 log = logging.getLogger("inflight.learn")
+_samples_decoder = msgspec.msgpack.Decoder(list[GatedSample])
 
 
 @dataclasses.dataclass
@@ -50,6 +57,21 @@ class Resumed:
     step: int = 0
     consumed: list[str] | dict = dataclasses.field(default_factory=list)
     by_server: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def broadcast_samples(samples: list[GatedSample] | None, world: World) -> list[GatedSample]:
+    """Rank 0's `samples` on every rank ([] = stop). A no-op in a world of one. Collective: every rank calls it."""
+    if world.size == 1:
+        return samples or []
+    payload = msgspec.msgpack.encode(samples or []) if world.rank == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=world.device)
+    dist.broadcast(size, 0)
+    if world.rank == 0:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(world.device)
+    else:
+        buf = torch.empty(int(size), dtype=torch.uint8, device=world.device)
+    dist.broadcast(buf, 0)
+    return (samples or []) if world.rank == 0 else _samples_decoder.decode(buf.cpu().numpy().tobytes())
 
 
 @dataclasses.dataclass
