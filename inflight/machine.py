@@ -99,8 +99,16 @@ def is_cuda(device: str) -> bool:
 _CUDA_QUERY = (
     "import json, torch\n"
     "ok = torch.cuda.is_available()\n"
-    "print(json.dumps([torch.cuda.get_device_name(), list(torch.cuda.get_device_capability())] if ok else None))"
+    "p = torch.cuda.get_device_properties(0) if ok else None\n"
+    "print(json.dumps([p.name, [p.major, p.minor], p.total_memory] if ok else None))"
 )
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    name: str
+    capability: tuple[int, int]
+    total_bytes: int
 
 
 @functools.cache
@@ -111,16 +119,19 @@ def cuda_info() -> tuple[str, tuple[int, int]] | None:
 
     if not torch.cuda.is_available():  # a device count, not a CUDA context
         return None
-    return query_cuda_device()
+    device = query_cuda_device()
+    return None if device is None else (device.name, device.capability)
 
 
-def query_cuda_device() -> tuple[str, tuple[int, int]] | None:
-    """The current CUDA device's (name, capability), asked of a child Python so that this process holds no context."""
+def query_cuda_device() -> CudaDevice | None:
+    """The current CUDA device, asked of a child Python so that this process holds no CUDA context."""
     done = subprocess.run([sys.executable, "-c", _CUDA_QUERY], capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"asking a child process for the CUDA device failed: {done.stderr.strip()[-500:]}")
     answer = json.loads(done.stdout.strip().splitlines()[-1])
-    return None if answer is None else (answer[0], (int(answer[1][0]), int(answer[1][1])))
+    if answer is None:
+        return None
+    return CudaDevice(answer[0], (int(answer[1][0]), int(answer[1][1])), int(answer[2]))
 
 
 def cuda_bf16() -> tuple[bool, str]:

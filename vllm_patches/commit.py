@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -122,7 +122,7 @@ class LiveWeights:
         lm_head = getattr(model, "lm_head", None)
         tied = getattr(self.worker.model_config.hf_config, "tie_word_embeddings", False)
         self._silence_expected_warnings(tied)
-        with _experts_set_up_afresh(model):
+        with experts_for_reload(model):
             try:
                 self.worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
             except Exception:
@@ -159,6 +159,18 @@ class _ExpectedReloadWarnings(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.getMessage() not in self.messages
+
+
+def experts_for_reload(model: torch.nn.Module) -> AbstractContextManager:
+    """`_experts_set_up_afresh` on a CPU model, nothing elsewhere: the CPU prepack is what a reload skips, while on
+    CUDA vLLM skips rebuilding the MoE kernel on updates on purpose (captured graphs hold its addresses), and
+    rebuilding it on every in-place update would cost a kernel set-up per commit and break those graphs."""
+    return _experts_set_up_afresh(model) if moe_reload_needs_fresh_kernels(model) else nullcontext(0)
+
+
+def moe_reload_needs_fresh_kernels(model: torch.nn.Module) -> bool:
+    parameter = next(model.parameters(), None)
+    return parameter is not None and parameter.device.type == "cpu"
 
 
 @contextmanager

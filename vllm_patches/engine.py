@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from inflight.machine import is_cuda, serve_device
 from inflight.wire.weights import UPDATE_MEMORY
+from vllm_patches.device_plan import GpuMemoryPlan
 from vllm_patches.generation import Completion, RunningRequests, ServedVersion, VersionedGeneration
 from vllm_patches.rpc import GroupJoined, rpc_result
 from vllm_patches.updates import StagedSignals, UpdateError, UpdateReport, WeightUpdates
@@ -52,6 +53,8 @@ class EngineConfig:
     # fp32 head does; "model" keeps the engine dtype. Changes nothing when dtype is already float32.
     head_dtype: str = "model"
     update_memory: str = "double"  # one of UPDATE_MEMORY
+    # CUDA: the staging plan (vllm_patches/device_plan.py); vLLM gets its lowered fraction, never the raw one.
+    gpu_plan: GpuMemoryPlan | None = None
 
 
 def check_graph_safe_updates(enforce_eager: bool, update_memory: str) -> None:
@@ -94,7 +97,7 @@ def memory_kwargs(cfg: EngineConfig, device: str) -> dict:
     Raises ValueError for `enforce_eager` False off CUDA (compilation there may freeze the weights).
     """
     if is_cuda(device):
-        return {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+        return {"gpu_memory_utilization": planned_utilization(cfg)}
     if not cfg.enforce_eager:
         # On CPU there are no CUDA graphs to allow: vLLM compiles with Inductor instead, whose freezing may fold the
         # weights into the compiled graph as constants, where no commit path reaches them (notes: vllm-0.32.md).
@@ -105,6 +108,24 @@ def memory_kwargs(cfg: EngineConfig, device: str) -> dict:
         )
     # vLLM's legacy VLLM_CPU_KVCACHE_SPACE (whole GiB) overrides it when set.
     return {"kv_cache_memory_bytes": int(cfg.kv_cache_gib * (1 << 30))}
+
+
+def planned_utilization(cfg: EngineConfig) -> float:
+    """The fraction vLLM may take on CUDA once the staging plan's peak is set aside: a CUDA engine without a plan for
+    its updates' memory would give it all to the KV cache, and the first update would run out of memory."""
+    plan = cfg.gpu_plan
+    if plan is None:
+        raise ValueError(
+            "a CUDA engine needs a staging plan (EngineConfig.gpu_plan, from vllm_patches/device_plan.py:"
+            "plan_gpu_memory): without it vLLM gives the update's memory to the KV cache"
+        )
+    if plan.requested_utilization != cfg.gpu_memory_utilization or plan.staging.update_memory != cfg.update_memory:
+        raise ValueError(
+            f"the staging plan was made for --gpu-memory-utilization {plan.requested_utilization} and "
+            f"--update-memory {plan.staging.update_memory}, the engine has {cfg.gpu_memory_utilization} and "
+            f"{cfg.update_memory}: plan again with the engine's values"
+        )
+    return plan.engine_utilization
 
 
 def engine_kwargs(cfg: EngineConfig, device: str) -> dict:

@@ -18,24 +18,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inflight.config import parse_dataclass, setup_logging
-from inflight.machine import resolve_precision, serve_device
+from inflight.machine import is_cuda, query_cuda_device, resolve_precision, serve_device
 from inflight.models import MODEL_NAMES, resolve_model
 from inflight.serve.config import ServeConfig
 from inflight.serve.eval import Evaluation, load_eval_problems
 from inflight.serve.http import start_http
 from inflight.serve.latency import parse_latency
 from inflight.serve.progress import ProgressReporter
-from inflight.serve.stream import RolloutStream
 from inflight.tasks.base import Problem
 from inflight.tasks.loading import load_task
 from inflight.tasks.rewards import Reward, load_rewards
 from inflight.wire.control import TensorSpec
+from inflight.wire.endpoints import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
+from vllm_patches.device_plan import StagingPlan, checkpoint_weight_bytes, plan_gpu_memory
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when a serve starts (see `serve`)
     from inflight.serve.control import ControlClient
     from inflight.serve.driver import RolloutDriver
-    from vllm_patches.engine import InflightEngine
+    from vllm_patches.engine import EngineConfig, InflightEngine
 
 log = logging.getLogger("inflight.serve")
 
@@ -118,21 +119,42 @@ async def serve(cfg: ServeConfig) -> int:
 
 async def start_engine(cfg: ServeConfig, model_path: Path) -> InflightEngine:
     """The patched vLLM engine (vllm_patches/engine.py:InflightEngine) with the serve's engine knobs."""
-    from vllm_patches.engine import EngineConfig, InflightEngine  # vLLM: see `serve`
+    from vllm_patches.engine import InflightEngine  # vLLM: see `serve`
 
-    config = EngineConfig(
+    device = serve_device()
+    gpu = query_cuda_device() if is_cuda(device) else None  # in a child: this process keeps no CUDA context
+    config = engine_config(cfg, model_path, device, gpu.total_bytes if gpu else 0)
+    if config.gpu_plan is not None:
+        log.info("%s", config.gpu_plan.describe())
+    return await InflightEngine.start(config, version=cfg.version)
+
+
+def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes: int) -> EngineConfig:
+    """The engine's config on `device`: --enforce-eager and --update-memory resolved for it and, on CUDA, the
+    staging plan made from the checkpoint's weight bytes (a ValueError naming the numbers and the flags when the
+    GPU cannot hold an update beside the engine). `cfg.dtype` is already resolved (`main`)."""
+    from vllm_patches.engine import EngineConfig  # vLLM: see `serve`
+
+    mode = cfg.engine_mode(device)
+    plan = None
+    if is_cuda(device):
+        # The serve cannot know whether the learner will send deltas (--full-every is the learner's): the plan
+        # counts none, and `low`'s held copy of the last update is the same size as a delta base would be.
+        staging = StagingPlan(checkpoint_weight_bytes(model_path, cfg.dtype), mode.update_memory, delta=False)
+        plan = plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization)
+    return EngineConfig(
         model=str(model_path),
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
         seed=cfg.seed,
-        enforce_eager=cfg.enforce_eager,
+        enforce_eager=mode.enforce_eager,
         kv_cache_gib=cfg.kv_cache_gib,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         dtype=cfg.dtype,
         head_dtype=cfg.head_dtype,
-        update_memory=cfg.update_memory,
+        update_memory=mode.update_memory,
+        gpu_plan=plan,
     )
-    return await InflightEngine.start(config, version=cfg.version)
 
 
 async def _secure(cfg: ServeConfig, engine: InflightEngine) -> CurveKeys | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from inflight.config import knob, require
 from inflight.envs.loading import load_env
@@ -20,6 +20,9 @@ from inflight.serve.latency import parse_latency
 from inflight.wire.contract import RunContract, SecretKnob, SharedKnobs
 from inflight.wire.memory import trim_every_s
 from inflight.wire.weights import UPDATE_MEMORY
+
+if TYPE_CHECKING:
+    from vllm_patches.device_plan import EngineMode
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
 
@@ -170,11 +173,12 @@ class EngineKnobs:
         "(weights, activations, CUDA graphs; the KV cache gets the rest); used "
         "there in place of --kv-cache-gib. Not used on CPU",
     )
-    enforce_eager: bool = knob(
-        True,
-        "true = eager forward passes; false lets vLLM compile the model and capture "
-        "CUDA graphs (faster decoding on GPU). Graphs hold parameter addresses, so false "
-        "needs --update-memory low",
+    enforce_eager: str = knob(
+        "auto",
+        "auto = CUDA graphs on a GPU with --update-memory low (vLLM's own default: compiled forward passes), "
+        "eager on CPU; true = eager forward passes; false = compile and capture CUDA graphs, which hold parameter "
+        "addresses, so it needs --update-memory low",
+        choices=("auto", "true", "false"),
     )
     dtype: str = knob(
         "auto",
@@ -191,13 +195,13 @@ class EngineKnobs:
         choices=("float32", "model"),
     )
     update_memory: str = knob(
-        "double",
+        "auto",
         "double = each update is loaded and processed into a second copy of the "
         "weights off the engine thread and swapped in by reference (the commit stalls "
         "generation O(layers), not O(bytes); one extra copy of the weights while staged); low "
         "= copied into the live weights on the engine thread (no copy; keeps storage "
-        "addresses, as CUDA graphs need)",
-        choices=UPDATE_MEMORY,
+        "addresses, as CUDA graphs need); auto = low on a GPU (or with --enforce-eager false), double on CPU",
+        choices=("auto", *UPDATE_MEMORY),
     )
     seed: int = knob(0, "engine sampling seed")
 
@@ -213,8 +217,15 @@ class EngineKnobs:
         # forwards to the serve, and only a serve validates its engine.
         from vllm_patches.engine import check_graph_safe_updates
 
-        check_graph_safe_updates(self.enforce_eager, self.update_memory)
+        mode = self.engine_mode("cuda")  # the rule that depends on no device: graphs need the in-place path
+        check_graph_safe_updates(mode.enforce_eager, mode.update_memory)
         trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update
+
+    def engine_mode(self, device: str) -> EngineMode:
+        """--enforce-eager and --update-memory resolved for `device` (vllm_patches/device_plan.py)."""
+        from vllm_patches.device_plan import resolve_engine_mode  # lazy: see validate_engine
+
+        return resolve_engine_mode(device, self.enforce_eager, self.update_memory)
 
     def memory_sizing(self, device: str) -> str:
         """Which flag sizes the engine's memory on `device`, in words for the start-up log."""

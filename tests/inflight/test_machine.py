@@ -142,7 +142,7 @@ def test_resolving_auto_for_a_cuda_serve_never_initialises_cuda_in_the_asking_pr
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", initialises)
     monkeypatch.setattr(torch.cuda, "get_device_capability", initialises)
-    monkeypatch.setattr(machine, "query_cuda_device", lambda: H100)
+    monkeypatch.setattr(machine, "query_cuda_device", lambda: machine.CudaDevice(*H100, 80 << 30))
     try:
         precision = machine.resolve_precision("auto", "cuda")
     finally:

@@ -10,6 +10,7 @@ from inflight.config import parse_dataclass
 from inflight.run.config import RunConfig
 from inflight.run.launch import side_commands
 from inflight.serve.config import ServeConfig
+from vllm_patches.device_plan import EngineMode
 
 
 def parse(*flags: str) -> ServeConfig:
@@ -24,17 +25,33 @@ def usage_error(capsys, *flags: str) -> str:
 
 
 def test_enforce_eager_false_with_update_memory_double_is_refused_at_start_naming_both_flags_and_the_fix(capsys):
-    err = usage_error(capsys, "--enforce-eager", "false")  # --update-memory double is the default
+    err = usage_error(capsys, "--enforce-eager", "false", "--update-memory", "double")
     assert "--enforce-eager false with --update-memory double" in err and "Pass --update-memory low" in err
 
 
 def test_enforce_eager_false_with_update_memory_low_is_accepted() -> None:
     cfg = parse("--enforce-eager", "false", "--update-memory", "low")
-    assert cfg.enforce_eager is False and cfg.update_memory == "low"
+    assert cfg.engine_mode("cuda") == EngineMode(enforce_eager=False, update_memory="low")
 
 
-def test_enforce_eager_defaults_to_true_as_before() -> None:
-    assert parse().enforce_eager is True
+# (device, --enforce-eager, --update-memory) -> (eager, update path)
+MODES = [
+    ("cpu", "auto", "auto", True, "double"),  # eager with the prepared swap, as before
+    ("cuda", "auto", "auto", False, "low"),  # vLLM's own default: CUDA graphs, which need the in-place path
+    ("cuda:1", "auto", "auto", False, "low"),
+    ("cuda", "auto", "double", True, "double"),  # double stays available, with eager forward passes
+    ("cuda", "true", "auto", True, "low"),
+    ("cpu", "false", "auto", False, "low"),  # graphs need low; a CPU engine then refuses compiling at start
+    ("cpu", "true", "low", True, "low"),
+]
+
+
+@pytest.mark.parametrize(("device", "eager", "memory", "want_eager", "want_memory"), MODES)
+def test_the_engine_mode_defaults_to_cuda_graphs_with_the_in_place_path_on_a_gpu_and_eager_double_on_cpu(
+    device, eager, memory, want_eager, want_memory
+) -> None:
+    cfg = parse("--enforce-eager", eager, "--update-memory", memory)
+    assert cfg.engine_mode(device) == EngineMode(want_eager, want_memory)
 
 
 @pytest.mark.parametrize("fraction", ["0", "-0.5", "1.5"])
@@ -62,20 +79,29 @@ def test_a_run_on_gpus_sends_the_serve_no_memory_flag_so_the_gpu_fraction_defaul
     serve = side_commands(RunConfig(serve_gpus="0", learn_gpus="1,2,3"), tmp_path, (1, 2, 3))["serve"]
     assert not {"--kv-cache-gib", "--gpu-memory-utilization", "--enforce-eager"} & set(serve)
     cfg = parse(*serve[2:])  # drop "-m inflight.serve"
-    assert cfg.gpu_memory_utilization == 0.9 and cfg.enforce_eager is True
+    assert cfg.gpu_memory_utilization == 0.9 and cfg.engine_mode("cuda") == EngineMode(False, "low")
 
 
 def test_a_run_passes_the_serves_gpu_flags_through_serve_args(tmp_path) -> None:
     run = RunConfig(serve_gpus="0", serve_args="--gpu-memory-utilization 0.6 --enforce-eager false --update-memory low")
     cfg = parse(*side_commands(run, tmp_path, (1, 2, 3))["serve"][2:])
-    assert (cfg.gpu_memory_utilization, cfg.enforce_eager, cfg.update_memory) == (0.6, False, "low")
+    assert (cfg.gpu_memory_utilization, cfg.enforce_eager, cfg.update_memory) == (0.6, "false", "low")
 
 
 def test_a_run_refuses_cuda_graphs_over_the_double_update_path_before_anything_starts(tmp_path, capsys) -> None:
     from inflight.run.app import plan
 
     with pytest.raises(SystemExit) as exited:
-        plan(["--run-dir", str(tmp_path / "run"), "--serve-gpus", "0", "--serve-args", "--enforce-eager false"])
+        plan(
+            [
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--serve-gpus",
+                "0",
+                "--serve-args",
+                "--enforce-eager false --update-memory double",
+            ]
+        )
     assert exited.value.code == 2
     assert "--enforce-eager false with --update-memory double" in capsys.readouterr().err
 
@@ -85,3 +111,35 @@ def test_the_serves_old_max_lag_flag_is_refused_naming_admit_lag(capsys) -> None
     err = usage_error(capsys, "--max-lag", "2")
     assert "--max-lag was renamed" in err and "--admit-lag" in err
     assert parse("--admit-lag", "2").admit_lag == 2
+
+
+def test_a_cuda_serve_plans_its_updates_memory_from_the_checkpoint_and_hands_vllm_the_lowered_fraction() -> None:
+    from inflight.models import model_dir
+    from inflight.serve.app import engine_config
+    from vllm_patches.engine import engine_kwargs
+
+    cfg = parse("--dtype", "bfloat16")
+    config = engine_config(cfg, model_dir("smollm2"), "cuda", device_bytes=8 << 30)
+    plan = config.gpu_plan
+    assert (config.enforce_eager, config.update_memory) == (False, "low")
+    assert plan is not None and plan.staging.update_memory == "low"
+    assert 250_000_000 < plan.staging.weight_bytes < 300_000_000  # SmolLM2-135M in bf16
+    fraction = engine_kwargs(config, "cuda")["gpu_memory_utilization"]
+    assert fraction == pytest.approx(0.9 - plan.staging.peak_bytes / (8 << 30))
+    assert "staging plan: weights 0.25 GiB, --update-memory low" in plan.describe()
+
+
+def test_a_gpu_too_small_for_an_update_beside_the_engine_is_refused_before_vllm_starts() -> None:
+    from inflight.models import model_dir
+    from inflight.serve.app import engine_config
+
+    with pytest.raises(ValueError, match="raise --gpu-memory-utilization"):
+        engine_config(parse("--dtype", "bfloat16"), model_dir("smollm2"), "cuda", device_bytes=512 << 20)
+
+
+def test_a_cpu_serve_makes_no_gpu_plan_and_keeps_eager_with_the_prepared_swap() -> None:
+    from inflight.models import model_dir
+    from inflight.serve.app import engine_config
+
+    config = engine_config(parse("--dtype", "bfloat16"), model_dir("smollm2"), "cpu", device_bytes=0)
+    assert config.gpu_plan is None and (config.enforce_eager, config.update_memory) == (True, "double")

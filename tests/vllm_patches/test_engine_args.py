@@ -8,12 +8,19 @@ import dataclasses
 
 import pytest
 
+from vllm_patches.device_plan import GIB, StagingPlan, plan_gpu_memory
 from vllm_patches.engine import EngineConfig, check_graph_safe_updates, engine_kwargs
 
 
+def planned(cfg: EngineConfig, weight_bytes: int = 4 * GIB, device_bytes: int = 80 * GIB) -> EngineConfig:
+    """`cfg` with the staging plan a CUDA serve makes for it (a 2B bf16 model on an 80 GiB GPU by default)."""
+    staging = StagingPlan(weight_bytes, cfg.update_memory, delta=False)
+    return dataclasses.replace(cfg, gpu_plan=plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization))
+
+
 def test_a_cuda_engine_sizes_its_memory_by_gpu_memory_utilization_and_passes_no_kv_cache_bytes() -> None:
-    kwargs = engine_kwargs(EngineConfig(model="m", gpu_memory_utilization=0.75, kv_cache_gib=0.25), "cuda")
-    assert kwargs["gpu_memory_utilization"] == 0.75
+    kwargs = engine_kwargs(planned(EngineConfig(model="m", gpu_memory_utilization=0.75, kv_cache_gib=0.25)), "cuda")
+    assert kwargs["gpu_memory_utilization"] == pytest.approx(0.75 - 2 * 4 / 80)  # the double update set aside
     assert "kv_cache_memory_bytes" not in kwargs  # vLLM would read it in place of the fraction
 
 
@@ -24,19 +31,30 @@ def test_a_cpu_engine_sizes_its_kv_cache_in_bytes_and_passes_no_gpu_fraction() -
 
 
 def test_a_cuda_device_with_an_index_is_still_cuda() -> None:
-    assert "gpu_memory_utilization" in engine_kwargs(EngineConfig(model="m"), "cuda:1")
+    assert "gpu_memory_utilization" in engine_kwargs(planned(EngineConfig(model="m")), "cuda:1")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_scheduling_stays_synchronous_and_eager_is_the_default_on_every_device(device) -> None:
-    kwargs = engine_kwargs(EngineConfig(model="m"), device)
+    kwargs = engine_kwargs(planned(EngineConfig(model="m")), device)
     assert kwargs["async_scheduling"] is False  # exact token versions need the synchronous step path
     assert kwargs["enforce_eager"] is True
 
 
 def test_cuda_graphs_are_allowed_with_the_update_path_that_keeps_parameter_storage() -> None:
-    kwargs = engine_kwargs(EngineConfig(model="m", enforce_eager=False, update_memory="low"), "cuda")
+    kwargs = engine_kwargs(planned(EngineConfig(model="m", enforce_eager=False, update_memory="low")), "cuda")
     assert kwargs["enforce_eager"] is False
+
+
+def test_a_cuda_engine_without_a_staging_plan_is_refused_naming_the_plan() -> None:
+    with pytest.raises(ValueError, match="needs a staging plan"):
+        engine_kwargs(EngineConfig(model="m"), "cuda")
+
+
+def test_a_staging_plan_made_for_other_engine_values_is_refused() -> None:
+    cfg = planned(EngineConfig(model="m", gpu_memory_utilization=0.9))
+    with pytest.raises(ValueError, match="plan again"):
+        engine_kwargs(dataclasses.replace(cfg, gpu_memory_utilization=0.8), "cuda")
 
 
 def test_a_cpu_engine_refuses_compilation_which_may_freeze_the_weights_into_its_graph() -> None:
@@ -67,5 +85,5 @@ def test_every_argument_is_a_field_of_vllms_async_engine_args() -> None:
 
     fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     for device in ("cpu", "cuda"):
-        unknown = set(engine_kwargs(EngineConfig(model="m"), device)) - fields
+        unknown = set(engine_kwargs(planned(EngineConfig(model="m")), device)) - fields
         assert not unknown, f"not AsyncEngineArgs fields in vLLM {vllm.__version__}: {unknown}"

@@ -1,4 +1,4 @@
-"""The staging plan (vllm_patches/staging_plan.py): the device bytes an update needs, reserved out of the fraction of
+"""The staging plan (vllm_patches.device_plan.py): the device bytes an update needs, reserved out of the fraction of
 the GPU vLLM would otherwise give its KV cache, or a refusal naming the numbers and the fix. Pure arithmetic, so it is
 decided here on CPU; the checkpoint reader runs on a real prepared model."""
 
@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from inflight.models import model_dir
-from vllm_patches.staging_plan import GIB, StagingPlan, checkpoint_weight_bytes, plan_gpu_memory
+from vllm_patches.device_plan import GIB, StagingPlan, checkpoint_weight_bytes, plan_gpu_memory
 
 TWO_B_BF16 = 2_000_000_000 * 2
 H100 = 80 * GIB
@@ -16,9 +16,9 @@ H100 = 80 * GIB
 
 @pytest.mark.parametrize(
     ("update_memory", "delta", "peak", "held"),
-    [("low", False, 1, 0), ("double", False, 2, 0), ("low", True, 2, 1), ("double", True, 3, 1)],
+    [("low", False, 2, 1), ("double", False, 2, 0), ("low", True, 2, 1), ("double", True, 3, 1)],
 )
-def test_an_update_needs_its_buckets_plus_the_processed_copy_in_double_plus_the_delta_base(
+def test_an_update_needs_its_buckets_plus_the_processed_copy_in_double_plus_what_is_held_for_rollback_or_delta(
     update_memory, delta, peak, held
 ):
     plan = StagingPlan(weight_bytes=TWO_B_BF16, update_memory=update_memory, delta=delta)
@@ -42,12 +42,13 @@ def test_a_model_whose_update_leaves_vllm_too_little_is_refused_naming_the_numbe
         "--gpu-memory-utilization 0.9",
         "80.0 GiB",
         "83.82 GiB on the device at its peak",
-        "--update-memory low",
         "--full-every 1",
     ):
         assert words in text
-    # in place and without deltas, the same model fits
-    assert plan_gpu_memory(StagingPlan(fifteen_b, "low", delta=False), H100, 0.95).engine_utilization > 0
+    with pytest.raises(ValueError, match="pass --update-memory low"):
+        plan_gpu_memory(StagingPlan(fifteen_b, "double", delta=False), H100, 0.8)
+    # a 7B model's double update fits at 0.8
+    assert plan_gpu_memory(StagingPlan(7_000_000_000 * 2, "double", delta=False), H100, 0.8).engine_utilization > 0.4
 
 
 def test_the_checkpoint_reader_counts_every_tensor_of_a_real_model_from_the_headers_alone():
@@ -65,3 +66,13 @@ def test_the_checkpoint_reader_counts_every_tensor_of_a_real_model_from_the_head
 def test_an_unresolved_dtype_is_refused_naming_the_value():
     with pytest.raises(ValueError, match="'auto'"):
         checkpoint_weight_bytes(model_dir("smollm2"), "auto")
+
+
+def test_the_cpu_only_moe_reload_fix_runs_on_a_cpu_model_and_on_no_other():
+    import torch
+
+    from vllm_patches.commit import moe_reload_needs_fresh_kernels
+
+    assert moe_reload_needs_fresh_kernels(torch.nn.Linear(2, 2))
+    assert not moe_reload_needs_fresh_kernels(torch.nn.Linear(2, 2, device="meta"))  # not CPU: no prepack to redo
+    assert not moe_reload_needs_fresh_kernels(torch.nn.Module())

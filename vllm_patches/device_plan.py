@@ -1,6 +1,7 @@
-"""The staging plan: the device bytes a weight update needs beyond the live weights, reserved before vLLM sizes its KV
-cache. Pure (no vLLM, no device query): `inflight.serve` computes it at start, prints it, and hands vLLM the lowered
-memory fraction, or refuses to start naming the numbers and the flags that fix them.
+"""What the serve does on its device: the engine mode (`resolve_engine_mode`: eager or CUDA graphs, which commit
+path) and the staging plan: the device bytes a weight update needs beyond the live weights, reserved before vLLM
+sizes its KV cache. Pure (no vLLM, no device query): `inflight.serve` computes both at start, prints the plan, and
+hands vLLM the lowered memory fraction, or refuses to start naming the numbers and the flags that fix them.
 
 Why: on CUDA vLLM gives the KV cache everything up to `gpu_memory_utilization` minus the profiled weights and
 activations, so nothing is left for an update's buffers and the first update of a ~2B-parameter bf16 model at 0.9 on
@@ -8,8 +9,10 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
 - its buckets: every tensor of the update, received whole before any is verified (1x the weights);
 - `--update-memory double`: the processed copy built beside the live weights and swapped in (another 1x) — the
   buckets are released only once it is built, so the peak is 2x;
+- `--update-memory low`: the last update's tensors, kept on the device between updates as the rollback source of a
+  failed in-place commit (vllm_patches/commit.py:LiveWeights; 1x, held for good);
 - delta updates (the learner's `--full-every N > 1`): the base version's whole tensors, kept between updates (1x,
-  held for good), to which the next delta applies.
+  held for good), to which the next delta applies (in `low` the same tensors as above).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ class StagingPlan:
 
     @property
     def held_bytes(self) -> int:
-        """Kept between two updates: the delta base, or nothing."""
-        return self.weight_bytes if self.delta else 0
+        """Kept between two updates: `low`'s rollback source or the delta base (one copy serves both), or nothing."""
+        return self.weight_bytes if self.delta or self.update_memory == "low" else 0
 
     @property
     def peak_bytes(self) -> int:
@@ -47,7 +50,7 @@ class StagingPlan:
         return self.held_bytes + self.weight_bytes + prepared
 
     def describe(self) -> str:
-        held = f", {self.held_bytes / GIB:.2f} GiB held between updates (delta base)" if self.delta else ""
+        held = f", {self.held_bytes / GIB:.2f} GiB of it held between updates" if self.held_bytes else ""
         return (
             f"staging plan: weights {self.weight_bytes / GIB:.2f} GiB, --update-memory {self.update_memory}: "
             f"an update needs {self.peak_bytes / GIB:.2f} GiB on the device at its peak{held}"
@@ -84,7 +87,11 @@ def plan_gpu_memory(staging: StagingPlan, device_bytes: int, utilization: float)
             f"{staging.describe()}; with --gpu-memory-utilization {utilization} of {device_bytes / GIB:.1f} GiB "
             f"that leaves vLLM {max(engine_bytes, 0) / GIB:.2f} GiB for the weights, activations and KV cache, "
             f"below the {needed / GIB:.2f} GiB it needs. Fix: raise --gpu-memory-utilization"
-            + (", pass --update-memory low (no processed copy)" if staging.update_memory == "double" else "")
+            + (
+                ", pass --update-memory low (no processed copy)"
+                if staging.update_memory == "double" and not staging.delta
+                else ""
+            )
             + (", or train without delta updates (the learner's --full-every 1)" if staging.delta else "")
             + ", or serve a smaller model on this GPU"
         )
@@ -116,3 +123,31 @@ def _elements(path: Path) -> int:
             count *= int(dim)
         total += count
     return total
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """How the engine runs its forward passes and commits updates on one device."""
+
+    enforce_eager: bool
+    update_memory: str
+
+
+def resolve_engine_mode(device: str, enforce_eager: str, update_memory: str) -> EngineMode:
+    """`--enforce-eager` (auto|true|false) and `--update-memory` (auto|double|low) for `device`.
+
+    auto on CUDA is vLLM's own default, compiled forward passes with CUDA graphs, which needs the in-place path
+    (`low`: graphs hold the parameters' addresses); `--update-memory double` given alone keeps eager forward passes.
+    auto on CPU is eager with the prepared swap (`double`): vLLM's CPU compile may freeze weights into the graph.
+    `--enforce-eager false` alone takes `low` on any device (graphs need it; a CPU engine then refuses compiling).
+    """
+    cuda = device.partition(":")[0] == "cuda"
+    graphs_possible = cuda or enforce_eager == "false"
+    memory = update_memory if update_memory != "auto" else ("low" if graphs_possible else "double")
+    if enforce_eager == "auto":
+        eager = not cuda or memory == "double"
+    elif enforce_eager in ("true", "false"):
+        eager = enforce_eager == "true"
+    else:
+        raise ValueError(f"enforce_eager is {enforce_eager!r}, expected auto, true or false")
+    return EngineMode(eager, memory)
