@@ -30,10 +30,10 @@ from inflight.envs.loading import load_env
 from inflight.envs.verifiers_env import VerifiersEnv
 from inflight.serve.config import ServeConfig
 from inflight.serve.episodes import Episode, EpisodeRunner
-from inflight.serve.stream import RolloutStream
 from inflight.serve.verifiers_runner import VerifiersRunner
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
+from inflight.wire.endpoints import RolloutStream
 from inflight.wire.rollouts import Rollout, Sampling, Times, encode_rollout, make_rollout
 
 log = logging.getLogger("inflight.serve")
