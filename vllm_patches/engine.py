@@ -38,6 +38,7 @@ class EngineConfig:
     model: str
     max_model_len: int = 1024
     max_num_seqs: int = 256
+    tensor_parallel_size: int = 1  # workers; each is its own rank of the weights group (inflight/wire/group.py)
     seed: int = 0
     # False lets vLLM compile the model and, on CUDA, capture CUDA graphs, which hold parameter addresses: allowed
     # only with update_memory "low", which commits into every parameter's existing storage (check_graph_safe_updates).
@@ -143,6 +144,7 @@ def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
         "dtype": cfg.dtype,
         "max_model_len": cfg.max_model_len,
         "max_num_seqs": cfg.max_num_seqs,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
         "seed": cfg.seed,
         "enforce_eager": cfg.enforce_eager,
         "enable_prefix_caching": cfg.enable_prefix_caching,
@@ -237,7 +239,8 @@ class InflightEngine:
             raise UpdateError("a worker did not take the weights key")
 
     async def join_weights_group(self, host: str, port: int, rank: int, world_size: int, **kw) -> list[GroupJoined]:
-        """Join the weights group as `rank` (TP workers take consecutive ranks). Blocks until rank 0 joins."""
+        """Join the weights group from `rank` on: the engine's workers take consecutive ranks, each at its
+        tensor-parallel rank (inflight/wire/group.py:member_rank). Blocks until rank 0 joins."""
         args = (
             host,
             port,

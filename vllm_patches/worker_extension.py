@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from inflight.wire.group import GroupAddress, WeightsGroup
+from inflight.wire.group import GroupAddress, WeightsGroup, member_rank
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.commit import LiveWeights, ModelRunner
@@ -91,12 +91,14 @@ class InflightWorkerExtension:
         return self._inflight
 
     def inflight_init_weights_group(
-        self, host: str, port: int, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float
+        self, host: str, port: int, first_rank: int, world_size: int, group_name: str, backend: str, timeout_s: float
     ) -> GroupJoined:
-        """Join (or re-join, replacing a broken group) the weights group as `rank`."""
+        """Join (or re-join, replacing a broken group) the weights group: this serve's workers hold the consecutive
+        ranks from `first_rank`, this one at its tensor-parallel rank (vLLM's `self.rank` of a TP-only engine)."""
         state = self._inflight_state()
         if state.group is not None:
             state.group.close()
+        rank = member_rank(first_rank, self.rank, self.parallel_config.tensor_parallel_size, world_size)
         address = GroupAddress(host, port, world_size, group_name, backend, timeout_s)
         with on_spare_cores():  # the group's transport thread receives every update's bytes: not on the decode's core
             state.group = WeightsGroup(address, rank)

@@ -146,6 +146,7 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
         model=str(model_path),
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
+        tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,
         enforce_eager=mode.enforce_eager,
         kv_cache_gib=cfg.kv_cache_gib,

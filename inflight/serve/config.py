@@ -162,6 +162,11 @@ class EngineKnobs:
 
     max_model_len: int = knob(1024, "engine context length")
     max_num_seqs: int = knob(256, "engine batch limit")
+    tensor_parallel_size: int = knob(
+        1,
+        "engine workers sharing the model (vLLM's tensor parallelism); each takes its own rank in the weights group, "
+        "receives every bucket and loads its shard",
+    )
     kv_cache_gib: float = knob(
         1.0,
         "CPU: KV cache size in GiB (fractions allowed); allocated and zeroed at start: a "
@@ -206,6 +211,7 @@ class EngineKnobs:
     seed: int = knob(0, "engine sampling seed")
 
     def validate_engine(self) -> None:
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
         require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "> 0 GiB (fractions allowed, e.g. 0.25)")
         require(
             0 < self.gpu_memory_utilization <= 1,

@@ -65,7 +65,7 @@ class ControlClient:
         return Hello(
             server_id=self.driver.server_id,
             model=cfg.model,
-            workers=1,
+            workers=cfg.tensor_parallel_size,
             version=self.engine.version,
             mode=cfg.mode,
             tensors=self.tensors,

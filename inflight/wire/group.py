@@ -134,6 +134,23 @@ def environment(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def member_rank(first_rank: int, worker: int, workers: int, world_size: int) -> int:
+    """The weights-group rank of a serve's `worker`-th engine worker (its tensor-parallel rank): a serve of `workers`
+    workers holds the consecutive ranks from `first_rank` (the learner's membership plans them from `Hello.workers`),
+    so every worker receives every bucket and loads its own shard through vLLM's loaders."""
+    if first_rank < 1:
+        raise ValueError(f"first_rank is {first_rank}: rank 0 is the learner's, a serve's ranks start at 1")
+    if not 0 <= worker < workers:
+        raise ValueError(f"worker {worker} outside this serve's {workers} workers (--tensor-parallel-size)")
+    rank = first_rank + worker
+    if rank >= world_size:
+        raise ValueError(
+            f"worker {worker} of a {workers}-worker serve from rank {first_rank} is rank {rank}, outside the weights "
+            f"group of size {world_size}: the learner planned fewer ranks than this serve has workers (Hello.workers)"
+        )
+    return rank
+
+
 def open_store(address: GroupAddress, is_host: bool) -> dist.TCPStore:
     """The rendezvous store; the host binds `address.host:address.port` (port 0 picks a free port, see `.port`).
 

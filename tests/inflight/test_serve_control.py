@@ -28,7 +28,7 @@ class SlowEngine:
 
 
 def fake_driver(engine: SlowEngine):
-    cfg = types.SimpleNamespace(model="m", mode="never-stop", kv="keep")
+    cfg = types.SimpleNamespace(model="m", mode="never-stop", kv="keep", tensor_parallel_size=2)
     return types.SimpleNamespace(engine=engine, cfg=cfg, server_id="serve@00c0ffee", set_consumed=lambda n: None,
                                  notify=lambda: None)  # fmt: skip
 
@@ -50,7 +50,8 @@ def test_an_update_that_arrives_during_another_starts_when_it_ends_and_a_newer_o
             return router.recv_multipart()
 
         identity, data = await loop.run_in_executor(None, recv)
-        assert isinstance(decode_control(data, to="learner"), Hello)
+        hello = decode_control(data, to="learner")
+        assert isinstance(hello, Hello) and hello.workers == 2  # one weights-group rank per engine worker
         for manifest in (b"v1", b"v2", b"v3"):  # v2 and v3 arrive while v1 is applied; v3 is the newest
             router.send_multipart([identity, encode_control(UpdateWeights(manifest=manifest))])
         while len(replies) < 3:

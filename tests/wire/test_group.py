@@ -4,6 +4,7 @@ stand-ins that record what they were given; the gloo path is proven with real pr
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 import time
@@ -96,3 +97,57 @@ def test_a_closed_group_refuses_the_next_broadcast_naming_the_fix():
     member.close()
     with pytest.raises(group_mod.WeightsGroupError, match="form a new one"):
         member.broadcast(torch.zeros(4))
+
+
+@pytest.mark.parametrize(("first", "workers", "world"), [(1, 1, 2), (1, 2, 3), (3, 4, 7)])
+def test_a_serves_workers_take_consecutive_ranks_from_its_first(first, workers, world):
+    assert [group_mod.member_rank(first, w, workers, world) for w in range(workers)] == list(
+        range(first, first + workers)
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "worker", "workers", "world", "match"),
+    [
+        (0, 0, 1, 2, "rank 0 is the learner's"),
+        (1, 2, 2, 3, "outside this serve's 2 workers"),
+        (2, 1, 2, 3, "planned fewer ranks than this serve has workers"),
+    ],
+)
+def test_a_worker_rank_outside_the_serves_plan_is_refused_naming_why(first, worker, workers, world, match):
+    with pytest.raises(ValueError, match=match):
+        group_mod.member_rank(first, worker, workers, world)
+
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def _tp_worker(port: int, world: int, worker: int, workers: int, out: str) -> None:
+    """One engine worker of a tensor-parallel serve: joins at its own rank and writes what the broadcast carried."""
+    address = GroupAddress("127.0.0.1", port, world_size=world, group_name="tp-ranks", timeout_s=60.0)
+    member = WeightsGroup(address, group_mod.member_rank(1, worker, workers, world))
+    bucket = torch.zeros(1024)
+    member.broadcast(bucket)
+    torch.save({"rank": member.rank, "sum": float(bucket.sum())}, out)
+    member.close()
+
+
+def test_both_workers_of_a_two_worker_serve_join_at_consecutive_ranks_and_receive_every_bucket(tmp_path):
+    """Real processes over a real gloo group: the learner (rank 0) and a serve of two workers (ranks 1 and 2, from
+    member_rank) — the rank logic a tensor-parallel serve uses, without vLLM."""
+    workers, world = 2, 3
+    store = group_mod.open_store(GroupAddress("127.0.0.1", 0, world_size=world, timeout_s=60.0), is_host=True)
+    outs = [str(tmp_path / f"w{i}.pt") for i in range(workers)]
+    children = [SPAWN.Process(target=_tp_worker, args=(store.port, world, i, workers, outs[i])) for i in range(workers)]
+    for child in children:
+        child.start()
+    address = GroupAddress("127.0.0.1", store.port, world_size=world, group_name="tp-ranks", timeout_s=60.0)
+    learner = WeightsGroup(address, 0, store)
+    learner.broadcast(torch.arange(1024, dtype=torch.float32))
+    for child in children:
+        child.join(90)
+        assert child.exitcode == 0
+    learner.close()
+    got = [torch.load(out) for out in outs]
+    assert [g["rank"] for g in got] == [1, 2]
+    assert all(g["sum"] == float(torch.arange(1024).sum()) for g in got)
