@@ -103,6 +103,7 @@ class LiveWeights:
         return CommitApplied(version, applied, swapped)
 
     def _swap(self, stage: StagedUpdate, ordinal: int) -> int:
+        stage.ready_on_current_stream()  # CUDA: the next step's kernels queue behind the preparation's
         layers = faults.half_way(stage.prepared.layers, "swap", ordinal)
         swapped = stage.prepared.swap_in(layers)  # all-or-nothing by itself; the old weights go on return
         self.worker.model_runner.reset_encoder_cache()  # what reload_weights also invalidates (multimodal caches)

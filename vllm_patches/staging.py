@@ -8,21 +8,24 @@ because nothing here touches the live parameters; only vllm_patches/commit.py do
 thread's last act is to hand its final status to its `on_finished` listener: in a serve, the worker's `StagedNotifier`,
 which pushes it to the engine (the engine never asks).
 
-On a CUDA device the buckets are allocated and received on a side stream of their own, so the transfer (NCCL's
-broadcast, or gloo's host-to-device copies) queues behind nothing the engine runs and the engine's kernels queue
-behind nothing of it; `ready_on_current_stream()` makes the committing stream wait for the staged data (an event, not
-a host synchronisation) before the device-to-device copies into the parameters.
+On a CUDA device the buckets are allocated and received, and the prepared layers built, on the worker's one staging
+stream (`staging_stream`, kept across updates so the caching allocator reuses its blocks), so the transfer (NCCL's
+broadcast, or gloo's host-to-device copies) and the preparation queue behind nothing the engine runs and the engine's
+kernels queue behind nothing of them. One event is recorded there once everything is staged;
+`ready_on_current_stream()`, called by both commit paths, makes the engine's current stream wait on it (an event, not
+a host synchronisation) and records every tensor handed across on that stream (`Tensor.record_stream`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -64,6 +67,15 @@ class PrepareUpdate(Protocol):
     on the staging thread, without touching the live model."""
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedWeights: ...
+
+
+@functools.cache
+def staging_stream(device: str) -> torch.cuda.Stream | None:
+    """The worker's one staging stream on a CUDA `device` (None elsewhere), made once and kept: a new stream per
+    update would defeat the caching allocator's per-stream reuse of the buckets' memory across updates."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.Stream(device=device)
 
 
 class StagedUpdate:
@@ -113,26 +125,16 @@ class StagedUpdate:
     def _run(self) -> None:
         leave_the_engines_core()
         try:
-            cuda = torch.device(self.device).type == "cuda"
-            side = torch.cuda.Stream(device=self.device) if cuda else None
-            with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-                buckets = receive_update(self.group, self.manifest, self.device, on_bucket=self._count)
-                if cuda:
-                    self._ready, self._buckets = torch.cuda.Event(), buckets
-                    self._ready.record(side)
-                    self._ready.synchronize()  # receive_s is the transfer's, not the time to queue it
-                self.receive_s = time.perf_counter() - self.started
-                # CUDA: host copies, side stream
-                base = None if self.base is None else (self.base.version, self.base.tensors)
-                key = self.weights_key
-                self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=key, base=base)
-            self.base = None  # a delta's new tensors are copies: the base is no longer needed here
-            self.verify_s = time.perf_counter() - self.started - self.receive_s
-            if self.prepare is not None:
-                del buckets  # the tensors are views of them: they go together, once prepared (and not kept)
-                self.prepared = self.prepare(self.tensors)
-                self.tensors = self.tensors if self.manifest.keep_base else {}
-                self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
+            side = staging_stream(str(self.device))
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                self._receive_and_verify(side)
+                if self.prepare is not None:
+                    self.prepared = self.prepare(self.tensors)  # on the side stream too: its kernels queue there
+                    self.tensors = self.tensors if self.manifest.keep_base else {}
+                    self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
+                if side is not None:
+                    self._ready = torch.cuda.Event()
+                    self._ready.record(side)  # the commit's stream waits on this: everything staged, prepared too
             self.staged_at = time.time()
             self.state = StageState.STAGED
         except Exception as exc:  # any failure must surface as a status, never kill the worker
@@ -143,6 +145,19 @@ class StagedUpdate:
             self._announce()
             self._done.set()
 
+    def _receive_and_verify(self, side: torch.cuda.Stream | None) -> None:
+        buckets = receive_update(self.group, self.manifest, self.device, on_bucket=self._count)
+        if side is not None:
+            side.synchronize()  # receive_s is the transfer's, not the time to queue it
+            self._buckets = buckets if self.prepare is None else []  # prepared: the views go with the tensors
+        self.receive_s = time.perf_counter() - self.started
+        # CUDA: host copies, side stream
+        base = None if self.base is None else (self.base.version, self.base.tensors)
+        key = self.weights_key
+        self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=key, base=base)
+        self.base = None  # a delta's new tensors are copies: the base is no longer needed here
+        self.verify_s = time.perf_counter() - self.started - self.receive_s
+
     def _announce(self) -> None:
         if self.on_finished is None:
             return
@@ -152,13 +167,20 @@ class StagedUpdate:
             log.exception("could not signal the end of staging v%d to the engine", self.manifest.version)
 
     def ready_on_current_stream(self) -> None:
-        """Make the caller's current CUDA stream wait for the staged buckets (a no-op on CPU), and tell the caching
-        allocator that stream uses them: their memory is not handed out again before its copies have run."""
-        if self._ready is not None:
-            current = torch.cuda.current_stream()
-            current.wait_event(self._ready)
-            for bucket in self._buckets:
-                bucket.record_stream(current)
+        """Make the caller's current CUDA stream (the engine's, at commit) wait for everything staged — the buckets
+        and, with `double`, the prepared layers — a no-op on CPU; and tell the caching allocator that stream uses
+        what was allocated on the side stream, so that memory is not handed out again before the engine is done."""
+        if self._ready is None:
+            return
+        current = torch.cuda.current_stream()
+        current.wait_event(self._ready)
+        for tensor in self._handed_over():
+            tensor.record_stream(current)
+
+    def _handed_over(self) -> Iterator[torch.Tensor]:
+        yield from self._buckets
+        for _, attributes in self.prepared.layers if self.prepared is not None else []:
+            yield from (value for value in attributes.values() if isinstance(value, torch.Tensor) and value.is_cuda)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
