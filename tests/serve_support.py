@@ -1,4 +1,5 @@
-"""Real `python -m inflight.serve` / `inflight.learn` subprocesses for tests, with their logs captured line by line."""
+"""Real `python -m inflight.serve` / `inflight.learn` subprocesses for tests, with their logs captured line by line; and
+the two stand-ins the in-process episode tests share (a recording engine wrapper, a stream that keeps the records)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from inflight.wire.rollouts import decode_rollout
 
 TESTS = Path(__file__).parent
 # Test engines get a 256 MiB KV cache (vLLM zeroes it at start; on this VM first-touch page faults make 1 GiB cost
@@ -80,3 +83,28 @@ class ServeProcess:
 
         main = psutil.Process(self.proc.pid)
         return sum(p.memory_info().rss for p in [main, *main.children(recursive=True)])
+
+
+class Outbox:
+    """The rollout stream's surface the driver uses (episode tests); records are decoded and kept, never sent."""
+
+    def __init__(self):
+        self.outbox, self.retained_records, self.sent, self.resent, self.records = [], 0, 0, 0, []
+
+    def offer(self, record: bytes, group_id: str) -> None:
+        self.records.append(decode_rollout(record))
+
+
+class Recording:
+    """The real engine, with every request it generated kept: (request id, prompt ids, Completion)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_ids, params, request_id):
+        done = await self.engine.generate(prompt_ids, params, request_id)
+        self.calls.append((request_id, list(prompt_ids), done))
+        return done

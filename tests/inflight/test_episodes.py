@@ -9,38 +9,13 @@ import time
 
 import numpy as np
 import pytest
+from serve_support import Outbox, Recording
 
 from inflight.envs.base import Feedback
 from inflight.serve.config import ServeConfig
 from inflight.tasks.base import Problem
-from inflight.wire.rollouts import decode_rollout
 
 pytestmark = pytest.mark.engine
-
-
-class Outbox:
-    """The rollout stream's surface the driver uses; records are decoded and kept, never sent."""
-
-    def __init__(self):
-        self.outbox, self.retained_records, self.sent, self.resent, self.records = [], 0, 0, 0, []
-
-    def offer(self, record: bytes, group_id: str) -> None:
-        self.records.append(decode_rollout(record))
-
-
-class Recording:
-    """The real engine, with every request it generated kept: (request id, prompt ids, Completion)."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    async def generate(self, prompt_ids, params, request_id):
-        done = await self.engine.generate(prompt_ids, params, request_id)
-        self.calls.append((request_id, list(prompt_ids), done))
-        return done
 
 
 class ThreeTurns:

@@ -22,8 +22,8 @@ def collect(model_dir, dtype: str, n: int = 16, extra: list[str] | None = None) 
     """`n` rollouts from a real serve of `model_dir` at version 0 (`extra`: more serve flags, e.g. sampling)."""
     side = LearnerSide()
     args = ["--model", str(model_dir), "--rollouts", side.rx.address, "--control", side.ctl.address]
-    serve = ServeProcess([*args, "--group-size", "4", "--admit-lag", "-1", "--max-groups", str(n // 4), "--dtype", dtype,
-                          *(extra or [])])  # fmt: skip
+    serve = ServeProcess([*args, "--group-size", "4", "--admit-lag", "-1", "--max-groups", str(n // 4),
+                          "--dtype", dtype, *(extra or [])])  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while len(side.rollouts) < n and time.monotonic() < deadline:

@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 import pytest
+from serve_support import Outbox, Recording
 
 from inflight.envs.loading import load_env
 from inflight.envs.verifiers_env import INSTALL, VerifiersEnv
 from inflight.serve.config import ServeConfig
-from inflight.wire.rollouts import decode_rollout
 
 ENV = "verifiers:vf_counting"  # tests/inflight/vf_counting.py, importable as the other test helpers are
 
@@ -154,31 +154,6 @@ def test_the_endpoint_answers_only_its_key_a_running_episode_and_a_text_generate
 
 
 # --- on the real engine ---------------------------------------------------------------------------------------------
-
-
-class Outbox:
-    """The rollout stream's surface the driver uses; records are decoded and kept, never sent."""
-
-    def __init__(self):
-        self.outbox, self.retained_records, self.records = [], 0, []
-
-    def offer(self, record: bytes, group_id: str) -> None:
-        self.records.append(decode_rollout(record))
-
-
-class Recording:
-    """The real engine, with every request it generated kept: (request id, prompt ids, Completion)."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    async def generate(self, prompt_ids, params, request_id):
-        done = await self.engine.generate(prompt_ids, params, request_id)
-        self.calls.append((request_id, list(prompt_ids), done))
-        return done
 
 
 @pytest.fixture(scope="module")
