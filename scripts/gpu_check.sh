@@ -21,7 +21,7 @@ $py -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
   | tee -a "$out/gpu.txt"
 
 $py -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$out/pytest.xml" \
-  tests/learner/test_fused_loss.py tests/wire/test_cuda_staging.py tests/learner/test_logprobs.py \
+  tests/learner/test_fused_loss.py tests/wire/test_cuda_staging.py tests/wire/test_cuda_stream_order.py tests/wire/test_group.py tests/learner/test_logprobs.py \
   tests/learner/test_losses.py tests/wire/test_transfer.py tests/inflight/test_publisher_stream.py 2>&1 \
   | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
