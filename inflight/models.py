@@ -17,6 +17,7 @@ torch or touching a file.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -96,8 +97,6 @@ def _check_writable(parent: Path) -> None:
 
 
 def _gguf_path() -> Path:
-    import importlib.util
-
     override = os.environ.get("INFLIGHT_SMOLLM2_GGUF")
     if override:
         path = Path(override)

@@ -10,6 +10,7 @@ to completion requests, so an API request never reuses KV computed by other weig
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -64,8 +65,6 @@ class WeightVersionMiddleware:
 
 
 def _quiet_server_class():
-    import contextlib
-
     import uvicorn
 
     class QuietServer(uvicorn.Server):

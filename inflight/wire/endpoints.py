@@ -19,14 +19,17 @@ import collections
 import logging
 import time
 
+import zmq
+import zmq.asyncio
+
 from inflight.wire.control import ControlError, decode_control, encode_control
 from inflight.wire.rollouts import Rollout, RolloutError, decode_rollout
+from inflight.wire.secure import secure_client, secure_server
 
 log = logging.getLogger("inflight.wire")
 
 
 def _bind(sock, host: str, port: int) -> str:
-    import zmq
 
     sock.bind(f"tcp://{host}:{port or '*'}")
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -34,13 +37,10 @@ def _bind(sock, host: str, port: int) -> str:
 
 class RolloutReceiver:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = 64, ctx=None, keys=None):
-        import zmq
 
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         if keys is not None:  # inflight.wire.secure.CurveKeys: only serves with the same secret get through
-            from inflight.wire.secure import secure_server
-
             secure_server(self._sock, keys)
         self._sock.setsockopt(zmq.RCVHWM, hwm)  # bounds what piles up here when training is slow
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -54,7 +54,6 @@ class RolloutReceiver:
 
     def receive_raw(self, timeout_s: float | None = None, max_items: int = 1 << 30) -> list[tuple[Rollout, bytes]]:
         """Like `receive`, each valid rollout with the exact bytes it arrived as (what the learner journals)."""
-        import zmq
 
         out: list[tuple[Rollout, bytes]] = []
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -152,13 +151,10 @@ class RolloutStream:
 
 class ControlServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, ctx=None, keys=None):
-        import zmq
 
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         if keys is not None:
-            from inflight.wire.secure import secure_server
-
             secure_server(self._sock, keys)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished serve raises instead of vanishing
@@ -167,7 +163,6 @@ class ControlServer:
 
     def poll(self, timeout_s: float = 0.0) -> list[tuple[bytes, object]]:
         """(identity, message) for every valid message waiting (waits up to `timeout_s` for the first)."""
-        import zmq
 
         out = []
         wait_ms = int(timeout_s * 1000)
@@ -182,7 +177,6 @@ class ControlServer:
 
     def send(self, identity: bytes, message) -> bool:
         """Send to one serve; False if that serve is not connected (it died or has not said Hello)."""
-        import zmq
 
         try:
             self._sock.send_multipart([identity, encode_control(message)])
@@ -201,15 +195,12 @@ class ControlServer:
 
 def _connect_async(address: str, kind: int, keys, options: dict[int, int]):
     """(asyncio context, socket of `kind` connected to `address`) with `options` set before connecting."""
-    import zmq.asyncio
 
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(kind)
     for option, value in options.items():
         sock.setsockopt(option, value)
     if keys is not None:
-        from inflight.wire.secure import secure_client
-
         secure_client(sock, keys)
     sock.connect(address)
     return ctx, sock
@@ -220,7 +211,6 @@ def connect_rollout_push(address: str, hwm: int = 4, keys=None):
 
     A small send high-water mark keeps records in the serve's own outbox (counted, retained until acknowledged)
     rather than in ZeroMQ's queue; a 10-s linger lets a stopping serve deliver what it already handed over."""
-    import zmq
 
     return _connect_async(address, zmq.PUSH, keys, {zmq.SNDHWM: hwm, zmq.LINGER: 10_000})
 
@@ -228,6 +218,5 @@ def connect_rollout_push(address: str, hwm: int = 4, keys=None):
 def connect_control_dealer(address: str, keys=None):
     """The serve's end of the control channel: (context, asyncio DEALER) to the learner's `ControlServer` ROUTER,
     which addresses replies by this socket's identity (learned from the serve's `Hello`)."""
-    import zmq
 
     return _connect_async(address, zmq.DEALER, keys, {zmq.LINGER: 1000})

@@ -17,6 +17,10 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
 MIN_SECRET_BYTES = 16
 
 
@@ -43,8 +47,6 @@ def read_secret(path: str, flag: str = "--secret-file") -> bytes:
 
 
 def derive_keys(secret: bytes) -> CurveKeys:
-    import zmq
-    from zmq.utils import z85
 
     if not zmq.has("curve"):
         raise RuntimeError("this libzmq has no CURVE support: install pyzmq wheels (they bundle libsodium)")
@@ -62,8 +64,6 @@ _authenticators: dict[int, object] = {}
 
 def secure_server(sock, keys: CurveKeys) -> None:
     """Make `sock` a CURVE server that admits only the client key of `keys` (call before bind)."""
-    import zmq
-    from zmq.auth.thread import ThreadAuthenticator
 
     ctx = sock.context
     if id(ctx) not in _authenticators:  # one ZAP handler per context
@@ -84,7 +84,6 @@ def secure_server(sock, keys: CurveKeys) -> None:
 
 def secure_client(sock, keys: CurveKeys) -> None:
     """Make `sock` a CURVE client of a learner with the same secret (call before connect)."""
-    import zmq
 
     sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
