@@ -60,14 +60,15 @@ class Sender:
             "127.0.0.1", self.store.port, self.world_size, f"w{self.generation}", "gloo", self.timeout_s
         )
 
-    async def connect(self, engine) -> None:
-        """Form a fresh group with the engine's worker (rank 1)."""
+    async def connect(self, engine) -> list:
+        """Form a fresh group with the engine's workers (ranks from 1 on); returns each worker's `GroupJoined`."""
         self.generation += 1
         addr = self.address()
         group_task = asyncio.to_thread(WeightsGroup, addr, 0, self.store)
         join = engine.join_weights_group(addr.host, addr.port, 1, addr.world_size, group_name=addr.group_name,
                                          timeout_s=addr.timeout_s)  # fmt: skip
-        self.group, _ = await asyncio.gather(group_task, join)
+        self.group, joined = await asyncio.gather(group_task, join)
+        return joined
 
     def manifest(self, state, version: int, bucket_bytes: int = 1 << 20) -> UpdateManifest:
         return plan_manifest(state, version, bucket_bytes)
