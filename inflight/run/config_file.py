@@ -139,12 +139,14 @@ def _typed(path: Path, where: str, key: str, value: Any, f: dataclasses.Field) -
     kind = type(f.default)
     if kind is float and type(value) is int:  # TOML `lr = 1` is an integer; the field is a float
         value = float(value)
+    choices = f.metadata.get("choices") or ()
+    if kind is str and type(value) is bool and "true" in choices:  # `enforce_eager = false`: a tri-state knob's bool
+        value = "true" if value else "false"
     if type(value) is not kind:
         raise ConfigFileError(
             f"{path}: {where} {key} = {value!r} is a {type(value).__name__}, expected a "
             f"{kind.__name__} (default {f.default!r})"
         )
-    choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigFileError(f"{path}: {where} {key} = {value!r}, expected one of {', '.join(map(str, choices))}")
     return value

@@ -192,3 +192,16 @@ def test_the_run_gives_both_sides_the_same_sampler_truncation(tmp_path):
     configs = side_configs(commands)
     for side in ("serve", "learn"):
         assert (configs[side]["top_p"], configs[side]["top_k"], configs[side]["min_p"]) == (0.9, 20, 0.05), side
+
+
+def test_a_tri_state_serve_knob_takes_a_toml_bool_or_its_words(tmp_path):
+    """`enforce_eager` is auto|true|false since CUDA graphs became the GPU default: a run file written when it was a
+    bool (`enforce_eager = false`) still means what it said."""
+    for line, want in (
+        ("enforce_eager = false", "false"),
+        ("enforce_eager = true", "true"),
+        ("enforce-eager = 'auto'", "auto"),
+    ):
+        path = write(tmp_path / "run.toml", f"[serve]\n{line}\nupdate_memory = 'low'\n")
+        _, _, _, commands = plan(["--config", str(path), "--run-dir", str(tmp_path / "r")])
+        assert side_configs(commands)["serve"]["enforce_eager"] == want, line
