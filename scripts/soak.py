@@ -71,12 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     # Background jobs start with SIGINT ignored: stop on SIGTERM too, and stop the run with SIGTERM (inflight.run
     # handles both: learner first, then serve).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    samples = sample_until_done(launcher, run_dir, args.every_s)
+    return report(samples, args, run_dir, launcher.returncode)
+
+
+def sample_until_done(launcher: subprocess.Popen, run_dir: Path, every_s: float) -> list[dict]:
+    """Both sides' figures every `every_s` seconds until the run ends (or Ctrl-C/SIGTERM stops it), each also
+    appended to soak.jsonl."""
     proc = psutil.Process(launcher.pid)
     samples: list[dict] = []
     start = time.monotonic()
     try:
         while launcher.poll() is None:
-            time.sleep(args.every_s)
+            time.sleep(every_s)
             pids = sides(proc)
             if set(pids) != {"serve", "learn"}:
                 continue
@@ -88,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         launcher.send_signal(signal.SIGTERM)
         launcher.wait()
+    return samples
+
+
+def report(samples: list[dict], args: argparse.Namespace, run_dir: Path, returncode: int | None) -> int:
+    """The start/end table after the warm-up; 0 when nothing grew past its limit and the run exited 0."""
     steady = [s for s in samples if s["t"] >= 60 * args.warmup_minutes]
     if len(steady) < 2:
         print("soak: not enough samples after the warm-up", file=sys.stderr)
@@ -108,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         ok &= limit_ok
         print(f"| {key} | {first:.0f} | {last:.0f} | {100 * change:+.1f}%{'' if limit_ok else ' FAIL'} |")
     steps = len(read_steps(run_dir / "metrics.jsonl"))
-    print(f"learner steps (= weight updates): {steps}; launcher exit {launcher.returncode}")
-    print("PASS" if ok and launcher.returncode == 0 else "FAIL")
-    return 0 if ok and launcher.returncode == 0 else 1
+    print(f"learner steps (= weight updates): {steps}; launcher exit {returncode}")
+    print("PASS" if ok and returncode == 0 else "FAIL")
+    return 0 if ok and returncode == 0 else 1
 
 
 if __name__ == "__main__":
