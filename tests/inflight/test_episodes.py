@@ -83,22 +83,6 @@ class MisbehavesAsync(Misbehaves):
         return super().step(state, completion)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def engine(loop, model_dirs):
-    from support import start_engine, stop_engine
-
-    engine = start_engine(loop, model_dirs["tiny-qwen2"])
-    yield engine
-    stop_engine(loop, engine)
-
-
 def make_driver(engine, model_dirs, env, problems, **overrides):
     from transformers import AutoTokenizer
 

@@ -156,22 +156,6 @@ def test_the_endpoint_answers_only_its_key_a_running_episode_and_a_text_generate
 # --- on the real engine ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def engine(loop, model_dirs):
-    from support import start_engine, stop_engine
-
-    engine = start_engine(loop, model_dirs["tiny-qwen2"])
-    yield engine
-    stop_engine(loop, engine)
-
-
 def run_groups(loop, engine, model_dirs, kinds, during=None, **overrides):
     """A driver over a verifiers env of `kinds` tasks, run until its groups finished: (driver, records)."""
     from transformers import AutoTokenizer
