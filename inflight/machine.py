@@ -123,8 +123,10 @@ def cuda_info() -> tuple[str, tuple[int, int]] | None:
     return None if device is None else (device.name, device.capability)
 
 
+@functools.cache
 def query_cuda_device() -> CudaDevice | None:
-    """The current CUDA device, asked of a child Python so that this process holds no CUDA context."""
+    """The current CUDA device, asked of a child Python so that this process holds no CUDA context (once: a serve
+    asks for its precision and for its memory plan)."""
     done = subprocess.run([sys.executable, "-c", _CUDA_QUERY], capture_output=True, text=True, timeout=120, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"asking a child process for the CUDA device failed: {done.stderr.strip()[-500:]}")
