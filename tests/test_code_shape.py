@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("inflight", "vllm_patches", "learner")
+PACKAGES = ("inflight", "vllm_patches", "learner", "scripts")
 MAX_CLASS_LINES = 150
 MAX_FUNCTION_LINES = 60
 MAX_FMT_SKIPS = 10
