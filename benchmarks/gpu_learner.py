@@ -117,13 +117,13 @@ def _final_check(crcs: dict, hf_final: Path, dtype: str, torch) -> dict:
     """Does the last version received equal the exported weights cast to the serve's dtype, tensor for tensor?"""
     from safetensors.torch import load_file
 
-    from inflight.wire.weights import tensor_crc32
+    from inflight.wire.checksum import tensor_checksum
 
     if not crcs:
         return {"last_equals_export": False, "why": "the receiver received nothing"}
     last = crcs[max(crcs)]
     state = load_file(hf_final / "model.safetensors")
-    exported = {name: tensor_crc32(t.to(getattr(torch, dtype))) for name, t in state.items()}
+    exported = {name: tensor_checksum(t.to(getattr(torch, dtype)), "crc32") for name, t in state.items()}
     missing = sorted(set(last) ^ set(exported))
     differ = sorted(k for k in set(last) & set(exported) if last[k] != exported[k])
     return {"last_equals_export": not missing and not differ, "differ": differ[:5], "missing": missing[:5]}

@@ -19,11 +19,12 @@ def receive_updates(address: str, specs: list[tuple[str, str, list[int]]], conn,
     (name, dtype, shape), `contract` a `RunContract` or None (a bare WeightPublisher checks none)."""
     import zmq
 
+    from inflight.wire.checksum import tensor_checksum
     from inflight.wire.control import Hello, Joined, JoinGroup, TensorSpec, UpdateDone, UpdateWeights, decode_control
     from inflight.wire.control import encode_control as encode
     from inflight.wire.group import GroupAddress, WeightsGroup
     from inflight.wire.transfer import receive_update
-    from inflight.wire.weights import UpdateManifest, tensor_crc32, unpack_buckets
+    from inflight.wire.weights import UpdateManifest, unpack_buckets
 
     if device.startswith("cuda"):
         import torch
@@ -47,7 +48,7 @@ def receive_updates(address: str, specs: list[tuple[str, str, list[int]]], conn,
         elif isinstance(message, UpdateWeights):
             manifest = UpdateManifest.decode(message.manifest)
             got = unpack_buckets(manifest, receive_update(group, manifest, device), verify=True)
-            crcs[manifest.version] = {name: tensor_crc32(t.cpu()) for name, t in got.items()}
+            crcs[manifest.version] = {name: tensor_checksum(t, "crc32") for name, t in got.items()}
             sock.send(encode(UpdateDone(server_id=server_id, version=manifest.version)))
     conn.send(crcs)
     if group is not None:

@@ -21,7 +21,8 @@ $py -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
   | tee -a "$out/gpu.txt"
 
 $py -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$out/pytest.xml" \
-  tests/learner/test_fused_loss.py tests/wire/test_cuda_staging.py tests/wire/test_cuda_stream_order.py tests/wire/test_group.py tests/learner/test_logprobs.py \
+  tests/learner/test_fused_loss.py tests/wire/test_cuda_staging.py tests/wire/test_cuda_stream_order.py tests/wire/test_group.py \
+  tests/wire/test_checksum.py tests/learner/test_logprobs.py \
   tests/learner/test_losses.py tests/wire/test_transfer.py tests/inflight/test_publisher_stream.py 2>&1 \
   | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
@@ -29,6 +30,8 @@ $py -m benchmarks.fused_loss --json "$out/fused_loss.json" 2>&1 | tee "$out/fuse
 fused_rc=${PIPESTATUS[0]}
 $py -m benchmarks.cuda_staging --json "$out/cuda_staging.json" 2>&1 | tee "$out/cuda_staging.txt"
 staging_rc=${PIPESTATUS[0]}
+$py -m benchmarks.host_round_trips --json "$out/host_round_trips.json" 2>&1 | tee "$out/host_round_trips.txt"
+staging_rc=$(( staging_rc | PIPESTATUS[0] ))
 
 gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
 has_vllm=$($py -c "import vllm" 2>/dev/null && echo 1 || echo 0)
@@ -94,9 +97,9 @@ try:
           f"decode step while staging x{s['decode_slowdown']:.3f} (median), x{s['decode_slowdown_mean']:.3f} (mean)")
 except Exception as exc:
     print("cuda_staging: no result", exc)
-for name in ("gpu_learner.txt", "gpu_learner_nccl.txt", "run_smoke.log"):
+for name in ("host_round_trips.txt", "gpu_learner.txt", "gpu_learner_nccl.txt", "run_smoke.log"):
     lines = (out / name).read_text().splitlines() if (out / name).exists() else ["(no output)"]
     print(f"{name}: {lines[-1]}")
-print("exit codes (tests, fused_loss, cuda_staging, gpu_learner, nccl, run smoke):", " ".join(rcs))
+print("exit codes (tests, fused_loss, cuda_staging + host_round_trips, gpu_learner, nccl, run smoke):", " ".join(rcs))
 sys.exit(max(int(r) for r in rcs))
 PY

@@ -26,8 +26,9 @@ import torch
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+from inflight.wire.checksum import tensor_checksum
 from inflight.wire.memory import trim_after_update
-from inflight.wire.weights import UPDATE_MEMORY, ManifestError, tensor_crc32
+from inflight.wire.weights import UPDATE_MEMORY, ManifestError
 from vllm_patches import faults
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.rpc import CommitApplied, HeldWeights
@@ -77,7 +78,9 @@ class LiveWeights:
     def held_weights(self) -> HeldWeights:
         if self.held is None:
             return HeldWeights(-1, {})
-        return HeldWeights(self.held.version, {name: tensor_crc32(t) for name, t in self.held.tensors.items()})
+        return HeldWeights(
+            self.held.version, {name: tensor_checksum(t, "crc32") for name, t in self.held.tensors.items()}
+        )
 
     def commit(self, stage: StagedUpdate | None, version: int, ordinal: int) -> CommitApplied:
         """Put `stage` (the worker's `ordinal`-th update) into the live model: swap in its prepared layers or reload it
@@ -93,9 +96,10 @@ class LiveWeights:
             stage.state = StageState.FAILED
             raise
         stage.state = StageState.COMMITTED
-        # The swap path keeps whole tensors only when the learner may send a delta next (keep_base): a model's copy.
-        keep = stage.prepared is None or stage.manifest.keep_base
-        self.held = HeldTensors(version, stage.tensors) if keep else None
+        # The swap path keeps whole tensors only when the learner may send a delta next (keep_base): a model's copy
+        # (on CUDA in host memory: StagedUpdate.kept); the device buffers go now, not at the next update.
+        self.held = HeldTensors(version, stage.kept()) if stage.keeps_tensors else None
+        stage.release()
         applied = time.perf_counter() - start
         # Freed weights and buckets go back to the OS every 30 s (INFLIGHT_TRIM_EVERY_S), off the engine's critical
         # path: a trim after every commit added ~20 ms to each stall (inflight.wire.memory).

@@ -9,10 +9,12 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
 - its buckets: every tensor of the update, received whole before any is verified (1x the weights);
 - `--update-memory double`: the processed copy built beside the live weights and swapped in (another 1x) — the
   buckets are released only once it is built, so the peak is 2x;
-- `--update-memory low`: the last update's tensors, kept on the device between updates as the rollback source of a
-  failed in-place commit (vllm_patches/commit.py:LiveWeights; 1x, held for good);
-- delta updates (the learner's `--full-every N > 1`): the base version's whole tensors, kept between updates (1x,
-  held for good), to which the next delta applies (in `low` the same tensors as above).
+- delta updates (the learner's `--full-every N > 1`): the whole tensors decoded from the delta payloads, beside the
+  payload buckets (another 1x at most).
+Nothing stays on the device between two updates: what a worker keeps of the live version — `low`'s rollback source
+of a failed in-place commit, a delta's base — the staging thread copies into pinned host memory before the update is
+staged (vllm_patches/staging.py:StagedUpdate.kept; 1x of host memory, `host_bytes`), and the device buffers go at the
+commit.
 """
 
 from __future__ import annotations
@@ -39,18 +41,23 @@ class StagingPlan:
     delta: bool
 
     @property
-    def held_bytes(self) -> int:
-        """Kept between two updates: `low`'s rollback source or the delta base (one copy serves both), or nothing."""
+    def host_bytes(self) -> int:
+        """Pinned host memory kept between two updates: `low`'s rollback source or the delta base (one copy serves
+        both), or nothing."""
         return self.weight_bytes if self.delta or self.update_memory == "low" else 0
 
     @property
     def peak_bytes(self) -> int:
-        """At the update's peak: what is held, the buckets, and in `double` the processed copy beside them."""
+        """Device bytes at the update's peak: the buckets, in `double` the processed copy beside them, with deltas
+        the decoded tensors beside their payloads."""
         prepared = self.weight_bytes if self.update_memory == "double" else 0
-        return self.held_bytes + self.weight_bytes + prepared
+        decoded = self.weight_bytes if self.delta else 0
+        return self.weight_bytes + prepared + decoded
 
     def describe(self) -> str:
-        held = f", {self.held_bytes / GIB:.2f} GiB of it held between updates" if self.held_bytes else ""
+        held = (
+            f", {self.host_bytes / GIB:.2f} GiB of pinned host memory kept between updates" if self.host_bytes else ""
+        )
         return (
             f"staging plan: weights {self.weight_bytes / GIB:.2f} GiB, --update-memory {self.update_memory}: "
             f"an update needs {self.peak_bytes / GIB:.2f} GiB on the device at its peak{held}"

@@ -33,8 +33,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MethodType
+from typing import Any
 
 import torch
+from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.model_loader.reload import layerwise
 from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, restore_layer_on_meta, to_meta_tensor
@@ -105,15 +107,21 @@ def _set_attributes(module: torch.nn.Module, values: dict[str, object]) -> None:
 class ShadowPreparer:
     """The staging thread's `prepare` collaborator for one update (vllm_patches/staging.py:PrepareUpdate): builds the
     update's processed weights into a shadow of `model`; fails half-way where a test planned it for the worker's
-    `ordinal`-th update (vllm_patches/faults.py)."""
+    `ordinal`-th update (vllm_patches/faults.py). Under the worker's `vllm_config` (vLLM's process-global current
+    config, which the loaders and custom ops of some layers read, e.g. expert-parallel MoE and mxfp4, and raise when it
+    is unset; vLLM's own reload sets it the same way, from the worker's config)."""
 
     model: torch.nn.Module
     version: int
     ordinal: int
+    vllm_config: Any = None  # vLLM's VllmConfig; None outside a worker (a narrow test)
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedWeights:
         weights = faults.half_way(list(tensors.items()), "prepare", self.ordinal)
-        return prepare(self.model, weights, self.version)
+        if self.vllm_config is None:
+            return prepare(self.model, weights, self.version)
+        with set_current_vllm_config(self.vllm_config):
+            return prepare(self.model, weights, self.version)
 
 
 def shadow_tree(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[torch.nn.Module, torch.nn.Module]]:

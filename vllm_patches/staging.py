@@ -14,6 +14,12 @@ broadcast, or gloo's host-to-device copies) and the preparation queue behind not
 kernels queue behind nothing of them. One event is recorded there once everything is staged;
 `ready_on_current_stream()`, called by both commit paths, makes the engine's current stream wait on it (an event, not
 a host synchronisation) and records every tensor handed across on that stream (`Tensor.record_stream`).
+
+What the worker keeps of an update after its commit (`kept`: the in-place path's rollback source, a delta's base)
+stays on the device no longer than the commit: on CUDA the staging thread copies the verified tensors into pinned
+host memory before it reports the update staged, and the device buckets go with the stage (`release`). A GPU serve
+then holds nothing of an update between two updates (vllm_patches/device_plan.py counts on it); a rollback or a
+delta reads the host copy, at PCIe speed, off the common path.
 """
 
 from __future__ import annotations
@@ -103,6 +109,7 @@ class StagedUpdate:
         self.state = StageState.RECEIVING
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
+        self.host_copy: dict[str, torch.Tensor] | None = None  # CUDA: what `kept` hands over, in pinned host memory
         self.bytes_received = 0
         self.started = time.perf_counter()
         self.started_at = time.time()  # wall clock, comparable with the client's token timestamps
@@ -128,9 +135,12 @@ class StagedUpdate:
             side = staging_stream(str(self.device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 self._receive_and_verify(side)
+                if side is not None and self.keeps_tensors:
+                    self.host_copy = pinned_host_copy(self.tensors)
                 if self.prepare is not None:
                     self.prepared = self.prepare(self.tensors)  # on the side stream too: its kernels queue there
-                    self.tensors = self.tensors if self.manifest.keep_base else {}
+                    keep_here = self.manifest.keep_base and self.host_copy is None
+                    self.tensors = self.tensors if keep_here else {}
                     self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
                 if side is not None:
                     self._ready = torch.cuda.Event()
@@ -166,6 +176,20 @@ class StagedUpdate:
         except Exception:  # the engine then times out on this update, naming it; the worker must not die of it
             log.exception("could not signal the end of staging v%d to the engine", self.manifest.version)
 
+    @property
+    def keeps_tensors(self) -> bool:
+        """Whether the worker keeps this update's whole tensors once committed: always in place (the next rollback
+        source), and when the sender may send a delta on it next (`keep_base`)."""
+        return self.prepare is None or self.manifest.keep_base
+
+    def kept(self) -> dict[str, torch.Tensor]:
+        """The whole tensors to keep after the commit: the host copy on CUDA, else the verified tensors themselves."""
+        return self.host_copy if self.host_copy is not None else self.tensors
+
+    def release(self) -> None:
+        """Drop the device buffers once committed (what is kept is `kept()`'s, held by the caller)."""
+        self.tensors, self._buckets, self.host_copy = {}, [], None
+
     def ready_on_current_stream(self) -> None:
         """Make the caller's current CUDA stream (the engine's, at commit) wait for everything staged — the buckets
         and, with `double`, the prepared layers — a no-op on CPU; and tell the caching allocator that stream uses
@@ -179,6 +203,7 @@ class StagedUpdate:
 
     def _handed_over(self) -> Iterator[torch.Tensor]:
         yield from self._buckets
+        yield from (t for t in self.tensors.values() if t.is_cuda)  # a delta's decoded tensors are not bucket views
         for _, attributes in self.prepared.layers if self.prepared is not None else []:
             yield from (value for value in attributes.values() if isinstance(value, torch.Tensor) and value.is_cuda)
 
@@ -202,6 +227,16 @@ class StagedUpdate:
             started_at=self.started_at,
             staged_at=self.staged_at,
         )
+
+
+def pinned_host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of device `tensors` in page-locked host memory (DMA, through the caching host allocator: reused across
+    updates), queued on the current stream and waited for."""
+    copies = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in tensors.items()}
+    for name, t in tensors.items():
+        copies[name].copy_(t, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return copies
 
 
 class StagedNotifier:

@@ -53,7 +53,7 @@ class WorkerUpdateState:
     stage: StagedUpdate | None = None
     updates: int = 0  # updates begun, from 1: the ordinal fault injection counts (vllm_patches/faults.py)
 
-    def begin(self, manifest: UpdateManifest, model: torch.nn.Module, ticket: int) -> StagedUpdate:
+    def begin(self, manifest: UpdateManifest, model: torch.nn.Module, ticket: int, vllm_config: Any) -> StagedUpdate:
         """Start staging `manifest` in the background; refuses (ManifestError, naming the fix) without a usable group
         or staged-signal channel, or while the previous update is still being received."""
         check_against(manifest, self.checkpoint.expected())
@@ -65,7 +65,7 @@ class WorkerUpdateState:
             raise ManifestError(f"update v{self.stage.manifest.version} is still being received; wait for it first")
         self.updates += 1
         double = self.live.memory == "double"
-        prepare = ShadowPreparer(model, manifest.version, self.updates) if double else None
+        prepare = ShadowPreparer(model, manifest.version, self.updates, vllm_config) if double else None
         base = self.live.held if manifest.is_delta else None
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
@@ -79,6 +79,7 @@ class InflightWorkerExtension:
     # Provided by vLLM's Worker, which this class is mixed into (annotations only: vLLM refuses an attribute clash).
     model_runner: ModelRunner
     model_config: Any
+    vllm_config: Any
     rank: int
     # vLLM never calls an __init__ of the extension: the state is made at the first call.
     _inflight: WorkerUpdateState | None = None
@@ -147,7 +148,7 @@ class InflightWorkerExtension:
         """Validate the manifest and start staging its buckets in the background; never blocks on the transfer. When
         staging ends, the staging thread signals the engine under `ticket`."""
         manifest = UpdateManifest.decode(manifest_bytes)
-        stage = self._inflight_state().begin(manifest, self.model_runner.get_model(), ticket)
+        stage = self._inflight_state().begin(manifest, self.model_runner.get_model(), ticket, self.vllm_config)
         return stage.status()
 
     def inflight_update_status(self) -> StageStatus:

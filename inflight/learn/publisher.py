@@ -40,6 +40,7 @@ from inflight.learn.control import ControlPlane
 from inflight.learn.membership import Send, Serve
 from inflight.learn.rendezvous import GroupRendezvous
 from inflight.learn.snapshot import LatestWeights
+from inflight.wire.checksum import checksum_kind_for
 from inflight.wire.control import UpdateWeights
 from inflight.wire.endpoints import ControlServer
 from inflight.wire.group import WeightsGroupError
@@ -120,6 +121,7 @@ class StreamedUpdate:
     def __init__(self, version: int, serves: int, sender: StreamSender | None, snapshot: dict[str, torch.Tensor]):
         self.version, self.serves, self.sender, self.snapshot = version, serves, sender, snapshot
         self.error: WeightsGroupError | None = None
+        self.copying = False  # device-to-host copies into the (pinned) snapshot still queued on the current stream
 
     def put(self, piece: WeightPiece) -> None:
         """The next piece, in manifest order, into the stream (while it is healthy) and the snapshot."""
@@ -129,10 +131,16 @@ class StreamedUpdate:
                 source = self.sender.put(piece.name, piece.tensor, piece.start)
             except WeightsGroupError as exc:
                 self.error = exc
-        copy_rows(self.snapshot[piece.name], piece.start, source)
+        dest = self.snapshot[piece.name]
+        # Pinned: queued, not waited for (the bucket is refilled two buckets later on this same stream, after it).
+        asynchronous = source.is_cuda and dest.is_pinned()
+        copy_rows(dest, piece.start, source, non_blocking=asynchronous)
+        self.copying |= asynchronous
 
     def finish(self) -> StreamOutcome:
         """The trailer after the last bucket (or, after a failure, nothing more sent); the outcome."""
+        if self.copying:  # the snapshot is read (a late serve's catch-up) only once every copy has landed
+            torch.cuda.current_stream().synchronize()
         outcome = StreamOutcome(self.version, self.serves, self.snapshot, error=self.error)
         if self.sender is None:
             return outcome
@@ -164,6 +172,7 @@ class WeightPublisher:
     ):
         self.plane, self.check, self.device = plane, check, torch.device(device)
         self.bucket_bytes, self.weights_key = bucket_bytes, weights_key
+        self.sums = checksum_kind_for(self.device)  # where the buckets are: a GPU's are summed there, not copied out
         self.latest = LatestWeights()
         self.deltas = DeltaBase(full_every)
 
@@ -184,7 +193,13 @@ class WeightPublisher:
             base = self.deltas.base_for(version, members, cast)
             keep_base = self.deltas.full_every > 1
             manifest, payloads = plan_update(
-                cast, version, self.bucket_bytes, weights_key=self.weights_key, base=base, keep_base=keep_base
+                cast,
+                version,
+                self.bucket_bytes,
+                weights_key=self.weights_key,
+                base=base,
+                keep_base=keep_base,
+                checksum_kind=self.sums,
             )
             self._announce(manifest, members, served, consumed)
             try:
@@ -208,7 +223,7 @@ class WeightPublisher:
             return StreamedUpdate(version, 0, None, self.latest.writable(layout))
         served = _served(members)
         layout = {name: served[name] for name in (self.check.expected or served)}  # the learner's order, serve dtypes
-        manifest = plan_layout(layout, version, self.bucket_bytes)
+        manifest = plan_layout(layout, version, self.bucket_bytes, self.sums)
         self._announce(manifest, members, served, consumed)
         sender = StreamSender(self.plane.group, manifest, self.device, self.weights_key)
         return StreamedUpdate(version, len(members), sender, self.latest.writable(layout))
@@ -290,12 +305,12 @@ def open_publisher(
     return WeightPublisher(plane, check, **options)
 
 
-def copy_rows(dest: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+def copy_rows(dest: torch.Tensor, start: int, rows: torch.Tensor, non_blocking: bool = False) -> None:
     """`rows` into `dest` from row `start` (all of `dest` when the shapes agree)."""
     if rows.shape == dest.shape and start == 0:
-        dest.copy_(rows)
+        dest.copy_(rows, non_blocking=non_blocking)
     else:
-        dest[start : start + rows.shape[0]].copy_(rows)
+        dest[start : start + rows.shape[0]].copy_(rows, non_blocking=non_blocking)
 
 
 def _served(members: list[Serve]) -> TensorLayout:

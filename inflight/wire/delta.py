@@ -68,7 +68,7 @@ def decode(encoding: str, count: int, payload: torch.Tensor, base: torch.Tensor)
     want = payload_nbytes(encoding, numel, itemsize, count)
     if payload.numel() != want:
         raise ValueError(f"{encoding} payload of {payload.numel()} bytes, expected {want} for {count} changed elements")
-    out = base.detach().clone().contiguous()
+    out = base.detach().to(payload.device, copy=True).contiguous()  # a GPU serve holds its base in host memory
     flat = out.view(-1)
     if encoding == "full":
         flat.view(torch.uint8)[:] = payload  # (bool: the same single bytes)

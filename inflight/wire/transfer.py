@@ -105,7 +105,7 @@ class StreamSender:
             if self._rows < entry.shape[0]:
                 return written
         self._rows = 0
-        self.sums.append(trailer_entry(typed, self.key))
+        self.sums.append(trailer_entry(typed, self.key, self.manifest.checksum_kind))
         following = self.manifest.tensors[len(self.sums)] if len(self.sums) < len(self.manifest.tensors) else None
         if following is None or following.bucket != entry.bucket:
             self._send(entry.bucket)

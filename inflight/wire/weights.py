@@ -3,12 +3,15 @@
 Both sides import this (it imports torch and msgspec, never vLLM). An update is one `UpdateManifest` (sent first, as
 msgpack) followed by `len(manifest.bucket_sizes)` uint8 buckets over the weights group. Every tensor lies wholly in one
 bucket at a 64-byte aligned offset, so the receiver can view it in place; a tensor larger than the bucket size gets a
-bucket of its own. Each tensor carries a CRC32 of its bytes, checked by the receiver before anything is committed.
+bucket of its own. Each tensor carries a checksum of its bytes, checked by the receiver before anything is committed:
+a CRC32 from a learner in host memory, a `sum31` (inflight/wire/checksum.py) from a learner on a GPU, which both sides
+compute on the device, so neither copies a byte to the host to check it.
 
-CRC32 catches corruption, not forgery: anyone who can write to the weights network can alter a tensor and fix four of
-its bytes so the CRC32 still matches. With a shared secret (`--secret-file` on both sides) every tensor carries a
-keyed BLAKE2b tag instead, under a key derived from the secret and the update's version (`update_key`): without the
-secret a tag cannot be made, and a tensor of an older update (a replay) carries a tag under another version's key.
+A checksum catches corruption, not forgery: anyone who can write to the weights network can alter a tensor and fix
+four of its bytes so the checksum still matches. With a shared secret (`--secret-file` on both sides) every tensor
+carries a keyed BLAKE2b tag instead, under a key derived from the secret and the update's version (`update_key`):
+without the secret a tag cannot be made, and a tensor of an older update (a replay) carries a tag under another
+version's key. Tags are computed in host memory: a GPU serve with a secret copies every bucket out to check it.
 
 A delta update (`base_version` >= 0) sends each tensor in the smallest of three encodings (inflight/wire/delta.py):
 whole, or only the elements that changed since `base_version`, which the receiver applies to its copy of that version.
@@ -21,15 +24,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import zlib
 from collections.abc import Iterable, Mapping
 
 import msgspec
 import torch
 
 from inflight.wire import delta
+from inflight.wire.checksum import CHECKSUM_KINDS, bytes_checksum, tensor_checksum
 
-MANIFEST_SCHEMA = 3  # 2: tensors carry an optional keyed BLAKE2b tag; 3: delta updates
+MANIFEST_SCHEMA = 4  # 2: tensors carry an optional keyed BLAKE2b tag; 3: delta updates; 4: checksum_kind
 TAG_BYTES = 16
 _TRAILER_ENTRY = 4 + TAG_BYTES
 ALIGN = 64
@@ -65,7 +68,7 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bucket: int
     offset: int
     nbytes: int  # bytes in the bucket: the tensor's own for "full", the delta payload's otherwise
-    crc32: int = 0  # of the whole tensor (a delta: after it is applied)
+    checksum: int = 0  # the manifest's checksum_kind of the whole tensor (a delta: after it is applied)
     tag: bytes = b""  # keyed BLAKE2b of the whole tensor under update_key(secret key, version); empty without a secret
     encoding: str = "full"  # one of inflight/wire/delta.py:ENCODINGS; not "full" only in a delta update
     count: int = 0  # elements changed since the manifest's base_version (a delta entry)
@@ -87,6 +90,7 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # True: the checksums and tags are not in the entries but in one more broadcast after the last bucket (the
     # trailer, `trailer_nbytes` long): a sender streaming tensors as it gathers them knows them only once sent.
     trailer: bool = False
+    checksum_kind: str = "crc32"  # one of inflight/wire/checksum.py:CHECKSUM_KINDS, what every entry's checksum is
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -111,7 +115,8 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def trailer_nbytes(self) -> int:
-        """Bytes of the trailer broadcast (0 without one): per entry, in order, its CRC32 (4, little-endian) and tag."""
+        """Bytes of the trailer broadcast (0 without one): per entry, in order, its checksum (4, little-endian) and
+        tag."""
         return len(self.tensors) * _TRAILER_ENTRY if self.trailer else 0
 
     def with_trailer(self, trailer: torch.Tensor) -> UpdateManifest:
@@ -122,8 +127,8 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         entries = []
         for i, t in enumerate(self.tensors):
             at = i * _TRAILER_ENTRY
-            crc, tag = int.from_bytes(raw[at : at + 4], "little"), raw[at + 4 : at + _TRAILER_ENTRY]
-            entries.append(msgspec.structs.replace(t, crc32=crc, tag=tag if any(tag) else b""))
+            checksum, tag = int.from_bytes(raw[at : at + 4], "little"), raw[at + 4 : at + _TRAILER_ENTRY]
+            entries.append(msgspec.structs.replace(t, checksum=checksum, tag=tag if any(tag) else b""))
         return msgspec.structs.replace(self, tensors=entries, trailer=False)
 
     @property
@@ -132,6 +137,11 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def validate_layout(self) -> None:
         """Every entry must lie inside its bucket with its byte count matching its encoding, dtype and shape."""
+        if self.checksum_kind not in CHECKSUM_KINDS:
+            raise ManifestError(
+                f"manifest.checksum_kind is {self.checksum_kind!r}, expected one of {list(CHECKSUM_KINDS)}: run the "
+                "same inflight version on the learner and the servers"
+            )
         for t in self.tensors:
             if t.dtype not in DTYPES:
                 raise ManifestError(f"tensor {t.name}: dtype {t.dtype!r} is not one of {sorted(DTYPES)}")
@@ -167,11 +177,6 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def tensor_crc32(t: torch.Tensor) -> int:
-    """CRC32 of the tensor's bytes; a device tensor (a learner's CUDA state) is checksummed from a host copy."""
-    return zlib.crc32(_as_bytes(t).cpu().numpy()) & 0xFFFFFFFF
-
-
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
@@ -200,11 +205,14 @@ def plan_manifest(
     bucket_bytes: int,
     checksums: bool = True,
     weights_key: bytes | None = None,
+    checksum_kind: str = "crc32",
 ) -> UpdateManifest:
     """Lay `state` (HF name → tensor) out in buckets of at most `bucket_bytes` (a bigger tensor gets its own), as a full
-    update. With `weights_key` every tensor also gets a keyed tag, which the receiver then checks instead of the CRC32.
-    `pack_bucket`/`send_update` take `state` itself."""
-    return plan_update(state, version, bucket_bytes, checksums=checksums, weights_key=weights_key)[0]
+    update, every tensor with its `checksum_kind` checksum. With `weights_key` every tensor also gets a keyed tag, which
+    the receiver then checks instead of the checksum. `pack_bucket`/`send_update` take `state` itself."""
+    return plan_update(
+        state, version, bucket_bytes, checksums=checksums, weights_key=weights_key, checksum_kind=checksum_kind
+    )[0]
 
 
 def plan_update(
@@ -215,11 +223,13 @@ def plan_update(
     weights_key: bytes | None = None,
     base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
     keep_base: bool = False,
+    checksum_kind: str = "crc32",
 ) -> tuple[UpdateManifest, dict[str, torch.Tensor]]:
     """`plan_manifest`, and with `base` = (version, its tensors, same names, dtypes and shapes as `state`) a delta on
     that version: each tensor in its smallest encoding (inflight/wire/delta.py). Returns the manifest and the payloads
     (name → what goes into the buckets) that `pack_bucket`/`send_update` take in place of the state. Checksums and tags
-    are always of the whole tensors of `state`."""
+    are always of the whole tensors of `state`, of `checksum_kind` (inflight/wire/checksum.py:checksum_kind_for the
+    state's device: no host copy)."""
     if bucket_bytes < ALIGN:
         raise ManifestError(f"bucket_bytes is {bucket_bytes}; it must be at least {ALIGN}")
     key = update_key(weights_key, version) if weights_key is not None else None
@@ -235,7 +245,8 @@ def plan_update(
         offset = used
         used = _aligned(offset + nbytes)
         sizes[-1] = max(offset + nbytes, sizes[-1])
-        crc = tensor_crc32(tensor) if checksums else 0  # kept with a tag: a corruption's message names its CRC32
+        # kept with a tag: a corruption's message names its checksum
+        checksum = tensor_checksum(tensor, checksum_kind) if checksums else 0
         tag = tensor_tag(tensor, key) if key is not None else b""
         entries.append(
             TensorEntry(
@@ -245,7 +256,7 @@ def plan_update(
                 len(sizes) - 1,
                 offset,
                 nbytes,
-                crc,
+                checksum,
                 tag,
                 encoding,
                 count,
@@ -253,22 +264,26 @@ def plan_update(
         )
         payloads[name] = payload
     base_version = base[0] if base is not None else -1
-    return UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base), payloads
+    manifest = UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base)
+    return msgspec.structs.replace(manifest, checksum_kind=checksum_kind), payloads
 
 
-def plan_layout(specs: Mapping[str, tuple[str, list[int]]], version: int, bucket_bytes: int) -> UpdateManifest:
+def plan_layout(
+    specs: Mapping[str, tuple[str, list[int]]], version: int, bucket_bytes: int, checksum_kind: str = "crc32"
+) -> UpdateManifest:
     """A full update's manifest from names, dtypes and shapes alone (name → (dtype, shape), in sending order), its
     checksums and tags to follow in the trailer (`trailer_entry`): what a sender that gathers each tensor only when
     it packs it announces before the first bucket. Same bucket layout as `plan_manifest` gives for the same tensors."""
     state = {name: torch.empty(shape, dtype=DTYPES[dtype], device="meta") for name, (dtype, shape) in specs.items()}
-    manifest, _ = plan_update(state, version, bucket_bytes, checksums=False)
+    manifest, _ = plan_update(state, version, bucket_bytes, checksums=False, checksum_kind=checksum_kind)
     return msgspec.structs.replace(manifest, trailer=True)
 
 
-def trailer_entry(t: torch.Tensor, key: bytes | None) -> bytes:
-    """One entry of a trailer: the CRC32 of `t`'s bytes and, under `key` (`update_key`), its tag (zeros without)."""
-    crc = tensor_crc32(t).to_bytes(4, "little")
-    return crc + (tensor_tag(t, key) if key is not None else bytes(TAG_BYTES))
+def trailer_entry(t: torch.Tensor, key: bytes | None, checksum_kind: str = "crc32") -> bytes:
+    """One entry of a trailer: the `checksum_kind` checksum of `t`'s bytes and, under `key` (`update_key`), its tag
+    (zeros without)."""
+    checksum = tensor_checksum(t, checksum_kind).to_bytes(4, "little")
+    return checksum + (tensor_tag(t, key) if key is not None else bytes(TAG_BYTES))
 
 
 def pack_bucket(
@@ -291,7 +306,8 @@ def unpack_buckets(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the update: for a full entry a view inside the received buckets (no copy), for a delta entry a
     new tensor, `base`'s (version, tensors) with the delta applied. Checks sizes and, if asked, checksums of the whole
-    tensors: with `weights_key` every tensor's keyed tag (a tensor without one is refused), else its CRC32. A delta
+    tensors: with `weights_key` every tensor's keyed tag (a tensor without one is refused), else its checksum of the
+    manifest's kind (a `sum31` on the buckets' own device, no host copy). A delta
     update without `base` at its `base_version` is refused, naming both versions."""
     if manifest.trailer:  # the checksums came after the buckets
         if len(buckets) != len(manifest.bucket_sizes) + 1:
@@ -312,19 +328,20 @@ def unpack_buckets(
         )
     out = {}
     key = update_key(weights_key, manifest.version) if weights_key is not None else None
-    host: dict[int, torch.Tensor] = {}  # a device bucket is checksummed from a host copy (the current one only)
+    kind = manifest.checksum_kind
+    on_host = key is not None or kind == "crc32"  # a tag or a CRC32 hashes host bytes; a sum31 is taken where they are
+    host: dict[int, torch.Tensor] = {}  # a device bucket checksummed from a host copy (the current one only)
     for t in manifest.tensors:
         raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
         if t.encoding != "full":
             out[t.name] = _apply_delta(t, raw, base[1])
             if verify:
-                _verify(t, _as_bytes(out[t.name]).cpu().numpy(), key)
+                _verify(t, _as_bytes(out[t.name]), key, kind)
             continue
-        if verify and raw.device.type != "cpu" and t.bucket not in host:
+        if verify and on_host and raw.device.type != "cpu" and t.bucket not in host:
             host = {t.bucket: _to_host(buckets[t.bucket])}
-        check = host[t.bucket][t.offset : t.offset + t.nbytes] if t.bucket in host else raw
         if verify:
-            _verify(t, check.numpy(), key)
+            _verify(t, host[t.bucket][t.offset : t.offset + t.nbytes] if t.bucket in host else raw, key, kind)
         out[t.name] = raw.view(DTYPES[t.dtype]).reshape(t.shape)
     return out
 
@@ -339,20 +356,22 @@ def _apply_delta(t: TensorEntry, payload: torch.Tensor, base: Mapping[str, torch
         raise ManifestError(f"tensor {t.name}: {exc} (corrupted in transit)") from exc
 
 
-def _verify(t: TensorEntry, data, key: bytes | None) -> None:
+def _verify(t: TensorEntry, data: torch.Tensor, key: bytes | None, kind: str) -> None:
+    """Check one tensor's bytes (flat uint8) against its tag (with `key`) or its `kind` checksum."""
     if key is not None:
         if not t.tag:
             raise ManifestError(
                 f"tensor {t.name}: no tag, and this serve has a secret: give the learner the same --secret-file"
             )
-        if not hmac.compare_digest(bytes_tag(data, key), t.tag):
+        if not hmac.compare_digest(bytes_tag(data.cpu().numpy(), key), t.tag):
             raise ManifestError(
                 f"tensor {t.name}: its tag does not verify under the update's key (forged, replayed "
                 "from another update, or corrupted in transit)"
             )
-    elif (crc := zlib.crc32(data) & 0xFFFFFFFF) != t.crc32:
+    elif (checksum := bytes_checksum(data, kind)) != t.checksum:
         raise ManifestError(
-            f"tensor {t.name}: checksum {crc:#010x} but the manifest says {t.crc32:#010x} (corrupted in transit)"
+            f"tensor {t.name}: checksum {checksum:#010x} but the manifest says {t.checksum:#010x}, a {kind} "
+            "(corrupted in transit)"
         )
 
 

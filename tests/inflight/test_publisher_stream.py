@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from test_publisher_deltas import ServeEnd, states
 
@@ -95,3 +96,26 @@ def test_a_broadcast_failing_part_way_still_takes_every_piece_so_no_rank_is_left
     assert isinstance(outcome.error, WeightsGroupError) and outcome.stats is None
     assert sender.puts == 2 and sender.abandoned and not sender.finished, "nothing sent after the failure"
     assert all(torch.equal(snapshot[n], state[n]) for n in state), "every piece reached the snapshot"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_a_gpu_learner_streams_with_device_checksums_a_cpu_serve_verifies_and_the_snapshot_is_pinned():
+    by_version = {v: {n: t.cuda() for n, t in s.items()} for v, s in states([1]).items()}
+    publisher = open_publisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, bucket_bytes=4096, device="cuda")
+    publisher.check.set_model(by_version[1])
+    serve = ServeEnd(publisher.plane.control.address)  # receives into host memory and checks every tensor there
+    serve.start()
+    try:
+        publisher.plane.pump(2.0)
+        report = publisher.publish_stream(pieces(by_version[1]), 1)
+        start = time.monotonic()
+        while serve.answers < 1 and time.monotonic() - start < 10.0:
+            publisher.plane.pump(0.05)
+        publisher.close()
+    finally:
+        serve.stop.set()
+        serve.join(10.0)
+    assert publisher.sums == "sum31" and report.serves == 1 and not serve.errors
+    assert all(torch.equal(serve.received[1][1][n], by_version[1][n].cpu()) for n in ("w", "b"))
+    snapshot = publisher.latest.tensors
+    assert all(t.is_pinned() and torch.equal(t, by_version[1][n].cpu()) for n, t in snapshot.items())

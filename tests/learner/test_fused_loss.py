@@ -205,6 +205,9 @@ def interpret_row_kernel(
     return load_file(target)
 
 
+# Where a GPU runs the compiled kernel (the test above) the interpreter adds nothing, and on the lent H200 (Triton 3.6
+# with numpy 2.5) the interpreter itself breaks: it calls int() on a one-element array, which numpy 2.5 refuses.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA: the compiled kernel is tested instead")
 def test_the_triton_row_kernel_interpreted_on_cpu_matches_the_float64_row_pass(tmp_path: Path):
     """The Triton kernel's own code, run by Triton's interpreter on CPU tensors (so it is checked where no GPU is):
     the online log-normaliser over three 4096-wide tiles (the last partial), every loss kind, the trust-region hits

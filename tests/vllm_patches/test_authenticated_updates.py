@@ -74,8 +74,8 @@ def test_a_tensor_altered_on_the_wire_with_its_crc32_recomputed_is_refused_weigh
     t = next(t for t in manifest.tensors if t.nbytes >= 64 and t.dtype == "bfloat16")
     raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
     raw[:16] ^= 0x40  # flip one exponent bit of eight weights
-    raw[-4:] = torch.frombuffer(bytearray(forge_crc32(raw[:-4].numpy().tobytes(), t.crc32)), dtype=torch.uint8)
-    assert zlib.crc32(raw.numpy()) == t.crc32, "the forgery matches the manifest's CRC32"
+    raw[-4:] = torch.frombuffer(bytearray(forge_crc32(raw[:-4].numpy().tobytes(), t.checksum)), dtype=torch.uint8)
+    assert zlib.crc32(raw.numpy()) == t.checksum, "the forgery matches the manifest's CRC32"
     with pytest.raises(UpdateError, match=f"{t.name}: its tag does not verify"):
         send(env, loop, manifest, buckets)
     assert_unchanged(env, loop, version)

@@ -11,7 +11,8 @@ from support import Sender, greedy, load_state, start_engine, stop_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.run.demo import DEMO_FLAGS
-from inflight.wire.weights import plan_update, tensor_crc32
+from inflight.wire.checksum import tensor_checksum
+from inflight.wire.weights import plan_update
 from vllm_patches.rpc import HeldWeights, rpc_result
 from vllm_patches.updates import UpdateError
 
@@ -69,7 +70,7 @@ def test_twenty_delta_updates_leave_the_engine_bitwise_where_full_updates_do(loo
         print(f"\n{STEPS - 1} deltas at lr {DEMO_LR}: {delta_bytes / full_bytes:.3f} of the full updates' bytes")
         assert delta_bytes < full_bytes
         kept = held(loop, engine)
-        assert kept.version == STEPS and kept.crc32 == {n: tensor_crc32(t) for n, t in states[-1].items()}
+        assert kept.version == STEPS and kept.crc32 == {n: tensor_checksum(t, "crc32") for n, t in states[-1].items()}
         by_deltas = loop.run_until_complete(greedy(engine, tok, tag="deltas"))
         assert {v for o in by_deltas for v in o.versions} == {STEPS}
 

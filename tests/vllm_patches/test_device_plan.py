@@ -15,14 +15,15 @@ H100 = 80 * GIB
 
 
 @pytest.mark.parametrize(
-    ("update_memory", "delta", "peak", "held"),
-    [("low", False, 2, 1), ("double", False, 2, 0), ("low", True, 2, 1), ("double", True, 3, 1)],
+    ("update_memory", "delta", "peak", "host"),
+    [("low", False, 1, 1), ("double", False, 2, 0), ("low", True, 2, 1), ("double", True, 3, 1)],
 )
-def test_an_update_needs_its_buckets_plus_the_processed_copy_in_double_plus_what_is_held_for_rollback_or_delta(
-    update_memory, delta, peak, held
+def test_an_update_needs_its_buckets_plus_the_processed_copy_in_double_plus_decoded_deltas_and_holds_nothing_after(
+    update_memory, delta, peak, host
 ):
     plan = StagingPlan(weight_bytes=TWO_B_BF16, update_memory=update_memory, delta=delta)
-    assert (plan.peak_bytes, plan.held_bytes) == (peak * TWO_B_BF16, held * TWO_B_BF16)
+    assert (plan.peak_bytes, plan.host_bytes) == (peak * TWO_B_BF16, host * TWO_B_BF16)
+    assert ("pinned host memory kept between updates" in plan.describe()) == bool(host)
 
 
 def test_a_2b_bf16_model_at_0_9_of_an_80gb_gpu_gets_its_double_update_set_aside_from_the_kv_cache():

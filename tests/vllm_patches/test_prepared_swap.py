@@ -99,3 +99,40 @@ def test_a_shadow_tree_is_freed_by_reference_counting_alone_once_dropped():
         assert all(ref() is None for ref in refs), "a shadow module outlived its last reference"
     finally:
         gc.enable()
+
+
+class _ReadsTheConfig(torch.nn.Module):
+    """A model whose loader reads vLLM's current config, as expert-parallel MoE and mxfp4 layers' loaders do."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def load_weights(self, weights):
+        from vllm.config import get_current_vllm_config
+
+        list(weights)
+        self.seen.append(get_current_vllm_config())
+
+
+def test_the_staging_thread_prepares_under_the_workers_vllm_config_which_loaders_read_and_raise_without():
+    import threading
+
+    from vllm.config import VllmConfig
+
+    from vllm_patches.prepared import ShadowPreparer
+
+    model, config, errors = _ReadsTheConfig(), VllmConfig(), []
+
+    def stage():  # a thread of its own, as the staging thread: vLLM's current config is process-global, unset here
+        try:
+            ShadowPreparer(model, 1, 1, config)({"w": torch.zeros(2)})
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=stage)
+    thread.start()
+    thread.join()
+    assert not errors and model.seen == [config]
+    with pytest.raises(AssertionError, match="Current vLLM config is not set"):
+        ShadowPreparer(model, 1, 1)({"w": torch.zeros(2)})

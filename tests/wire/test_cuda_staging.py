@@ -1,7 +1,7 @@
 """StagedUpdate on a CUDA device (vllm_patches/staging.py): a real gloo weights group from a sender process, buckets
-received on a side stream, CRC-checked from host copies, and committed by device-to-device copies after the
-committing stream waits for the staging stream. Skipped without CUDA (scripts/gpu_check.sh runs it on a GPU machine);
-on CPU the same class is exercised by every real-engine update test."""
+received on a side stream, checked (a CRC32 from host copies, a sum31 on the device with no host copy), and committed
+by device-to-device copies after the committing stream waits for the staging stream. Skipped without CUDA
+(scripts/gpu_check.sh runs it on a GPU machine); on CPU the same class is exercised by every real-engine update test."""
 
 from __future__ import annotations
 
@@ -27,26 +27,32 @@ def make_state(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def sender_main(address: GroupAddress, seed: int, device: str) -> None:
+def sender_main(address: GroupAddress, seed: int, device: str, kind: str) -> None:
     """The learner's side: rank 0 sends its state from `device` (a GPU learner's state is on CUDA)."""
     state = {name: t.to(device) for name, t in make_state(seed).items()}
     group = WeightsGroup(address, 0, store=open_store(address, is_host=False))
-    send_update(group, plan_manifest(state, 7, 256 << 10), state)
+    send_update(group, plan_manifest(state, 7, 256 << 10, checksum_kind=kind), state)
     group.close()
 
 
+@pytest.mark.parametrize("kind", ["crc32", "sum31"])
 @pytest.mark.parametrize("sender_device", ["cpu", "cuda"])
-def test_cuda_staging_receives_on_a_side_stream_and_commits_bit_exact(sender_device):
+def test_cuda_staging_receives_on_a_side_stream_and_commits_bit_exact(sender_device, kind, monkeypatch):
+    from inflight.wire import weights
     from vllm_patches.staging import StagedUpdate
+
+    host_copies = []
+    to_host = weights._to_host
+    monkeypatch.setattr(weights, "_to_host", lambda bucket: host_copies.append(bucket.numel()) or to_host(bucket))
 
     store = open_store(GroupAddress("127.0.0.1", 0, 2, timeout_s=120.0), is_host=True)
     address = GroupAddress("127.0.0.1", store.port, 2, "cuda-staging", "gloo", 120.0)
-    sender = mp.get_context("spawn").Process(target=sender_main, args=(address, 3, sender_device), daemon=True)
+    sender = mp.get_context("spawn").Process(target=sender_main, args=(address, 3, sender_device, kind), daemon=True)
     sender.start()
     group = WeightsGroup(address, 1, store)
     state = make_state(3)
-    manifest = plan_manifest(state, 7, 256 << 10)
-    on_device = plan_manifest({n: t.cuda() for n, t in state.items()}, 7, 256 << 10)
+    manifest = plan_manifest(state, 7, 256 << 10, checksum_kind=kind)
+    on_device = plan_manifest({n: t.cuda() for n, t in state.items()}, 7, 256 << 10, checksum_kind=kind)
     assert on_device.encode() == manifest.encode()  # the same layout and checksums from a CUDA state
     assert len(manifest.bucket_sizes) > 2  # several buckets, one tensor bigger than a bucket
     stage = StagedUpdate(manifest, group, "cuda").start()
@@ -54,6 +60,8 @@ def test_cuda_staging_receives_on_a_side_stream_and_commits_bit_exact(sender_dev
     sender.join(60)
     group.close()
     assert stage.state.value == "staged", stage.error
+    # a CRC32 is taken from a host copy of every bucket; a sum31 where the bucket is, on the GPU
+    assert (len(host_copies) == len(manifest.bucket_sizes)) if kind == "crc32" else host_copies == []
     params = {name: torch.zeros_like(t, device="cuda") for name, t in state.items()}
     stage.ready_on_current_stream()
     for name, view in stage.tensors.items():
@@ -62,3 +70,61 @@ def test_cuda_staging_receives_on_a_side_stream_and_commits_bit_exact(sender_dev
     torch.cuda.synchronize()
     for name, t in state.items():
         assert torch.equal(params[name].cpu(), t), name
+
+
+def send_payloads(address: GroupAddress, manifest: bytes, payloads: dict[str, torch.Tensor]) -> None:
+    """Rank 0 sends an update already planned (a delta's payloads, say) from a GPU."""
+    from inflight.wire.weights import UpdateManifest
+
+    group = WeightsGroup(address, 0, store=open_store(address, is_host=False))
+    send_update(group, UpdateManifest.decode(manifest), {n: t.cuda() for n, t in payloads.items()})
+    group.close()
+
+
+def stage_from_sender(manifest, payloads, base=None):
+    """Receive `manifest` into CUDA buckets from a real sender process: the StagedUpdate once staged."""
+    from vllm_patches.staging import StagedUpdate
+
+    store = open_store(GroupAddress("127.0.0.1", 0, 2, timeout_s=120.0), is_host=True)
+    address = GroupAddress("127.0.0.1", store.port, 2, "cuda-held", "gloo", 120.0)
+    args = (address, manifest.encode(), payloads)
+    sender = mp.get_context("spawn").Process(target=send_payloads, args=args, daemon=True)
+    sender.start()
+    group = WeightsGroup(address, 1, store)
+    stage = StagedUpdate(manifest, group, "cuda", base=base).start()
+    assert stage.wait(120), "the update was not staged within 120 s"
+    sender.join(60)
+    group.close()
+    assert stage.state.value == "staged", stage.error
+    return stage
+
+
+def test_an_in_place_update_keeps_its_tensors_in_pinned_host_memory_and_leaves_nothing_on_the_device():
+    state = make_state(4)
+    params = {name: torch.zeros_like(t, device="cuda") for name, t in state.items()}
+    before = torch.cuda.memory_allocated()
+    manifest = plan_manifest(state, 2, 256 << 10, checksum_kind="sum31")
+    stage = stage_from_sender(manifest, state)
+    assert stage.keeps_tensors and torch.cuda.memory_allocated() > before  # the buckets, on the device
+    kept = stage.kept()
+    assert all(t.device.type == "cpu" and t.is_pinned() and torch.equal(t, state[n]) for n, t in kept.items())
+    stage.ready_on_current_stream()
+    [params[name].copy_(view) for name, view in stage.tensors.items()]  # the in-place commit's, on the engine's stream
+    stage.release()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before  # between updates nothing of this one is on the device
+    assert all(torch.equal(params[n].cpu(), t) for n, t in state.items())
+
+
+def test_a_delta_on_a_base_held_in_host_memory_decodes_on_the_device_bit_exact():
+    from inflight.wire.weights import plan_update
+    from vllm_patches.staging import HeldTensors
+
+    base, new = make_state(5), make_state(5)
+    new["layers.0.weight"][3:5] += 1.0  # a few rows changed: an indices or bitmask encoding
+    manifest, payloads = plan_update(new, 6, 256 << 10, base=(5, base), keep_base=True, checksum_kind="sum31")
+    assert any(t.encoding != "full" for t in manifest.tensors)
+    held = HeldTensors(5, {n: t.pin_memory() for n, t in base.items()})
+    stage = stage_from_sender(manifest, payloads, base=held)
+    assert all(stage.tensors[n].is_cuda and torch.equal(stage.tensors[n].cpu(), t) for n, t in new.items())
+    assert all(torch.equal(t, new[n]) for n, t in stage.kept().items())  # the next base, on the host again

@@ -239,7 +239,7 @@ def test_a_streamed_update_fed_tensor_by_tensor_arrives_bitwise_with_its_checksu
     learner = {name: t.float() for name, t in state.items()}  # fp32 master weights; the serve wants `state`'s dtypes
     specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
     manifest = plan_layout(specs, 3, BUCKET_BYTES)
-    assert manifest.trailer and all(t.crc32 == 0 for t in manifest.tensors) and len(manifest.bucket_sizes) > 2
+    assert manifest.trailer and all(t.checksum == 0 for t in manifest.tensors) and len(manifest.bucket_sizes) > 2
     store, address = host(tmp_path, timeout_s=30.0)
 
     def send(group):

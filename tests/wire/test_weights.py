@@ -12,6 +12,7 @@ import pytest
 import torch
 from crc_forgery import forge_crc32
 
+from inflight.wire.checksum import tensor_checksum
 from inflight.wire.secure import weights_key
 from inflight.wire.weights import (
     ALIGN,
@@ -23,7 +24,6 @@ from inflight.wire.weights import (
     check_against,
     pack_bucket,
     plan_manifest,
-    tensor_crc32,
     unpack_buckets,
 )
 
@@ -154,7 +154,7 @@ def test_manifest_survives_encode_and_decode_unchanged():
     decoded = UpdateManifest.decode(data)
     assert decoded == manifest
     assert decoded.total_bytes == sum(manifest.bucket_sizes)
-    assert entry(decoded, "norm.weight").crc32 == tensor_crc32(mixed_state()["norm.weight"])
+    assert entry(decoded, "norm.weight").checksum == tensor_checksum(mixed_state()["norm.weight"], "crc32")
 
 
 def test_decode_rejects_an_unknown_schema_number_naming_the_field():
@@ -305,7 +305,7 @@ def forged(manifest: UpdateManifest, state: dict[str, torch.Tensor], name: str) 
     buckets = send_buckets(manifest, state)
     raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
     raw[:8] ^= 0x5A  # the attacker's change
-    crc = t.crc32 if t.crc32 else zlib.crc32(_bytes_of(state[name]))
+    crc = t.checksum if t.checksum else zlib.crc32(_bytes_of(state[name]))
     raw[-4:] = torch.frombuffer(bytearray(forge_crc32(raw[:-4].numpy().tobytes(), crc)), dtype=torch.uint8)
     assert zlib.crc32(raw.numpy()) == crc and not torch.equal(raw, torch.frombuffer(bytearray(_bytes_of(state[name])),
                                                                                       dtype=torch.uint8))  # fmt: skip
