@@ -1,5 +1,6 @@
-"""vLLM general plugin (entry point `vllm.general_plugins: inflight`): adds the `inflight_commit`, `inflight_track_kv`
-and `inflight_kv_spans` utilities to EngineCore, and the KV-age hook to the scheduler (vllm_patches/kv_age.py).
+"""vLLM general plugin (entry point `vllm.general_plugins: inflight`): adds the `inflight_commit`, `inflight_park`,
+`inflight_track_kv` and `inflight_kv_spans` utilities to EngineCore, and the KV-age hook to the scheduler
+(vllm_patches/kv_age.py).
 
 vLLM loads general plugins in every process; `register` is idempotent and only adds a method. EngineCore runs utility
 calls in `_process_input_queue`, strictly between two `step()` calls, and on the synchronous step path (the CPU
@@ -44,6 +45,21 @@ def inflight_commit(self, version: int, kv: str = "keep") -> CommitResult:
     return CommitResult(int(version), time.perf_counter() - start, workers)  # workers: CommitApplied each
 
 
+def inflight_park(self, timeout_s: float) -> bool:
+    """EngineCore utility for a paused update only: every worker waits in a blocking call until its update is staged
+    (or `timeout_s`); returns True once they all returned.
+
+    Between two RPCs a worker's main thread reads vLLM's shared-memory queue, and for 1 s after each message it reads
+    by busy-looping on `sched_yield` (vllm/distributed/device_communicators/shm_broadcast.py, `busy_loop_s`): each turn
+    takes the GIL back from the staging thread, which lives in the same process. While decoding, the main thread is in
+    `execute_model` and barely reads; paused, nothing comes for the whole transfer, and a keep-pause update (under 1 s
+    for SmolLM2 on 2 cores) is staged entirely inside that window. Parked in `inflight_wait_staged`, the main thread
+    sleeps on the stage's event instead (BENCHMARKS.md "Weight swap" has what it is worth). The staged signal still
+    tells the engine (vllm_patches/updates.py); this only keeps the workers' main threads out of the way."""
+    self.collective_rpc("inflight_wait_staged", args=(float(timeout_s),))
+    return True
+
+
 def inflight_track_kv(self, version: int) -> int:
     """EngineCore utility: set the weight version and record every token's KV age from now on (InflightEngine.start)."""
     self._weight_version = str(int(version))
@@ -61,7 +77,7 @@ def register() -> None:
     # Imported here: vLLM loads its general plugins while it is itself being imported and set up in every process.
     from vllm.v1.engine.core import EngineCore
 
-    for method in (inflight_commit, inflight_track_kv, inflight_kv_spans):
+    for method in (inflight_commit, inflight_park, inflight_track_kv, inflight_kv_spans):
         if getattr(EngineCore, method.__name__, None) is not method:
             setattr(EngineCore, method.__name__, method)
     install()

@@ -62,6 +62,7 @@ class UpdateReport:
     prepare_s: float = 0.0  # loading into the processed copy off the engine thread (update_memory "double")
     bytes: int = 0
     staging_window: tuple[float, float] = (0.0, 0.0)  # wall clock: receive started, all buckets verified
+    parked: bool = False  # the workers waited for staging in a blocking call (paused modes: plugin.py:inflight_park)
     workers: list[CommitApplied] = field(default_factory=list)
 
 
@@ -138,7 +139,10 @@ class WeightUpdates:
                 ticket = next(self._tickets)
                 begun = await self._begin(manifest_bytes, ticket)
                 report.version = begun[0].version
+                parked = self._park(timeout_s) if paused else None
                 staged = await self._await_staged(ticket, len(begun), timeout_s)
+                if parked is not None:
+                    report.parked = await parked
                 report.receive_s, report.prepare_s = staged.receive_s, staged.prepare_s
                 report.bytes = staged.bytes_received
                 report.staging_window = (staged.started_at, staged.staged_at)
@@ -166,6 +170,19 @@ class WeightUpdates:
         else:
             await self.llm.pause_generation(mode="keep" if mode == "keep-pause" else "wait", clear_cache=False)
         return True
+
+    def _park(self, timeout_s: float) -> asyncio.Task:
+        """While paused, the workers wait for staging in a blocking call instead of spinning on their RPC queue
+        (vllm_patches/plugin.py:inflight_park says why); the commit queues behind it. A failed park costs nothing."""
+
+        async def park() -> bool:
+            try:
+                return bool(await self.llm.engine_core.call_utility_async("inflight_park", timeout_s))
+            except Exception:
+                log.exception("EngineCore could not park during a paused update (the update goes on)")
+                return False
+
+        return asyncio.ensure_future(park())
 
     async def _begin(self, manifest_bytes: bytes, ticket: int) -> list[StageStatus]:
         try:

@@ -158,6 +158,12 @@ class InflightWorkerExtension:
             raise ManifestError("no update was begun on this worker: inflight_begin_update first")
         return stage.status()
 
+    def inflight_wait_staged(self, timeout_s: float) -> bool:
+        """Block until the current update has finished staging or `timeout_s` passed (EngineCore parks in this
+        while paused: vllm_patches/plugin.py:inflight_park); whether it finished. Nothing begun: True at once."""
+        stage = self._inflight_state().stage
+        return stage is None or stage.wait(timeout_s)
+
     def inflight_commit_staged(self, version: int) -> CommitApplied:
         """Put the verified staged update into the live model: swap in its prepared layers (`double`) or reload it in
         place (`low`). All-or-nothing; raises if nothing valid is staged."""

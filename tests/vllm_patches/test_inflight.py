@@ -140,6 +140,7 @@ def test_never_stop_keeps_generating_while_the_update_is_received(env, loop):
     print(f"\nreceive window {1e3 * (t1 - t0):.0f} ms over {report.bytes >> 10} KiB: {produced} tokens produced in it; "
           f"commit stall {1e3 * report.commit_s:.1f} ms")  # fmt: skip
     assert produced > 0, "the engine produced no token while the update was being received"
+    assert not report.parked  # never-stop: the worker keeps decoding
 
 
 def _expected(env, version_state: str):
@@ -169,6 +170,7 @@ def test_pausing_modes_update_weights_with_versions_true_to_their_semantics(env,
         after = old if mode == "keep-pause" else report.version
         assert done.kv_versions == [old] * k + [after] * (LONG - k)
     assert report.stall_s >= report.commit_s
+    assert report.parked  # the worker slept on the stage's event, not spinning on its RPC queue
     _assert_weights(env, loop, "b")
     restore_a(loop, env)
     _assert_weights(env, loop, "a")
