@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from inflight.machine import is_cuda, serve_device
 from inflight.wire.weights import UPDATE_MEMORY
+from vllm_patches.adapter import engine_lora_rank, lora_request
 from vllm_patches.device_plan import GpuMemoryPlan
 from vllm_patches.generation import Completion, RunningRequests, ServedVersion, VersionedGeneration
 from vllm_patches.rpc import GroupJoined, rpc_result
@@ -56,6 +57,10 @@ class EngineConfig:
     update_memory: str = "double"  # one of UPDATE_MEMORY
     # CUDA: the staging plan (vllm_patches/device_plan.py); vLLM gets its lowered fraction, never the raw one.
     gpu_plan: GpuMemoryPlan | None = None
+    # LoRA: the PEFT adapter every request is served with, whose updates arrive in flight (vllm_patches/adapter.py);
+    # None serves the model's own weights. `lora_rank` is that adapter's rank (vLLM's max_lora_rank holds it).
+    lora_dir: str | None = None
+    lora_rank: int = 0
 
 
 def check_graph_safe_updates(enforce_eager: bool, update_memory: str) -> None:
@@ -149,10 +154,18 @@ def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
         "enforce_eager": cfg.enforce_eager,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         **memory_kwargs(cfg, device),
+        **lora_kwargs(cfg),
         "logprobs_mode": "processed_logprobs",
         "async_scheduling": False,
         "worker_extension_cls": WORKER_EXTENSION,
     }
+
+
+def lora_kwargs(cfg: EngineConfig) -> dict:
+    """vLLM's LoRA arguments: one adapter slot, vLLM's smallest max_lora_rank that holds `lora_rank`; none without."""
+    if cfg.lora_dir is None:
+        return {}
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": engine_lora_rank(cfg.lora_rank)}
 
 
 def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
@@ -165,11 +178,12 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
 class InflightEngine:
     """AsyncLLM and its collaborators: generation, weight updates, the weights group. One per serve process."""
 
-    def __init__(self, llm: AsyncLLM, signals: StagedSignals, version: int = 0):
+    def __init__(self, llm: AsyncLLM, signals: StagedSignals, version: int = 0, lora_dir: str | None = None):
         self.llm, self.signals = llm, signals
         self.served = ServedVersion(version)
         self.requests = RunningRequests()
-        self.generation = VersionedGeneration(llm, self.served, self.requests)
+        self.lora = lora_request(lora_dir) if lora_dir is not None else None  # every request's adapter
+        self.generation = VersionedGeneration(llm, self.served, self.requests, self.lora)
         self.updates = WeightUpdates(llm, self.served, self.requests, signals)
 
     @classmethod
@@ -178,8 +192,11 @@ class InflightEngine:
 
         if cfg.update_memory not in UPDATE_MEMORY:
             raise ValueError(f"update_memory is {cfg.update_memory!r}, expected one of {list(UPDATE_MEMORY)}")
-        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg)), StagedSignals(), version)
+        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg)), StagedSignals(), version, cfg.lora_dir)
         try:
+            if engine.lora is not None:
+                await engine.llm.add_lora(engine.lora)
+                await engine.llm.collective_rpc("inflight_use_adapter", args=(cfg.lora_dir,))
             await engine.llm.collective_rpc("inflight_set_update_memory", args=(cfg.update_memory,))
             await engine.llm.collective_rpc("inflight_signal_staged_to", args=(engine.signals.address,))
             await engine.llm.engine_core.call_utility_async("inflight_track_kv", version)  # also sets the version

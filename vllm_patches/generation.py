@@ -22,6 +22,7 @@ from vllm_patches.kv_age import kv_ages
 
 if TYPE_CHECKING:  # vLLM is imported when a request is submitted: this module is imported for the config checks too
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -119,8 +120,11 @@ class RunningRequests:
 class VersionedGeneration:
     """Submits requests to `llm` under the served version's cache salt and stitches what comes back per token."""
 
-    def __init__(self, llm: AsyncLLM, served: ServedVersion, requests: RunningRequests):
+    def __init__(
+        self, llm: AsyncLLM, served: ServedVersion, requests: RunningRequests, lora: LoRARequest | None = None
+    ):
         self.llm, self.served, self.requests = llm, served, requests
+        self.lora = lora  # the serve's adapter (vllm_patches/adapter.py), on every request; None: the model alone
         self.tokens_generated = 0  # every token streamed out, finished or not (for live tokens/s)
         # Ablation counters: requests resubmitted after an abort-resume update and the prompt + partial tokens their
         # resubmission prefills again.
@@ -154,7 +158,7 @@ class VersionedGeneration:
         self.requests.started(rid)
         try:
             final, seen = None, 0
-            async for output in self.llm.generate(prompt, sub, request_id=rid):
+            async for output in self.llm.generate(prompt, sub, request_id=rid, lora_request=self.lora):
                 final = output
                 produced = len(output.outputs[0].token_ids) if output.outputs else 0
                 self.tokens_generated += produced - seen

@@ -33,12 +33,13 @@ import torch
 
 from inflight.wire.group import GroupAddress, WeightsGroup, member_rank
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
+from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.commit import LiveWeights, ModelRunner
 from vllm_patches.cores import on_spare_cores
 from vllm_patches.prepared import ShadowPreparer
 from vllm_patches.rpc import CommitApplied, GroupJoined, HeldWeights, StageStatus
-from vllm_patches.staging import StagedNotifier, StagedUpdate, StageState
+from vllm_patches.staging import PrepareUpdate, StagedNotifier, StagedUpdate, StageState
 
 
 @dataclass
@@ -52,11 +53,14 @@ class WorkerUpdateState:
     notifier: StagedNotifier | None = None
     stage: StagedUpdate | None = None
     updates: int = 0  # updates begun, from 1: the ordinal fault injection counts (vllm_patches/faults.py)
+    adapter: AdapterSlot | None = None  # a serve with --lora-rank: adapter updates go there, not into the model
 
     def begin(self, manifest: UpdateManifest, model: torch.nn.Module, ticket: int, vllm_config: Any) -> StagedUpdate:
         """Start staging `manifest` in the background; refuses (ManifestError, naming the fix) without a usable group
         or staged-signal channel, or while the previous update is still being received."""
-        check_against(manifest, self.checkpoint.expected())
+        served = self.adapter.served if self.adapter is not None else None
+        check_adapter_update(manifest.adapter, served)
+        check_against(manifest, served.expected if served is not None else self.checkpoint.expected())
         if self.group is None or self.group.broken:
             raise ManifestError("no usable weights group: call inflight_init_weights_group first")
         if self.notifier is None:
@@ -64,13 +68,32 @@ class WorkerUpdateState:
         if self.stage is not None and self.stage.state == StageState.RECEIVING:
             raise ManifestError(f"update v{self.stage.manifest.version} is still being received; wait for it first")
         self.updates += 1
-        double = self.live.memory == "double"
-        prepare = ShadowPreparer(model, manifest.version, self.updates, vllm_config) if double else None
+        prepare = self._preparer(manifest, model, vllm_config)
         base = self.live.held if manifest.is_delta else None
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
         self.stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, base, announce).start()
         return self.stage
+
+    def _preparer(self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any) -> PrepareUpdate | None:
+        """An adapter update is always prepared (into vLLM's LoRAModel); a model update with `double`."""
+        if self.adapter is not None:
+            return AdapterPreparer(self.adapter, manifest.version)
+        if self.live.memory == "double":
+            return ShadowPreparer(model, manifest.version, self.updates, vllm_config)
+        return None
+
+    def commit(self, version: int) -> CommitApplied:
+        """The staged update into the live adapter or model, between two engine steps."""
+        if self.adapter is not None:
+            stage = self.stage
+            if stage is None or stage.state != StageState.STAGED or stage.manifest.version != version:
+                raise ManifestError(f"cannot commit adapter v{version}: it is not what is staged")
+            applied = self.adapter.commit(stage.prepared, version)
+            stage.state = StageState.COMMITTED
+            stage.release()
+            return applied
+        return self.live.commit(self.stage, version, self.updates)
 
 
 class InflightWorkerExtension:
@@ -166,6 +189,11 @@ class InflightWorkerExtension:
 
     def inflight_commit_staged(self, version: int) -> CommitApplied:
         """Put the verified staged update into the live model: swap in its prepared layers (`double`) or reload it in
-        place (`low`). All-or-nothing; raises if nothing valid is staged."""
-        state = self._inflight_state()
-        return state.live.commit(state.stage, version, state.updates)
+        place (`low`); an adapter update into the adapter's slot. All-or-nothing; raises if nothing valid is staged."""
+        return self._inflight_state().commit(version)
+
+    def inflight_use_adapter(self, path: str) -> bool:
+        """Serve the PEFT adapter at `path` (loaded by the engine under vllm_patches/adapter.py:ADAPTER_ID): from now on
+        every update must be an update of it. Returns True."""
+        self._inflight_state().adapter = AdapterSlot(self.model_runner, ServedAdapter.read(path))
+        return True

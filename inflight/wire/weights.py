@@ -74,6 +74,23 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     count: int = 0  # elements changed since the manifest's base_version (a delta entry)
 
 
+class AdapterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A LoRA adapter's shape, as PEFT's `adapter_config.json` says it: what an adapter update must match on the serve
+    (its `--lora-rank`, and the adapter it loaded at start) before any bucket moves."""
+
+    rank: int
+    alpha: float
+    targets: list[str]  # module names (q_proj, ...), sorted
+
+    def differences(self, other: AdapterSpec) -> list[str]:
+        """What differs from `other`, one 'field: this vs other' each."""
+        return [
+            f"{field}: {getattr(self, field)!r} vs {getattr(other, field)!r}"
+            for field in ("rank", "alpha", "targets")
+            if getattr(self, field) != getattr(other, field)
+        ]
+
+
 class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Announces one weight update: the version it produces and the layout of every bucket that follows.
 
@@ -91,6 +108,9 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # trailer, `trailer_nbytes` long): a sender streaming tensors as it gathers them knows them only once sent.
     trailer: bool = False
     checksum_kind: str = "crc32"  # one of inflight/wire/checksum.py:CHECKSUM_KINDS, what every entry's checksum is
+    # A LoRA adapter update: the tensors are the adapter's, in PEFT's names (`...q_proj.lora_A.weight`), not the
+    # model's; the serve puts them into vLLM's adapter slot (vllm_patches/adapter.py). None: the model's weights.
+    adapter: AdapterSpec | None = None
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

