@@ -6,6 +6,7 @@ changes the outputs (checked: a test that cannot fail proves nothing)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -13,9 +14,10 @@ import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
-from support import Sender, greedy, start_engine, stop_engine
+from support import Sender, chat_ids, greedy, start_engine, stop_engine
 from test_swap_exact import assert_same_outputs
 from transformers import AutoTokenizer
+from vllm import SamplingParams
 
 from inflight.wire.weights import AdapterSpec, plan_manifest
 from vllm_patches.adapter import ServedAdapter
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.engine
 
 TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 RANK, ALPHA = 8, 16.0
+LONG = 240
 
 
 def module_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
@@ -61,10 +64,10 @@ def adapter_manifest(tensors: dict[str, torch.Tensor], version: int, spec: Adapt
     return msgspec.structs.replace(plan_manifest(tensors, version, 1 << 20), adapter=spec)
 
 
-async def push_adapter(sender: Sender, engine, tensors, version: int, spec: AdapterSpec, mode: str = "never-stop"):
+async def push_adapter(sender: Sender, engine, tensors, version: int, spec: AdapterSpec, kv: str = "keep"):
     manifest = adapter_manifest(tensors, version, spec)
     thread, result = sender.send_in_thread(manifest, tensors)
-    report = await engine.update(manifest.encode(), mode=mode)
+    report = await engine.update(manifest.encode(), kv=kv)
     thread.join(sender.timeout_s)
     assert "error" not in result, result
     return report
@@ -79,15 +82,16 @@ def lora_env(request, loop, model_dirs, tmp_path_factory):
     env["spec"] = ServedAdapter.read(root / "A").spec
     env["model_bytes"] = checkpoint_weight_bytes(base, "bfloat16")
     env["tok"] = AutoTokenizer.from_pretrained(base)
-    fresh_b = start_engine(loop, base, lora_dir=str(root / "B"), lora_rank=RANK)
+    env["engine_b"] = fresh_b = start_engine(loop, base, lora_dir=str(root / "B"), lora_rank=RANK)
     env["fresh_b"] = loop.run_until_complete(greedy(fresh_b, env["tok"], tag="fresh-b"))
-    stop_engine(loop, fresh_b)
+    env["prompt"] = chat_ids(env["tok"], "Tell me a long story about a dragon.")
     env["engine"] = engine = start_engine(loop, base, lora_dir=str(root / "A"), lora_rank=RANK)
     env["sender"] = sender = Sender()
     loop.run_until_complete(sender.connect(engine))
     env["before"] = loop.run_until_complete(greedy(engine, env["tok"], tag="a0"))
     yield env
     stop_engine(loop, engine)
+    stop_engine(loop, fresh_b)
 
 
 def test_an_adapter_committed_in_flight_answers_exactly_like_a_fresh_engine_with_it_and_back(lora_env, loop):
@@ -116,3 +120,35 @@ def test_an_adapter_of_another_rank_or_a_full_update_is_refused_before_any_bucke
     assert engine.version == version
     unchanged = loop.run_until_complete(greedy(engine, env["tok"], tag="a3"))
     assert_same_outputs(unchanged, env["before"], "after two refused updates")
+
+
+def long_greedy(engine, prompt: list[int], rid: str, max_tokens: int = LONG):
+    return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), rid)
+
+
+def test_a_generation_across_two_adapter_commits_has_each_adapters_own_tokens_segment_by_segment(lora_env, loop):
+    env, engine, prompt = lora_env, lora_env["engine"], lora_env["prompt"]
+    first = engine.version
+
+    async def generate_across_two_commits():
+        task = asyncio.ensure_future(long_greedy(engine, prompt, "across"))
+        reports = []
+        for adapter in ("b", "a"):
+            await asyncio.sleep(0.3)
+            assert not task.done(), "the generation ended before a commit: make it longer"
+            reports.append(await push_adapter(env["sender"], engine, env[adapter], engine.version + 1, env["spec"],
+                                              kv="recompute"))  # fmt: skip
+        return await task, reports
+
+    done, (to_b, to_a) = loop.run_until_complete(generate_across_two_commits())
+    k1, k2 = done.versions.index(to_b.version), done.versions.index(to_a.version)
+    assert 0 < k1 < k2 < LONG
+    assert done.versions == [first] * k1 + [to_b.version] * (k2 - k1) + [to_a.version] * (LONG - k2)
+    # Each segment is its adapter's own: A from the prompt, B continuing what A wrote (KV recomputed by B at the
+    # commit), then A continuing both; bit for bit against an engine that only ever served that adapter.
+    alone_a = loop.run_until_complete(long_greedy(engine, prompt, "alone-a", k1))
+    in_b = loop.run_until_complete(long_greedy(env["engine_b"], prompt + done.token_ids[:k1], "cont-b", k2 - k1))
+    in_a = loop.run_until_complete(long_greedy(engine, prompt + done.token_ids[:k2], "cont-a", LONG - k2))
+    for segment, want, (lo, hi) in ((1, alone_a, (0, k1)), (2, in_b, (k1, k2)), (3, in_a, (k2, LONG))):
+        assert done.token_ids[lo:hi] == want.token_ids, f"segment {segment}: tokens differ"
+        assert done.logprobs[lo:hi] == want.logprobs, f"segment {segment}: logprobs differ"
