@@ -4,7 +4,10 @@ Built from vLLM's own app factory (`build_app` + `init_app_state`) on the same A
 uvicorn in the same event loop. `WeightVersionMiddleware` makes responses say which weights answered:
 `x-inflight-weight-version-start` (version when the request arrived) and `x-inflight-weight-version` (when the response
 started); equal values mean one version produced the whole answer. It also adds the engine's per-version `cache_salt`
-to completion requests, so an API request never reuses KV computed by other weights.
+to completion requests, so an API request never reuses KV computed by other weights. A serve with a LoRA adapter
+(`--lora-rank`) answers under the adapter's name (vllm_patches/adapter.py:ADAPTER_NAME, registered as a vLLM LoRA
+module under the same LoRA id the rollouts use, so both see every in-flight adapter update) and under the base
+model's name, which the middleware maps to the adapter: the served name is the live policy, adapter included.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ SALTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 class WeightVersionMiddleware:
-    def __init__(self, app, engine):
+    def __init__(self, app, engine, served_name: str = "", adapter_name: str = ""):
         self.app, self.engine = app, engine
+        self.served_name, self.adapter_name = served_name, adapter_name  # adapter_name '': no adapter to map to
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -48,8 +52,8 @@ class WeightVersionMiddleware:
         body = b"".join(chunks)
         try:
             obj = json.loads(body)
-            if isinstance(obj, dict) and "cache_salt" not in obj:
-                body = json.dumps({**obj, "cache_salt": self.engine.cache_salt}).encode()
+            if isinstance(obj, dict):
+                body = json.dumps(self._rewritten(obj)).encode()
         except ValueError:
             pass  # not JSON: let vLLM answer with its own error
         sent = False
@@ -62,6 +66,13 @@ class WeightVersionMiddleware:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return replay
+
+    def _rewritten(self, obj: dict) -> dict:
+        """The request with this version's cache salt and, with an adapter, the base model's name mapped to it."""
+        obj = {"cache_salt": self.engine.cache_salt, **obj}
+        if self.adapter_name and obj.get("model", self.served_name) == self.served_name:
+            obj["model"] = self.adapter_name
+        return obj
 
 
 def _quiet_server_class():
@@ -85,14 +96,21 @@ async def start_http(engine, model_path: str, served_name: str, host: str, port:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-        ["--model", model_path, "--served-model-name", served_name, "--host", host, "--port", str(port)]
-    )
+    argv = ["--model", model_path, "--served-model-name", served_name, "--host", host, "--port", str(port)]
+    adapter = ""
+    if engine.lora is not None:  # the first static LoRA module gets LoRA id 1: the rollouts' (ADAPTER_ID)
+        adapter = engine.lora.lora_name
+        argv += ["--enable-lora", "--lora-modules", f"{adapter}={engine.lora.lora_path}"]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     tasks = await engine.llm.get_supported_tasks()
     app = build_app(args, tasks, engine.llm.model_config)
     await init_app_state(engine.llm, app.state, args, tasks)
     config = uvicorn.Config(
-        WeightVersionMiddleware(app, engine), host=host, port=port, log_level="warning", lifespan="off"
+        WeightVersionMiddleware(app, engine, served_name, adapter),
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
     )
     server = _quiet_server_class()(config)
     task = asyncio.create_task(server.serve())

@@ -81,7 +81,7 @@ def lora_env(request, loop, model_dirs, tmp_path_factory):
     env = {"a": random_adapter(base, root / "A", seed=1), "b": random_adapter(base, root / "B", seed=2)}
     env["spec"] = ServedAdapter.read(root / "A").spec
     env["model_bytes"] = checkpoint_weight_bytes(base, "bfloat16")
-    env["tok"] = AutoTokenizer.from_pretrained(base)
+    env["tok"], env["base"] = AutoTokenizer.from_pretrained(base), base
     env["engine_b"] = fresh_b = start_engine(loop, base, lora_dir=str(root / "B"), lora_rank=RANK)
     env["fresh_b"] = loop.run_until_complete(greedy(fresh_b, env["tok"], tag="fresh-b"))
     env["prompt"] = chat_ids(env["tok"], "Tell me a long story about a dragon.")
@@ -152,3 +152,38 @@ def test_a_generation_across_two_adapter_commits_has_each_adapters_own_tokens_se
     for segment, want, (lo, hi) in ((1, alone_a, (0, k1)), (2, in_b, (k1, k2)), (3, in_a, (k2, LONG))):
         assert done.token_ids[lo:hi] == want.token_ids, f"segment {segment}: tokens differ"
         assert done.logprobs[lo:hi] == want.logprobs, f"segment {segment}: logprobs differ"
+
+
+def test_the_openai_api_answers_with_the_live_adapter_under_the_base_name_and_the_adapters(lora_env, loop):
+    import socket
+
+    import httpx
+
+    from inflight.serve.http import start_http
+
+    env, engine = lora_env, lora_env["engine"]
+    if env["base"].name != "tiny-qwen2":
+        pytest.skip("the API's adapter naming does not depend on the model: run once, on the fastest")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompt = env["prompt"][:24]
+
+    async def ask_both() -> tuple[list[str], str]:
+        task = await start_http(engine, str(env["base"]), "base", "127.0.0.1", port)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1", timeout=120) as client:
+                texts = []
+                for model in ("base", "inflight"):
+                    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+                    reply = await client.post("/completions", json=body)
+                    assert reply.status_code == 200, reply.text
+                    texts.append(reply.json()["choices"][0]["text"])
+            own = await long_greedy(engine, prompt, "api-own", 8)
+            return texts, env["tok"].decode(own.token_ids)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    (under_base, under_adapter), own = loop.run_until_complete(ask_both())
+    assert under_base == under_adapter == own  # the rollouts' adapter, whichever name is asked for
