@@ -81,6 +81,51 @@ def _header_layout(weights_file: Path) -> dict[str, tuple[str, list[int]]]:
     return layout
 
 
+def write_zero_adapter(model_dir: str | Path, dest: str | Path, spec: AdapterSpec) -> Path:
+    """A PEFT adapter directory at `dest` for the checkpoint at `model_dir`: rank `spec.rank` on every 2-D weight of a
+    module named in `spec.targets`, A and B zero — the base model's outputs, what a serve starts from before the
+    learner's first update (PEFT's own start, random A and zero B, answers the same). Names and shapes from the
+    checkpoint's safetensors headers, in PEFT's convention (`base_model.model.<module>.lora_A.weight`)."""
+    layout = {}
+    for weights_file in sorted(Path(model_dir).glob("*.safetensors")):
+        layout.update(_base_layout(weights_file))
+    tensors = {}
+    for name, shape in sorted(layout.items()):
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or len(shape) != 2 or module.rpartition(".")[2] not in spec.targets:
+            continue
+        out, inp = shape
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.zeros(spec.rank, inp)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(out, spec.rank)
+    if not tensors:
+        raise ValueError(f"--lora-targets {','.join(spec.targets)}: no 2-D weight of {model_dir} is in such a module")
+    from safetensors.torch import save_file
+
+    directory = Path(dest)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": spec.targets,
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "base_model_name_or_path": str(model_dir),
+    }
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def _base_layout(weights_file: Path) -> dict[str, list[int]]:
+    """Every tensor's shape in one safetensors file, from its header."""
+    with weights_file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: [int(d) for d in entry["shape"]] for name, entry in header.items() if name != "__metadata__"}
+
+
 def lora_request(path: str):
     """The LoRA request every generation of a serve with an adapter carries."""
     from vllm.lora.request import LoRARequest
