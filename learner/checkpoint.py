@@ -35,10 +35,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 META_FILE = "meta.json"
 LATEST_FILE = "latest"
-_SAVED = StateDictOptions(ignore_frozen_params=True)  # see the module docstring
 # Not strict: the frozen weights are absent on purpose. A trainable one missing from the checkpoint still fails, in
 # dcp.load, which loads every key the model's (trainable) state asks for.
-_LOADED = StateDictOptions(ignore_frozen_params=True, strict=False)
+_LOADED = StateDictOptions(strict=False)
 
 
 def save_checkpoint(
@@ -53,7 +52,7 @@ def save_checkpoint(
     if (path / META_FILE).exists():
         raise FileExistsError(f"checkpoint {path} is already complete (it has {META_FILE}): save under a new path")
     meta_text = json.dumps(meta, indent=2, sort_keys=True)  # fail before writing anything if meta is not JSON
-    model_state, optim_state = get_state_dict(model, optimizer, options=_SAVED)
+    model_state, optim_state = _trainable_state(model, optimizer)
     with _single_process_warning_silenced():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
     if _rank() == 0:
@@ -74,7 +73,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
             f"use latest_checkpoint({str(path.parent)!r}) to find the newest complete one"
         )
     # A fresh optimizer has no state; get_state_dict creates it (a zero-lr step) so DCP has tensors to load into.
-    model_state, optim_state = get_state_dict(model, optimizer, options=_SAVED)
+    model_state, optim_state = _trainable_state(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     with _single_process_warning_silenced():
         dcp.load(state, checkpoint_id=str(path))
@@ -126,6 +125,16 @@ def _step_of(path: Path) -> int | None:
 def checkpoint_dir(root: str | Path, step: int) -> Path:
     """The conventional directory for the checkpoint after `step`: root/step-00000042."""
     return Path(root) / f"step-{step:08d}"
+
+
+def _trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """`get_state_dict`'s model and optimizer state without the frozen parameters (see the module docstring).
+
+    Filtered here rather than with StateDictOptions(ignore_frozen_params=True): that drops each frozen parameter
+    under one name, and a tied LM head's other name (`lm_head.weight`, the embedding) would stay in."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
 
 def _rank() -> int:

@@ -138,12 +138,13 @@ def test_a_saved_hf_final_adapter_loads_with_peft_and_gives_the_same_logprobs(na
     assert torch.equal(logprobs(PolicyModel(loaded.base_model.model), batch), logprobs(model, batch))
 
 
-def test_checkpoint_resume_restores_adapter_and_optimizer_state_without_base_weights(model_dirs, tmp_path) -> None:
-    model = lora_policy(model_dirs["tiny-qwen2"], torch.float32)
+@pytest.mark.parametrize("name", MODELS)  # tiny-llama: a tied head, the embedding under a second name
+def test_checkpoint_resume_restores_adapter_and_optimizer_state_without_base_weights(name, model_dirs, tmp_path):
+    model = lora_policy(model_dirs[name], torch.float32)
     optimizer = make_optimizer(model, CFG)
     train_step(model, optimizer, batch_for(model, seed=1), CFG)
     save_checkpoint(checkpoint_dir(tmp_path, 1), model, optimizer, {"version": 1})
-    restored = lora_policy(model_dirs["tiny-qwen2"], torch.float32, seed=5)  # other A and B, no Adam state
+    restored = lora_policy(model_dirs[name], torch.float32, seed=5)  # other A and B, no Adam state
     restored_optimizer = make_optimizer(restored, CFG)
 
     assert load_checkpoint(latest_checkpoint(tmp_path), restored, restored_optimizer) == {"version": 1}
