@@ -7,6 +7,7 @@ The 2-rank (FSDP2) runs are in test_lora_distributed.py.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,21 @@ import torch.distributed.checkpoint as dcp
 from lora_support import PAD, SPEC, lora_policy, rollouts
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from tolerances import assert_within, lm_head_logprob_bound
+from tolerances import (
+    assert_within,
+    check_within,
+    float64_bound,
+    lm_head_logprob_bound,
+    logprob_gradient_bound,
+    policy_loss_bound,
+)
 from transformers import AutoModelForCausalLM
 
 from inflight.config import parse_dataclass
 from inflight.learn.adapter import lora_spec
 from inflight.learn.config import LearnConfig
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.fused_loss import aggregation_weights
 from learner.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -207,3 +216,32 @@ def test_a_merged_final_export_is_a_plain_hf_model_with_the_adapter_in_its_weigh
     hf = model.hf.model.layers[0].self_attn.q_proj
     delta = SPEC.alpha / SPEC.rank * hf.lora_B["default"].weight @ hf.lora_A["default"].weight
     assert_within(merged[name], base[name] + delta.detach(), 1e-6, name)  # fp32 sums of 4 terms of ~1e-2
+
+
+def test_the_fused_loss_step_of_a_lora_policy_equals_the_unfused_step(model_dirs) -> None:
+    """fused_loss='on' (the LM head and the loss in one pass: the torch row pass here, Triton on CUDA) with a frozen
+    LM head: the same loss and the same adapter after AdamW as logprobs then `policy_loss` (float64: logic)."""
+    cfg = TrainConfig(lr=1e-3, temperature=0.8, chunk_tokens=3)
+    results = []
+    for fused in ("off", "on"):
+        model = lora_policy(model_dirs["tiny-llama"], torch.float64)
+        batch = batch_for(model)
+        optimizer = make_optimizer(model, cfg)
+        metrics = train_step(model, optimizer, batch, replace(cfg, fused_loss=fused))
+        max_grad = max(float(s["exp_avg"].abs().max()) for s in optimizer.state.values()) / (1 - cfg.betas[0])
+        results.append((metrics, adapter_state(model), max_grad))
+    (off, off_adapter, max_grad), (on, on_adapter, _) = results
+    with torch.no_grad():
+        hidden = model.hf.model(input_ids=batch.input_ids).last_hidden_state[batch.mask]
+        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp.flatten()
+    relative = logprob_gradient_bound(torch.float64, hidden, model.hf.lm_head.weight, cfg.temperature, 1.0)
+    weights = aggregation_weights(batch.mask.flatten(), batch.seq_ids.flatten(), cfg.loss.aggregation)
+    loss_bound = policy_loss_bound(logp, batch.behaviour_logp.flatten(), batch.advantages.flatten(), weights,
+                                   2 * relative, torch.float64)  # fmt: skip
+    check_within(abs(on["loss"] - off["loss"]), loss_bound, "fused loss")
+    # AdamW's first step moves a weight by lr·g/(|g| + eps): a gradient error ε = 4·δ·max|g| moves it by <= lr·ε/eps
+    epsilon = 4 * relative * max_grad
+    for key, tensor in off_adapter.items():
+        bound = 3 * cfg.lr * epsilon / cfg.eps + float64_bound(3, float(tensor.abs().max()) + cfg.lr)
+        assert_within(on_adapter[key], tensor, bound, key)
+    assert on["grad_norm"] > 0 and off_adapter.keys() == on_adapter.keys()

@@ -37,7 +37,7 @@ from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoin
 from learner.fused_loss import aggregation_weights
 from learner.lora import adapter_state
 from learner.losses import LossConfig
-from learner.model import PolicyModel, shard_policy
+from learner.model import PolicyModel, checkpoint_tensor_names, full_hf_state, shard_policy
 from learner.step import TrainConfig, make_batch, make_optimizer, train_step
 
 WORLD = 2
@@ -98,9 +98,11 @@ def run_rank(rank: int, tmp: Path, model_dir: str) -> None:
     train_step(model, optimizer, second, CFG, world_size=WORLD)
     train_step(restored, restored_optimizer, second, CFG, world_size=WORLD)
     after_step2, restored_step2 = adapter_state(model), adapter_state(restored)
+    base = full_hf_state(model)  # collective: the frozen base weights, what the serves are checked against at Hello
     result = {"logp": logp, "metrics": metrics, "frozen_sharded": frozen_params_are_sharded(model)}
     if rank == 0:
         result["adapter"] = after_step1
+        result["base_names"] = set(base)
         loaded, stepped = equal(restored_step1, after_step1), equal(restored_step2, after_step2)
         result["restore"] = {"after_load": loaded, "next": stepped}
     torch.save(result, tmp / f"rank{rank}.pt")
@@ -192,3 +194,8 @@ def test_two_rank_lora_step_gives_the_one_process_adapter(runs: dict, name: str,
 def test_a_two_rank_lora_checkpoint_restores_the_adapter_and_its_optimizer_state(runs: dict, name: str) -> None:
     # equal after the load, and equal after one more step: Adam's moments and step count came back too
     assert runs[name]["ranks"][0]["restore"] == {"after_load": True, "next": True}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_full_hf_state_of_a_sharded_lora_policy_has_the_base_checkpoint_names(runs: dict, name: str, model_dirs):
+    assert runs[name]["ranks"][0]["base_names"] == checkpoint_tensor_names(model_dirs[name])
