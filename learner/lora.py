@@ -98,6 +98,7 @@ def apply_lora(hf_model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
         target_modules=resolve_targets(hf_model, spec.targets),
         lora_dropout=spec.dropout,
         bias="none",
+        task_type="CAUSAL_LM",  # in adapter_config.json: PeftModel.from_pretrained then builds PeftModelForCausalLM
     )
     return inject_adapter_in_model(config, hf_model)  # also sets requires_grad=False on every non-LoRA parameter
 

@@ -140,6 +140,7 @@ def test_a_saved_hf_final_adapter_loads_with_peft_and_gives_the_same_logprobs(na
     config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, str(model_dirs[name]))
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["task_type"] == "CAUSAL_LM"
     base = AutoModelForCausalLM.from_pretrained(model_dirs[name], dtype=torch.float32)
     loaded = PeftModel.from_pretrained(base, tmp_path)
     assert set(load_file(str(tmp_path / ADAPTER_WEIGHTS))) == set(adapter_state(model))
