@@ -11,6 +11,10 @@ Commit order makes an interrupted save harmless: every rank writes its shards (D
 `latest` naming the previous complete checkpoint. One code path serves N ranks and a single process: DCP runs
 without a process group when torch.distributed is not initialised (it then saves and loads this process's tensors).
 The number of ranks may differ between save and load (DCP reshards on load).
+
+Frozen parameters are not saved (LoRA training, learner/lora.py: the base weights never change and are loaded from
+the base model), so a LoRA checkpoint holds the adapters and their optimizer state only; with full fine-tuning
+nothing is frozen and every parameter is saved.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 META_FILE = "meta.json"
 LATEST_FILE = "latest"
+# Not strict: the frozen weights are absent on purpose. A trainable one missing from the checkpoint still fails, in
+# dcp.load, which loads every key the model's (trainable) state asks for.
+_LOADED = StateDictOptions(strict=False)
 
 
 def save_checkpoint(
@@ -45,7 +52,7 @@ def save_checkpoint(
     if (path / META_FILE).exists():
         raise FileExistsError(f"checkpoint {path} is already complete (it has {META_FILE}): save under a new path")
     meta_text = json.dumps(meta, indent=2, sort_keys=True)  # fail before writing anything if meta is not JSON
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _trainable_state(model, optimizer)
     with _single_process_warning_silenced():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
     if _rank() == 0:
@@ -66,11 +73,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
             f"use latest_checkpoint({str(path.parent)!r}) to find the newest complete one"
         )
     # A fresh optimizer has no state; get_state_dict creates it (a zero-lr step) so DCP has tensors to load into.
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _trainable_state(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     with _single_process_warning_silenced():
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOADED)
     return json.loads(meta_path.read_text())
 
 
@@ -118,6 +125,16 @@ def _step_of(path: Path) -> int | None:
 def checkpoint_dir(root: str | Path, step: int) -> Path:
     """The conventional directory for the checkpoint after `step`: root/step-00000042."""
     return Path(root) / f"step-{step:08d}"
+
+
+def _trainable_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """`get_state_dict`'s model and optimizer state without the frozen parameters (see the module docstring).
+
+    Filtered here rather than with StateDictOptions(ignore_frozen_params=True): that drops each frozen parameter
+    under one name, and a tied LM head's other name (`lm_head.weight`, the embedding) would stay in."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
 
 def _rank() -> int:

@@ -28,9 +28,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from learner.fused_loss import FusedLossInputs, fused_policy_loss
 from learner.logprobs import token_logprobs
+from learner.lora import LoraSpec, apply_lora, is_lora_name
 from learner.truncation import Truncation
 
 _WRAPPER_PREFIX = "hf."  # PolicyModel keeps the HF model under `self.hf`; HF names are the names below it
+_LORA_BASE = ".base_layer."  # where PEFT keeps a LoRA-wrapped linear module's own (frozen) weight
 
 
 @dataclass
@@ -71,9 +73,12 @@ class _HeadRows:
 
 
 class PolicyModel(torch.nn.Module):
-    """A causal LM (`self.hf`, e.g. LlamaForCausalLM) whose forward gives log π(target | prefix) per position."""
+    """A causal LM (`self.hf`, e.g. LlamaForCausalLM) whose forward gives log π(target | prefix) per position.
 
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    `lora`: the adapters `learner/lora.py:apply_lora` injected into `self.hf` (only they train), None = full
+    fine-tuning."""
+
+    def __init__(self, hf_model: torch.nn.Module, lora: LoraSpec | None = None) -> None:
         super().__init__()
         for attr in ("model", "lm_head"):
             if not hasattr(hf_model, attr):
@@ -82,6 +87,7 @@ class PolicyModel(torch.nn.Module):
                     "*ForCausalLM with `.model` (the decoder) and `.lm_head` (e.g. Llama, Qwen2)"
                 )
         self.hf = hf_model
+        self.lora = lora
 
     def forward(
         self,
@@ -187,16 +193,22 @@ def _check_forward_inputs(
 
 
 def load_policy(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    lora: LoraSpec | None = None,
 ) -> PolicyModel:
     """The HF checkpoint in `model_dir` as a PolicyModel in `dtype` on `device` (the learner passes its
-    `learner/world.py:World.device`), dropout off, no KV cache."""
+    `learner/world.py:World.device`), dropout off, no KV cache; with `lora`, LoRA adapters on its decoder layers and
+    every other weight frozen (learner/lora.py)."""
     # transformers takes seconds to import: kept off the import path of `python -m inflight.learn --help`
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     hf_model.config.use_cache = False
-    model = PolicyModel(hf_model).to(device)
+    if lora is not None:
+        apply_lora(hf_model, lora)  # before the move: the adapters are created on the base weights' device
+    model = PolicyModel(hf_model, lora).to(device)
     model.eval()  # RL fine-tuning keeps dropout off: learner logprobs must match the sampler's
     return model
 
@@ -226,7 +238,8 @@ def full_hf_state(model: PolicyModel) -> dict[str, torch.Tensor]:
     """Full parameters on CPU under their HF checkpoint names (a snapshot, not views of the live weights).
 
     Collective when the model is sharded: every rank must call it; rank 0 gets the tensors, the others `{}`.
-    A tied LM head is left out, as `save_pretrained` leaves it out of the checkpoint (`model.embed_tokens.weight`
+    With LoRA these are the frozen base weights (the adapters are `learner/lora.py:adapter_state`'s). A tied LM head
+    is left out, as `save_pretrained` leaves it out of the checkpoint (`model.embed_tokens.weight`
     is the one tensor); an untied head is included.
     """
     if _is_sharded(model):
@@ -237,7 +250,7 @@ def full_hf_state(model: PolicyModel) -> dict[str, torch.Tensor]:
         state = _copy_aliases_of_live_params(state, model)
     else:
         state = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
-    state = {_hf_name(name): t for name, t in state.items()}
+    state = {_hf_name(name): t for name, t in state.items() if not is_lora_name(name)}
     if getattr(model.hf.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
@@ -278,6 +291,8 @@ def local_hf_state(model: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
     names and order, gathering nothing; a tied LM head left out (it is the embedding, sent once under its own name)."""
     tied = getattr(model.hf.config, "tie_word_embeddings", False)
     for name, t in model.state_dict().items():
+        if is_lora_name(name):
+            continue  # an adapter tensor: learner/lora.py:adapter_state publishes those
         hf_name = _hf_name(name)
         if not (tied and hf_name == "lm_head.weight"):
             yield hf_name, t
@@ -350,4 +365,4 @@ def _is_sharded(model: torch.nn.Module) -> bool:
 def _hf_name(name: str) -> str:
     if not name.startswith(_WRAPPER_PREFIX):
         raise ValueError(f"state-dict key {name!r} does not start with {_WRAPPER_PREFIX!r}: expected a PolicyModel")
-    return name[len(_WRAPPER_PREFIX) :]
+    return name[len(_WRAPPER_PREFIX) :].replace(_LORA_BASE, ".")  # a LoRA-wrapped module's base weight: its HF name

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from inflight.config import parse_dataclass, setup_logging, write_resolved
+from inflight.learn.adapter import AdapterOutputs, counted_parameters, lora_spec
 from inflight.learn.config import LearnConfig
 from inflight.learn.samples import GatedSample, GateStats
 from inflight.learn.service import LearnerService
@@ -108,12 +109,15 @@ class Learner:
         self.cfg, self.placement, self.run_dir = cfg, world, Path(cfg.run_dir)
         self.rank, self.world = world.rank, world.size  # which slice of each step's samples this rank trains
         self.model_path = resolve_model(cfg.model)
-        self.model = load_policy(self.model_path, dtype=getattr(torch, cfg.dtype), device=world.device)
+        self.model = load_policy(self.model_path, getattr(torch, cfg.dtype), world.device, lora_spec(cfg))
+        self.param_counts = counted_parameters(self.model)  # in every step line
         if world.mesh is not None:
             shard_policy(self.model, world.mesh, world.layer_compute_dtype(AUTOCAST[cfg.autocast]))
+        # with --lora-rank the adapter is what is published and exported (inflight/learn/adapter.py)
+        self.adapter = AdapterOutputs(cfg, self.model, self.model_path, self.rank) if self.model.lora else None
         self.train_cfg = train_config(cfg)
         self.optimizer = make_optimizer(self.model, self.train_cfg)
-        resumed = self._resume() if cfg.resume else Resumed()
+        resumed = resume(self.run_dir, self.model, self.optimizer) if cfg.resume else Resumed()
         self.version, self.step = resumed.version, resumed.step
         self.stop_requested = False  # set by SIGTERM/SIGINT: rank 0 stops waiting for groups, every rank then stops
         # Rank 0's tracker (--report-to), opened before the service binds: a serve started on its ready line is
@@ -129,14 +133,6 @@ class Learner:
             if world.rank == 0
             else None
         )
-
-    def _resume(self) -> Resumed:
-        path = latest_checkpoint(self.run_dir / "checkpoints")
-        if path is None:
-            raise SystemExit(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}; drop --resume to start")
-        meta = load_checkpoint(path, self.model, self.optimizer)
-        log.info("resumed from %s: step %d, version %d", path, meta["step"], meta["version"])
-        return Resumed(meta["version"], meta["step"], meta["consumed"], meta.get("consumed_by_server", {}))
 
     def run(self) -> int:
         """Every rank, until `--steps` (0: until stopped): groups, train step, publish (`--publish-every`), metrics
@@ -197,6 +193,8 @@ class Learner:
         serves (the contract: inflight/learn/publisher.py). A delta update (`--full-every` > 1) compares whole states,
         so it gathers the whole model first."""
         start = time.perf_counter()
+        if self.adapter is not None:
+            return self.adapter.publish(self.version)
         if self.cfg.full_every > 1:
             state = full_hf_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors
             return self.service.publish(state, self.version, start) if self.rank == 0 else {}
@@ -219,7 +217,9 @@ class Learner:
         """One StepMetrics line (inflight/wire/records.py): train_step's metrics and the publish report are fields of
         it, so a metric added or renamed there without the record fails here, in the first step of any learner test."""
         values = step_values(gate, metrics, waited, step_s, lengths)
-        record = self.service.write_step({"step": self.step, "version": self.version, **values, **publish})
+        record = self.service.write_step(
+            {"step": self.step, "version": self.version, **values, **publish, **self.param_counts}
+        )
         log_step(record, metrics.get("loss", 0.0))
         return record
 
@@ -236,7 +236,10 @@ class Learner:
                 log.info("checkpoint %s deleted (--keep-checkpoints %d)", old.name, self.cfg.keep_checkpoints)
 
     def export_hf(self) -> None:
-        """The trained weights as an HF directory (`<run_dir>/hf-final`) that vLLM or transformers can load."""
+        """The trained weights as an HF directory (`<run_dir>/hf-final`) that vLLM or transformers can load; with
+        `--lora-rank` the adapter (`AdapterOutputs.export`)."""
+        if self.adapter is not None:
+            return self.adapter.export(self.run_dir, self.version)
         export_hf(self.model, self.model_path, self.run_dir / "hf-final", self.version, self.rank)
 
     def close(self) -> None:
@@ -245,6 +248,17 @@ class Learner:
             self.service.close()
         if self.reporting is not None:
             self.reporting.close()
+
+
+def resume(run_dir: Path, model: PolicyModel, optimizer: torch.optim.Optimizer) -> Resumed:
+    """`--resume`: the latest checkpoint under `<run_dir>/checkpoints` loaded into `model` and `optimizer`
+    (collective); where the run goes on from."""
+    path = latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}; drop --resume to start")
+    meta = load_checkpoint(path, model, optimizer)
+    log.info("resumed from %s: step %d, version %d", path, meta["step"], meta["version"])
+    return Resumed(meta["version"], meta["step"], meta["consumed"], meta.get("consumed_by_server", {}))
 
 
 def train_config(cfg: LearnConfig) -> TrainConfig:

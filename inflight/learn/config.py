@@ -99,6 +99,52 @@ class PublishKnobs:
 
 
 @dataclass
+class LoraKnobs:
+    """LoRA training (learner/lora.py): adapters on the decoder's linear layers instead of every weight."""
+
+    # `--lora-rank` is also the serve's business (its adapter slots): it belongs with SharedKnobs
+    # (inflight/wire/contract.py) once the serve side reads it; declared here until then.
+    lora_rank: int = knob(
+        0,
+        "train LoRA adapters of this rank, the base weights frozen (only the adapters are in the optimizer, the "
+        "checkpoints and hf-final); 0 = full fine-tuning",
+    )
+    lora_alpha: float = knob(
+        0.0,
+        "LoRA scale numerator: the adapter adds (alpha / rank) * B @ A; 0 = the rank, so the scale is 1 and what is "
+        "merged is W + B @ A (a scale that does not change with the rank; raise it to move faster at a given --lr)",
+    )
+    lora_targets: str = knob(
+        "",
+        "comma-separated linear modules of the decoder layers to adapt; empty = all of them (q_proj,k_proj,v_proj,"
+        "o_proj,gate_proj,up_proj,down_proj for Llama/Qwen2); never the LM head or the embeddings",
+    )
+    lora_dropout: float = knob(
+        0.0,
+        "LoRA dropout; must be 0: RL logprobs must be deterministic (the learner's logprob of a token must be the "
+        "sampling policy's), and a dropout mask makes them random",
+    )
+    lora_merge_final: bool = knob(
+        False, "with --lora-rank: also write the base model with the adapter merged in, <run_dir>/hf-final-merged"
+    )
+
+    def validate_lora(self) -> None:
+        require(self.lora_rank >= 0, "lora_rank", self.lora_rank, ">= 1, or 0 = full fine-tuning")
+        require(self.lora_alpha >= 0, "lora_alpha", self.lora_alpha, "> 0, or 0 = the rank")
+        require(self.lora_dropout == 0, "lora_dropout", self.lora_dropout, "0 (RL logprobs must be deterministic)")
+        require(
+            self.lora_rank > 0 or not self.lora_merge_final,
+            "lora_merge_final",
+            self.lora_merge_final,
+            "false without --lora-rank (full fine-tuning's hf-final is already the whole model)",
+        )
+
+    def lora_target_names(self) -> tuple[str, ...]:
+        """`--lora-targets` as names (empty: all of the decoder's linear modules, resolved against the model)."""
+        return tuple(name.strip() for name in self.lora_targets.split(",") if name.strip())
+
+
+@dataclass
 class RunDirKnobs:
     """How long the run goes, what it keeps in its directory, what it trains on and what it reports."""
 
@@ -145,7 +191,9 @@ class RunDirKnobs:
 
 
 @dataclass
-class LearnConfig(RunDirKnobs, PublishKnobs, PrecisionKnobs, LossKnobs, EndpointKnobs, SecretKnob, SharedKnobs):
+class LearnConfig(
+    RunDirKnobs, LoraKnobs, PublishKnobs, PrecisionKnobs, LossKnobs, EndpointKnobs, SecretKnob, SharedKnobs
+):
     """The learner's knobs: the groups above (listed last to first, so `--help` starts with the shared ones)."""
 
     def validate(self) -> None:
@@ -159,6 +207,7 @@ class LearnConfig(RunDirKnobs, PublishKnobs, PrecisionKnobs, LossKnobs, Endpoint
             "'auto' or 'off' with top-k/top-p/min-p sampling (the fused loss is full-softmax only)",
         )
         self.validate_publish()
+        self.validate_lora()
         self.validate_run_dir()
         self.validate_secret()
 

@@ -43,6 +43,7 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
     without StepMetrics fails here."""
     import time
 
+    from inflight.learn.adapter import counted_parameters
     from inflight.learn.app import Learner
     from inflight.learn.publisher import PublishReport
     from inflight.learn.samples import build_samples
@@ -71,7 +72,8 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
     with (tmp_path / "metrics.jsonl").open("a") as metrics_file:
         learner = SimpleNamespace(rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(),
                                   service=Socketless(metrics_file), cfg=SimpleNamespace(full_every=1),
-                                  placement=SimpleNamespace(weights_device="cpu", device="cpu"))  # fmt: skip
+                                  placement=SimpleNamespace(weights_device="cpu", device="cpu"), adapter=None,
+                                  param_counts=counted_parameters(model))  # fmt: skip
         learner.optimizer = make_optimizer(model, learner.train_cfg)
         metrics = Learner._train(learner, samples)
         Learner._log(learner, gate, metrics, Learner._publish(learner), 0.5, 2.0, [3, 3])
