@@ -81,6 +81,18 @@ def _header_layout(weights_file: Path) -> dict[str, tuple[str, list[int]]]:
     return layout
 
 
+def decoder_linear_targets(model_dir: str | Path) -> list[str]:
+    """The module names (last component) of every 2-D weight inside the decoder layers (`*.layers.N.…`), from the
+    checkpoint's headers: what `--lora-targets` empty means, as the learner resolves it (learner/lora.py)."""
+    names = set()
+    for weights_file in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, shape in _base_layout(weights_file).items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight" and len(shape) == 2 and ".layers." in f".{module}":
+                names.add(module.rpartition(".")[2])
+    return sorted(names)
+
+
 def write_zero_adapter(model_dir: str | Path, dest: str | Path, spec: AdapterSpec) -> Path:
     """A PEFT adapter directory at `dest` for the checkpoint at `model_dir`: rank `spec.rank` on every 2-D weight of a
     module named in `spec.targets`, A and B zero — the base model's outputs, what a serve starts from before the

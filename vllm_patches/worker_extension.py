@@ -164,8 +164,10 @@ class InflightWorkerExtension:
         return self._inflight_state().live.held_weights()
 
     def inflight_expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
-        """HF name → (dtype, shape) of every tensor in the served checkpoint: what an update must contain."""
-        return self._inflight_state().checkpoint.expected()
+        """HF name → (dtype, shape) of every tensor an update must contain: the served checkpoint's, or with an
+        adapter the adapter's (PEFT names)."""
+        state = self._inflight_state()
+        return state.adapter.served.expected if state.adapter is not None else state.checkpoint.expected()
 
     def inflight_begin_update(self, manifest_bytes: bytes, ticket: int) -> StageStatus:
         """Validate the manifest and start staging its buckets in the background; never blocks on the transfer. When

@@ -1,10 +1,10 @@
 """The learner's LoRA side (`--lora-rank` > 0, issue 31): the spec from the flags, and what leaves the learner instead
 of full weights — the adapter, each publish and in `hf-final`.
 
-`inflight/learn/app.py:Learner` builds an `AdapterOutputs` when the policy has adapters (learner/lora.py) and calls
-`AdapterOutputs.publish` from `Learner._publish` and `AdapterOutputs.export` from `Learner.export_hf`. The adapter goes
-out under PEFT's saved names (`learner/lora.py:adapter_state`) with PEFT's `adapter_config.json` values
-(`learner/lora.py:adapter_config`), what the serve's adapter slots load.
+`inflight/learn/app.py:Learner` builds an `AdapterOutputs` when the policy has adapters (learner/lora.py): its `spec`
+goes to the publisher, which marks every update as an adapter update (the serves check it against the adapter they
+serve), and `Learner._publish` sends `learner/lora.py:adapter_state` — PEFT's saved names, what the serve's adapter
+slot loads (vllm_patches/adapter.py) — in place of the full weights; `AdapterOutputs.export` writes `hf-final`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 
 from inflight.learn.config import LearnConfig
 from inflight.wire.records import StepMetrics
-from learner.lora import LoraSpec, adapter_config, adapter_state, parameter_counts, save_adapter, save_merged
+from inflight.wire.weights import AdapterSpec
+from learner.lora import LoraSpec, adapter_config, parameter_counts, save_adapter, save_merged
 from learner.model import PolicyModel
 
 log = logging.getLogger("inflight.learn")
@@ -40,32 +41,15 @@ def counted_parameters(model: PolicyModel) -> dict[str, int]:
 
 
 class AdapterOutputs:
-    """One rank's LoRA outputs: the adapter published after a step and exported at the end."""
+    """One rank's LoRA outputs: the adapter's spec for the publisher and the export at the end."""
 
     def __init__(self, cfg: LearnConfig, model: PolicyModel, model_path: Path, rank: int):
         self.cfg, self.model, self.model_path, self.rank = cfg, model, model_path, rank
-        self.unsent_logged = False
 
-    def publish(self, version: int) -> dict:
-        """Every rank gathers the adapter (`adapter_state`, collective); rank 0 would hand it to the serves as
-        `version`. This is the hook the publisher's adapter path plugs into: inflight/learn/publisher.py carries full
-        weights only today, so rank 0 logs, once, that the serves keep the base weights, and sends nothing (no
-        `publish_*` fields)."""
-        state = adapter_state(self.model)
-        if self.rank != 0 or self.unsent_logged:
-            return {}
+    def spec(self) -> AdapterSpec:
+        """The adapter's shape as the serves check it (inflight/wire/weights.py:AdapterSpec): rank, alpha, targets."""
         config = adapter_config(self.model, self.model_path)
-        log.warning(
-            "--lora-rank %d: the publisher cannot send adapters yet (version %d: %d tensors, alpha %s, targets %s); "
-            "the serves keep the base weights. The adapter is in every checkpoint and in hf-final",
-            config["r"],
-            version,
-            len(state),
-            config["lora_alpha"],
-            ",".join(config["target_modules"]),
-        )
-        self.unsent_logged = True
-        return {}
+        return AdapterSpec(int(config["r"]), float(config["lora_alpha"]), sorted(config["target_modules"]))
 
     def export(self, run_dir: Path, version: int) -> None:
         """Collective: `<run_dir>/hf-final` gets the adapter in PEFT's format (`PeftModel.from_pretrained` loads

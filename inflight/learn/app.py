@@ -40,6 +40,7 @@ from inflight.models import resolve_model
 from inflight.wire.memory import PeakMeter
 from inflight.wire.records import StepMetrics
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from learner.lora import adapter_state
 from learner.losses import LossConfig
 from learner.model import PolicyModel, full_hf_state, iter_full_pieces, load_policy, shard_policy
 from learner.step import AUTOCAST, Batch, Sample, TrainConfig, make_batch, make_optimizer, train_step
@@ -120,19 +121,18 @@ class Learner:
         resumed = resume(self.run_dir, self.model, self.optimizer) if cfg.resume else Resumed()
         self.version, self.step = resumed.version, resumed.step
         self.stop_requested = False  # set by SIGTERM/SIGINT: rank 0 stops waiting for groups, every rank then stops
-        # Rank 0's tracker (--report-to), opened before the service binds: a serve started on its ready line is
-        # followed from its first progress line on.
-        self.reporting = (
-            Reporting(cfg.report_to, self.run_dir, dataclasses.asdict(cfg), cfg.model, cfg.log_samples_every)
-            if world.rank == 0
-            else None
-        )
-        state = full_hf_state(self.model)  # collective: every rank gathers
+        self.reporting = open_reporting(cfg) if world.rank == 0 else None  # before the service binds
+        state = self._served_state()  # collective: every rank gathers
+        adapter = self.adapter.spec() if self.adapter is not None else None
         self.service = (
-            LearnerService(cfg, state, self.version, resumed.consumed, resumed.by_server, world.weights_device)
+            LearnerService(cfg, state, self.version, resumed.consumed, resumed.by_server, world.weights_device, adapter)
             if world.rank == 0
             else None
         )
+
+    def _served_state(self) -> dict[str, torch.Tensor]:
+        """What the serves get (collective): the adapter alone with --lora-rank, else the full weights."""
+        return adapter_state(self.model) if self.adapter is not None else full_hf_state(self.model)
 
     def run(self) -> int:
         """Every rank, until `--steps` (0: until stopped): groups, train step, publish (`--publish-every`), metrics
@@ -193,10 +193,8 @@ class Learner:
         serves (the contract: inflight/learn/publisher.py). A delta update (`--full-every` > 1) compares whole states,
         so it gathers the whole model first."""
         start = time.perf_counter()
-        if self.adapter is not None:
-            return self.adapter.publish(self.version)
-        if self.cfg.full_every > 1:
-            state = full_hf_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors
+        if self.adapter is not None or self.cfg.full_every > 1:  # an adapter (a few MB), or a delta on whole states
+            state = self._served_state()  # collective: every rank gathers, rank 0 keeps the tensors
             return self.service.publish(state, self.version, start) if self.rank == 0 else {}
         if self.rank != 0:
             for _ in iter_full_pieces(self.model):  # this rank's part of each gather; rank 0 gets the pieces
@@ -248,6 +246,12 @@ class Learner:
             self.service.close()
         if self.reporting is not None:
             self.reporting.close()
+
+
+def open_reporting(cfg: LearnConfig) -> Reporting:
+    """Rank 0's tracker (--report-to), opened before the service binds: a serve started on its ready line is followed
+    from its first progress line on."""
+    return Reporting(cfg.report_to, Path(cfg.run_dir), dataclasses.asdict(cfg), cfg.model, cfg.log_samples_every)
 
 
 def resume(run_dir: Path, model: PolicyModel, optimizer: torch.optim.Optimizer) -> Resumed:

@@ -102,23 +102,6 @@ class PublishKnobs:
 class LoraKnobs:
     """LoRA training (learner/lora.py): adapters on the decoder's linear layers instead of every weight."""
 
-    # `--lora-rank` is also the serve's business (its adapter slots): it belongs with SharedKnobs
-    # (inflight/wire/contract.py) once the serve side reads it; declared here until then.
-    lora_rank: int = knob(
-        0,
-        "train LoRA adapters of this rank, the base weights frozen (only the adapters are in the optimizer, the "
-        "checkpoints and hf-final); 0 = full fine-tuning",
-    )
-    lora_alpha: float = knob(
-        0.0,
-        "LoRA scale numerator: the adapter adds (alpha / rank) * B @ A; 0 = the rank, so the scale is 1 and what is "
-        "merged is W + B @ A (a scale that does not change with the rank; raise it to move faster at a given --lr)",
-    )
-    lora_targets: str = knob(
-        "",
-        "comma-separated linear modules of the decoder layers to adapt; empty = all of them (q_proj,k_proj,v_proj,"
-        "o_proj,gate_proj,up_proj,down_proj for Llama/Qwen2); never the LM head or the embeddings",
-    )
     lora_dropout: float = knob(
         0.0,
         "LoRA dropout; must be 0: RL logprobs must be deterministic (the learner's logprob of a token must be the "
@@ -129,19 +112,19 @@ class LoraKnobs:
     )
 
     def validate_lora(self) -> None:
-        require(self.lora_rank >= 0, "lora_rank", self.lora_rank, ">= 1, or 0 = full fine-tuning")
-        require(self.lora_alpha >= 0, "lora_alpha", self.lora_alpha, "> 0, or 0 = the rank")
         require(self.lora_dropout == 0, "lora_dropout", self.lora_dropout, "0 (RL logprobs must be deterministic)")
+        require(
+            self.lora_rank == 0 or self.full_every == 1,
+            "full_every",
+            self.full_every,
+            "1 with --lora-rank (an adapter is a few MB: it is always sent whole, never as a delta)",
+        )
         require(
             self.lora_rank > 0 or not self.lora_merge_final,
             "lora_merge_final",
             self.lora_merge_final,
             "false without --lora-rank (full fine-tuning's hf-final is already the whole model)",
         )
-
-    def lora_target_names(self) -> tuple[str, ...]:
-        """`--lora-targets` as names (empty: all of the decoder's linear modules, resolved against the model)."""
-        return tuple(name.strip() for name in self.lora_targets.split(",") if name.strip())
 
 
 @dataclass

@@ -45,7 +45,15 @@ from inflight.wire.control import UpdateWeights
 from inflight.wire.endpoints import ControlServer
 from inflight.wire.group import WeightsGroupError
 from inflight.wire.transfer import StreamSender, TransferStats, send_update
-from inflight.wire.weights import DTYPES, ManifestError, UpdateManifest, check_against, plan_layout, plan_update
+from inflight.wire.weights import (
+    DTYPES,
+    AdapterSpec,
+    ManifestError,
+    UpdateManifest,
+    check_against,
+    plan_layout,
+    plan_update,
+)
 
 
 @dataclass
@@ -169,8 +177,10 @@ class WeightPublisher:
         bucket_bytes: int = 64 << 20,
         weights_key: bytes | None = None,
         full_every: int = 1,
+        adapter: AdapterSpec | None = None,
     ):
         self.plane, self.check, self.device = plane, check, torch.device(device)
+        self.adapter = adapter  # LoRA: every update is of this adapter, always whole (the serves check it)
         self.bucket_bytes, self.weights_key = bucket_bytes, weights_key
         self.sums = checksum_kind_for(self.device)  # where the buckets are: a GPU's are summed there, not copied out
         self.latest = LatestWeights()
@@ -190,8 +200,8 @@ class WeightPublisher:
                 return report
             served = _served(members)
             cast = {n: state[n].to(self.device, DTYPES[dtype]).contiguous() for n, (dtype, _) in served.items()}
-            base = self.deltas.base_for(version, members, cast)
-            keep_base = self.deltas.full_every > 1
+            base = self.deltas.base_for(version, members, cast) if self.adapter is None else None
+            keep_base = self.deltas.full_every > 1 and self.adapter is None
             manifest, payloads = plan_update(
                 cast,
                 version,
@@ -200,6 +210,7 @@ class WeightPublisher:
                 base=base,
                 keep_base=keep_base,
                 checksum_kind=self.sums,
+                adapter=self.adapter,
             )
             self._announce(manifest, members, served, consumed)
             try:

@@ -40,6 +40,7 @@ from inflight.wire.memory import trim_after_update
 from inflight.wire.records import StepMetrics, encode_line, to_record
 from inflight.wire.rollouts import Rollout, RolloutError, decode_rollout
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
+from inflight.wire.weights import AdapterSpec
 
 log = logging.getLogger("inflight.learn")
 PROGRESS_EVERY_S = 1.0  # Progress while waiting, even with nothing to acknowledge: a joining serve waits for it
@@ -149,6 +150,7 @@ class LearnerService:
         consumed: Iterable[str] | dict,
         by_server: dict[str, int],
         weights_device: torch.device | str = "cpu",
+        adapter: AdapterSpec | None = None,
     ):
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         secret = read_secret(cfg.secret_file) if cfg.secret_file else None
@@ -165,6 +167,7 @@ class LearnerService:
             bucket_bytes=cfg.bucket_mb << 20,
             weights_key=weights_key(secret) if secret is not None else None,
             full_every=cfg.full_every,
+            adapter=adapter,
         )
         self.plane = self.publisher.plane
         self.publisher.check.set_model(state, cfg.contract())  # serves that differ are refused at Hello

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,7 +161,27 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
         head_dtype=cfg.head_dtype,
         update_memory=mode.update_memory,
         gpu_plan=plan,
+        lora_dir=served_adapter(cfg, model_path),
+        lora_rank=cfg.lora_rank,
     )
+
+
+def served_adapter(cfg: ServeConfig, model_path: Path) -> str | None:
+    """With --lora-rank: the adapter directory the serve starts from — `--lora-init`, checked against the flags, or a
+    zero adapter written for them (vllm_patches/adapter.py) — else None."""
+    from inflight.wire.weights import AdapterSpec
+    from vllm_patches.adapter import ServedAdapter, decoder_linear_targets, write_zero_adapter
+
+    if cfg.lora_rank == 0:
+        return None
+    targets = sorted(cfg.lora_target_names() or decoder_linear_targets(model_path))
+    spec = AdapterSpec(cfg.lora_rank, cfg.resolved_lora_alpha, targets)
+    if not cfg.lora_init:
+        return str(write_zero_adapter(model_path, tempfile.mkdtemp(prefix="inflight-lora-"), spec))
+    given = ServedAdapter.read(cfg.lora_init).spec
+    if differs := given.differences(spec):
+        raise ValueError(f"--lora-init {cfg.lora_init} is not the adapter the flags say ({'; '.join(differs)})")
+    return cfg.lora_init
 
 
 async def _secure(cfg: ServeConfig, engine: InflightEngine) -> CurveKeys | None:

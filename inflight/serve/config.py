@@ -209,9 +209,15 @@ class EngineKnobs:
         choices=("auto", *UPDATE_MEMORY),
     )
     seed: int = knob(0, "engine sampling seed")
+    lora_init: str = knob(
+        "",
+        "with --lora-rank: the PEFT adapter directory the serve starts from (its rank, alpha and targets must be the "
+        "flags'); empty = a zero adapter, the base model's outputs, until the learner's first update",
+    )
 
     def validate_engine(self) -> None:
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
+        require(not self.lora_init or self.lora_rank > 0, "lora_init", self.lora_init, "empty without --lora-rank")
         require(self.kv_cache_gib > 0, "kv_cache_gib", self.kv_cache_gib, "> 0 GiB (fractions allowed, e.g. 0.25)")
         require(
             0 < self.gpu_memory_utilization <= 1,

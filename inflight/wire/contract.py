@@ -56,6 +56,10 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     min_p: float = MIN_P
     head_dtype: str = ""  # advisory: the LM head's precision ('' = not said); see the module docstring
     dtype: str  # resolved compute dtype: 'float32', 'bfloat16' or 'float16'
+    # LoRA (issue 31): the adapter's rank (0 = full weights) and its scale's numerator, resolved (0 -> the rank); an
+    # adapter of another rank or scale is another policy. Its targets show in the adapter's tensor names (Hello).
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype in ("", "auto", "none"):
@@ -115,6 +119,13 @@ _REASONS = {
         f"this learner computes logprobs under min_p {learner}: start both with the same --min-p"
     ),
     "dtype": _dtype_reason,
+    "lora_rank": lambda learner, serve: (
+        f"this learner trains {'adapters of rank ' + str(learner) if learner else 'the full weights'}: start both "
+        "with the same --lora-rank"
+    ),
+    "lora_alpha": lambda learner, serve: (
+        f"this learner scales its adapters by {learner} / rank: start both with the same --lora-alpha"
+    ),
 }
 
 
@@ -145,6 +156,21 @@ class SharedKnobs:
     )
     top_k: int = knob(TOP_K, "top-k sampling, 0 = off; both sides must have the same (refused at Hello)")
     min_p: float = knob(MIN_P, "min-p sampling, 0.0 = off; both sides must have the same (refused at Hello)")
+    lora_rank: int = knob(
+        0,
+        "train and serve LoRA adapters of this rank (the learner's base weights frozen, the serve's updates only the "
+        "adapter, committed in flight into vLLM's adapter slot); 0 = full fine-tuning",
+    )
+    lora_alpha: float = knob(
+        0.0,
+        "LoRA scale numerator: the adapter adds (alpha / rank) * B @ A; 0 = the rank, so the scale is 1 and what is "
+        "merged is W + B @ A (a scale that does not change with the rank; raise it to move faster at a given --lr)",
+    )
+    lora_targets: str = knob(
+        "",
+        "comma-separated linear modules of the decoder layers to adapt; empty = all of them (q_proj,k_proj,v_proj,"
+        "o_proj,gate_proj,up_proj,down_proj for Llama/Qwen2); never the LM head or the embeddings",
+    )
 
     def validate_shared(self) -> None:
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
@@ -154,6 +180,17 @@ class SharedKnobs:
         require(self.top_k != -1, "top_k", self.top_k, "0 for off (-1, vLLM's other spelling of off, is not used here)")
         require(self.top_k >= 0, "top_k", self.top_k, ">= 1, or 0 = off")
         require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1], 0.0 = off")
+        require(self.lora_rank >= 0, "lora_rank", self.lora_rank, ">= 1, or 0 = full fine-tuning")
+        require(self.lora_alpha >= 0, "lora_alpha", self.lora_alpha, "> 0, or 0 = the rank")
+
+    @property
+    def resolved_lora_alpha(self) -> float:
+        """`--lora-alpha`, 0 meaning the rank (a scale of 1); 0 without an adapter."""
+        return (self.lora_alpha or float(self.lora_rank)) if self.lora_rank else 0.0
+
+    def lora_target_names(self) -> tuple[str, ...]:
+        """`--lora-targets` as names (empty: all of the decoder's linear modules, resolved against the model)."""
+        return tuple(name.strip() for name in self.lora_targets.split(",") if name.strip())
 
     def run_contract(self, dtype: str, head_dtype: str) -> RunContract:
         """This side's contract, with its resolved compute dtype and its LM head's precision."""
@@ -165,6 +202,8 @@ class SharedKnobs:
             min_p=self.min_p,
             dtype=dtype,
             head_dtype=head_dtype,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.resolved_lora_alpha,
         )
 
 

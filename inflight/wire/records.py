@@ -88,6 +88,10 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     turns_mean: float | None = None
     turns: list[int] | None = None
     env_lengths: list[int] | None = None
+    # The learner's parameters (inflight/learn/adapter.py:counted_parameters): those the optimizer trains — the
+    # adapter's alone with --lora-rank — and all of them
+    trainable_params: int | None = None
+    total_params: int | None = None
 
 
 class ServeProgress(

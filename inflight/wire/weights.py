@@ -244,12 +244,13 @@ def plan_update(
     base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
     keep_base: bool = False,
     checksum_kind: str = "crc32",
+    adapter: AdapterSpec | None = None,
 ) -> tuple[UpdateManifest, dict[str, torch.Tensor]]:
     """`plan_manifest`, and with `base` = (version, its tensors, same names, dtypes and shapes as `state`) a delta on
     that version: each tensor in its smallest encoding (inflight/wire/delta.py). Returns the manifest and the payloads
     (name → what goes into the buckets) that `pack_bucket`/`send_update` take in place of the state. Checksums and tags
     are always of the whole tensors of `state`, of `checksum_kind` (inflight/wire/checksum.py:checksum_kind_for the
-    state's device: no host copy)."""
+    state's device: no host copy). With `adapter`, `state` is that LoRA adapter's tensors (an adapter update)."""
     if bucket_bytes < ALIGN:
         raise ManifestError(f"bucket_bytes is {bucket_bytes}; it must be at least {ALIGN}")
     key = update_key(weights_key, version) if weights_key is not None else None
@@ -285,7 +286,7 @@ def plan_update(
         payloads[name] = payload
     base_version = base[0] if base is not None else -1
     manifest = UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base)
-    return msgspec.structs.replace(manifest, checksum_kind=checksum_kind), payloads
+    return msgspec.structs.replace(manifest, checksum_kind=checksum_kind, adapter=adapter), payloads
 
 
 def plan_layout(

@@ -1,5 +1,5 @@
 """`inflight.learn --lora-rank R` as a process (inflight/learn/adapter.py, learner/lora.py): a learner replaying a
-journal trains only adapters, says it cannot publish them yet, checkpoints the adapter alone, resumes from it, and
+journal trains only adapters, checkpoints the adapter alone, resumes from it, and
 exports `hf-final` as a PEFT adapter (and `hf-final-merged` with `--lora-merge-final`)."""
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ def test_a_lora_learner_checkpoints_resumes_and_exports_a_peft_adapter_and_the_m
     first = run(model, run_dir, tmp_path / "rec", "--steps", "1")
     counts = parameter_counts(load_policy(model, lora=LoraSpec(4, 4.0, ("q_proj", "v_proj"))))
     assert f"trainable parameters {counts['trainable_params']} of {counts['total_params']}" in first
-    assert "the publisher cannot send adapters yet" in first
     checkpoint = run_dir / "checkpoints" / "step-00000001"
     saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     assert {k for k in saved if k.startswith("model.")} and all(".lora_" in k for k in saved if k.startswith("model."))
