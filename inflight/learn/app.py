@@ -111,7 +111,7 @@ class Learner:
         self.rank, self.world = world.rank, world.size  # which slice of each step's samples this rank trains
         self.model_path = resolve_model(cfg.model)
         self.model = load_policy(self.model_path, getattr(torch, cfg.dtype), world.device, lora_spec(cfg))
-        self.param_counts = counted_parameters(self.model)  # in every step line
+        self.param_counts = counted_parameters(self.model)  # the step lines' share of them (inflight/learn/adapter.py)
         if world.mesh is not None:
             shard_policy(self.model, world.mesh, world.layer_compute_dtype(AUTOCAST[cfg.autocast]))
         # with --lora-rank the adapter is what is published and exported (inflight/learn/adapter.py)

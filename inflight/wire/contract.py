@@ -169,7 +169,8 @@ class SharedKnobs:
     lora_targets: str = knob(
         "",
         "comma-separated linear modules of the decoder layers to adapt; empty = all of them (q_proj,k_proj,v_proj,"
-        "o_proj,gate_proj,up_proj,down_proj for Llama/Qwen2); never the LM head or the embeddings",
+        "o_proj,gate_proj,up_proj,down_proj for Llama/Qwen2; the attention's for Qwen3-MoE, whose experts are fused "
+        "tensors, not linear modules); never the LM head or the embeddings",
     )
 
     def validate_shared(self) -> None:

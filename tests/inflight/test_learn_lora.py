@@ -5,6 +5,8 @@ exports `hf-final` as a PEFT adapter (and `hf-final-merged` with `--lora-merge-f
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -12,7 +14,9 @@ from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_learn import wait_exit
+from test_learn_torchrun import LR, run_learner
 from test_replay import TRAINING, interleaved_records, learner
+from test_serve import free_port
 from transformers import AutoModelForCausalLM
 
 from inflight.learn.journal import RolloutJournal
@@ -62,3 +66,20 @@ def test_a_lora_learner_checkpoints_resumes_and_exports_a_peft_adapter_and_the_m
         want, got = loaded(input_ids=ids).logits, merged(input_ids=ids).logits
         base = AutoModelForCausalLM.from_pretrained(model, **fp32)(input_ids=ids).logits
     assert (want - got).abs().max() < 1e-4 < (want - base).abs().max()  # fp32 noise vs a trained adapter
+
+
+def test_a_two_rank_torchrun_lora_learner_trains_and_exports_the_adapter_like_one_process(model_dirs, tmp_path):
+    """The whole learner under torchrun (FSDP2 over gloo): the adapter gathered to rank 0 at every publish and at the
+    export, its sharded checkpoint; the exported adapter agrees with a 1-process run's within a fraction of lr."""
+    torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2", "--master-port",
+                str(free_port())]  # fmt: skip
+    lora = ("--lora-rank", "4")
+    run_learner([sys.executable], model_dirs["tiny-llama"], tmp_path / "one", *lora)
+    run_learner(torchrun, model_dirs["tiny-llama"], tmp_path / "two", *lora)
+    one, two = (load_file(str(tmp_path / run / "hf-final" / ADAPTER_WEIGHTS)) for run in ("one", "two"))
+    assert one.keys() == two.keys() and len(one) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+    moved = max(t.abs().max().item() for k, t in one.items() if k.endswith("lora_B.weight"))  # B starts at zero
+    assert moved > 0.5 * LR  # the step really trained
+    assert max((one[k] - two[k]).abs().max().item() for k in one) <= 0.1 * LR
+    saved = dcp.FileSystemReader(str(tmp_path / "two" / "checkpoints" / "step-00000001")).read_metadata()
+    assert all(".lora_" in k for k in saved.state_dict_metadata if k.startswith("model."))

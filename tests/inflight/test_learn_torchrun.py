@@ -39,13 +39,14 @@ def rollouts(seed: int = 0) -> list[bytes]:
     return out
 
 
-def run_learner(launcher: list[str], model_dir, run_dir) -> None:
+def run_learner(launcher: list[str], model_dir, run_dir, *extra: str) -> str:
+    """One learner run (1 step on `rollouts()`) under `launcher`; its output."""
     import zmq
 
     ports = [free_port() for _ in range(3)]
     args = ["-m", "inflight.learn", "--model", str(model_dir), "--steps", "1", "--groups-per-step", "2", "--lr",
             str(LR), "--run-dir", str(run_dir), "--rollouts-port", str(ports[0]), "--control-port", str(ports[1]),
-            "--weights-port", str(ports[2]), "--wait-for-serves", "0", "--autocast", "none"]  # fmt: skip
+            "--weights-port", str(ports[2]), "--wait-for-serves", "0", "--autocast", "none", *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([*launcher, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     push = zmq.Context.instance().socket(zmq.PUSH)
@@ -59,6 +60,7 @@ def run_learner(launcher: list[str], model_dir, run_dir) -> None:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
+    return out
 
 
 def test_torchrun_two_gloo_ranks_train_like_one_process(model_dirs, tmp_path):

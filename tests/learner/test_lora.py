@@ -246,3 +246,11 @@ def test_the_fused_loss_step_of_a_lora_policy_equals_the_unfused_step(model_dirs
         bound = 3 * cfg.lr * epsilon / cfg.eps + float64_bound(3, float(tensor.abs().max()) + cfg.lr)
         assert_within(on_adapter[key], tensor, bound, key)
     assert on["grad_norm"] > 0 and off_adapter.keys() == on_adapter.keys()
+
+
+def test_a_moe_policy_adapts_its_attention_and_leaves_router_and_fused_experts_alone(model_dirs) -> None:
+    model = lora_policy(model_dirs["tiny-moe"], torch.float32)
+    adapted = {name.split(".")[-4] for name, _ in model.named_parameters() if is_lora_name(name)}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    metrics = train_step(model, make_optimizer(model, CFG), batch_for(model), CFG)
+    assert metrics["grad_norm"] > 0 and all(not p.requires_grad for n, p in model.named_parameters() if ".mlp." in n)
