@@ -83,13 +83,17 @@ def _header_layout(weights_file: Path) -> dict[str, tuple[str, list[int]]]:
 
 def decoder_linear_targets(model_dir: str | Path) -> list[str]:
     """The module names (last component) of every 2-D weight inside the decoder layers (`*.layers.N.…`), from the
-    checkpoint's headers: what `--lora-targets` empty means, as the learner resolves it (learner/lora.py)."""
+    checkpoint's headers: what `--lora-targets` empty means, as the learner resolves it (learner/lora.py: the decoder
+    layers' nn.Linear modules). An MoE layer's experts and its router (`gate`) are left out: the learner's model holds
+    them as fused expert tensors and a router module, not nn.Linear (transformers 5)."""
     names = set()
     for weights_file in sorted(Path(model_dir).glob("*.safetensors")):
         for name, shape in _base_layout(weights_file).items():
             module, _, leaf = name.rpartition(".")
-            if leaf == "weight" and len(shape) == 2 and ".layers." in f".{module}":
-                names.add(module.rpartition(".")[2])
+            short = module.rpartition(".")[2]
+            moe = ".experts." in f"{module}." or short == "gate"
+            if leaf == "weight" and len(shape) == 2 and ".layers." in f".{module}" and not moe:
+                names.add(short)
     return sorted(names)
 
 

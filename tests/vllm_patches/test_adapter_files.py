@@ -48,3 +48,12 @@ def test_vllm_gets_the_smallest_max_lora_rank_that_holds_the_adapter():
     assert [engine_lora_rank(r) for r in (1, 4, 8, 9, 64, 100)] == [1, 8, 8, 16, 64, 128]
     with pytest.raises(ValueError, match="--lora-rank is 600"):
         engine_lora_rank(600)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "smollm2", "tiny-moe"])
+def test_the_serves_default_targets_are_the_learners_for_the_same_model(name):
+    from learner.lora import decoder_linear_names
+    from vllm_patches.adapter import decoder_linear_targets
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir(name), torch_dtype=torch.float32)
+    assert decoder_linear_targets(model_dir(name)) == decoder_linear_names(hf)
