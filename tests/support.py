@@ -88,12 +88,13 @@ class Sender:
 
     async def push(self, engine, state, version: int, mode: str = "never-stop", kv: str = "keep", **kw):
         """Send `state` as `version` and update the engine; `base=(version, tensors)` sends it as a delta on that
-        version, `keep_base=True` asks the engine to keep it as the next delta's base."""
-        base, keep = kw.pop("base", None), kw.pop("keep_base", False)
+        version, `keep_base=True` asks the engine to keep it as the next delta's base, `adapter=AdapterSpec` sends
+        `state` as that LoRA adapter's update."""
+        base, keep, adapter = kw.pop("base", None), kw.pop("keep_base", False), kw.pop("adapter", None)
         # Planned on a thread (checksums of every tensor): on the event loop it held up the client's other requests,
         # a cost of the test harness that benchmarks would book against the update.
         manifest, payloads = await asyncio.to_thread(plan_update, state, version, kw.pop("bucket_bytes", 1 << 20),
-                                                     base=base, keep_base=keep)  # fmt: skip
+                                                     base=base, keep_base=keep, adapter=adapter)  # fmt: skip
         thread, result = self.send_in_thread(manifest, payloads)
         report = await engine.update(manifest.encode(), mode=mode, kv=kv, **kw)
         await asyncio.to_thread(thread.join, self.timeout_s)

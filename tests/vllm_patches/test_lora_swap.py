@@ -27,7 +27,7 @@ from vllm_patches.updates import UpdateError
 pytestmark = pytest.mark.engine
 
 TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-RANK, ALPHA = 8, 16.0
+RANK = 8  # and alpha 2 x rank, as PEFT's examples
 LONG = 240
 
 
@@ -41,7 +41,7 @@ def module_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # fmt: skip
 
 
-def random_adapter(model_dir: Path, dest: Path, seed: int) -> dict[str, torch.Tensor]:
+def random_adapter(model_dir: Path, dest: Path, seed: int, rank: int = RANK) -> dict[str, torch.Tensor]:
     """A PEFT adapter directory for `model_dir` (every target of every layer), A and B both random; its tensors."""
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     gen = torch.Generator().manual_seed(seed)
@@ -50,11 +50,11 @@ def random_adapter(model_dir: Path, dest: Path, seed: int) -> dict[str, torch.Te
         for module, (out, inp) in module_shapes(model_dir).items():
             part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             name = f"base_model.model.model.layers.{i}.{part}.{module}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, inp, generator=gen) / inp**0.5
-            tensors[f"{name}.lora_B.weight"] = torch.randn(out, RANK, generator=gen) * 0.05
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) / inp**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.05
     dest.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": TARGETS, "bias": "none",
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2.0 * rank, "target_modules": TARGETS, "bias": "none",
               "lora_dropout": 0.0, "base_model_name_or_path": str(model_dir), "task_type": "CAUSAL_LM"}  # fmt: skip
     (dest / "adapter_config.json").write_text(json.dumps(config))
     return tensors
