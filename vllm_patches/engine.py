@@ -56,6 +56,9 @@ class EngineConfig:
     update_memory: str = "double"  # one of UPDATE_MEMORY
     # CUDA: the staging plan (vllm_patches/device_plan.py); vLLM gets its lowered fraction, never the raw one.
     gpu_plan: GpuMemoryPlan | None = None
+    # --routing-replay on: the workers record every token's routed experts (vllm_patches/routes.py), which needs every
+    # position fed, so prefix caching is then off whatever `enable_prefix_caching` says
+    routing_replay: bool = False
 
 
 def check_graph_safe_updates(enforce_eager: bool, update_memory: str) -> None:
@@ -147,7 +150,7 @@ def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "seed": cfg.seed,
         "enforce_eager": cfg.enforce_eager,
-        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "enable_prefix_caching": cfg.enable_prefix_caching and not cfg.routing_replay,
         **memory_kwargs(cfg, device),
         "logprobs_mode": "processed_logprobs",
         "async_scheduling": False,
@@ -165,11 +168,11 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
 class InflightEngine:
     """AsyncLLM and its collaborators: generation, weight updates, the weights group. One per serve process."""
 
-    def __init__(self, llm: AsyncLLM, signals: StagedSignals, version: int = 0):
+    def __init__(self, llm: AsyncLLM, signals: StagedSignals, version: int = 0, routes: bool = False):
         self.llm, self.signals = llm, signals
         self.served = ServedVersion(version)
         self.requests = RunningRequests()
-        self.generation = VersionedGeneration(llm, self.served, self.requests)
+        self.generation = VersionedGeneration(llm, self.served, self.requests, routes)
         self.updates = WeightUpdates(llm, self.served, self.requests, signals)
 
     @classmethod
@@ -178,8 +181,10 @@ class InflightEngine:
 
         if cfg.update_memory not in UPDATE_MEMORY:
             raise ValueError(f"update_memory is {cfg.update_memory!r}, expected one of {list(UPDATE_MEMORY)}")
-        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg)), StagedSignals(), version)
+        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg)), StagedSignals(), version, cfg.routing_replay)
         try:
+            if cfg.routing_replay:
+                await engine.llm.collective_rpc("inflight_record_routes")
             await engine.llm.collective_rpc("inflight_set_update_memory", args=(cfg.update_memory,))
             await engine.llm.collective_rpc("inflight_signal_staged_to", args=(engine.signals.address,))
             await engine.llm.engine_core.call_utility_async("inflight_track_kv", version)  # also sets the version
