@@ -160,6 +160,7 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
         head_dtype=cfg.head_dtype,
         update_memory=mode.update_memory,
         gpu_plan=plan,
+        routing_replay=cfg.routing_replay == "on",
     )
 
 
