@@ -104,3 +104,9 @@ def test_stitching_keeps_the_first_requests_rows_and_appends_the_positions_it_ne
 
 def test_expert_ids_take_the_smallest_unsigned_type_that_holds_them():
     assert id_dtype(4) == np.uint8 and id_dtype(256) == np.uint8 and id_dtype(257).itemsize == 2
+
+
+def test_a_dense_model_is_refused_at_start_with_routing_replay_on(loop, model_dirs):
+    with pytest.raises(Exception, match="no MoE router"):
+        engine = start_engine(loop, model_dirs["tiny-llama"], routing_replay=True)
+        stop_engine(loop, engine)  # only reached if the refusal is missing

@@ -71,3 +71,10 @@ def test_routes_of_another_length_or_type_are_refused_naming_the_field():
 def test_uint16_routes_for_models_of_more_than_256_experts_round_trip():
     sent = Routes((np.arange(16, dtype="<u2") * 40).tobytes(), 2, 2, "uint16")
     assert routes_of(decode_rollout(encode_rollout(record(sent)))).array().max() == 600
+
+
+def test_a_serve_and_a_learner_that_disagree_on_routing_replay_are_refused_naming_the_flag():
+    from inflight.wire.contract import RunContract
+
+    serve, learner = RunContract(dtype="bfloat16"), RunContract(dtype="bfloat16", routing_replay="on")
+    assert "--routing-replay" in serve.mismatch(learner, "s") and learner.mismatch(learner, "s") == ""
