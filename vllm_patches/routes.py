@@ -63,6 +63,13 @@ class RouteRecorder:
 
     def __init__(self, model_runner: Any, num_experts: int) -> None:
         self.runner = model_runner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the V1 runner (the CPU one is a subclass)
+
+        if not isinstance(model_runner, GPUModelRunner):  # model runner v2 (CUDA with Triton) lays batches out anew
+            raise ValueError(
+                "routing replay records on vLLM's V1 model runner, whose `input_batch` gives each step's request "
+                f"order; this engine runs {type(model_runner).__module__}: serve it with --routing-replay off"
+            )
         model = model_runner.get_model()
         routers = moe_routers(model)
         if not routers:
@@ -83,14 +90,15 @@ class RouteRecorder:
 
     def _capture_for(self, index: int):
         def capture(topk_ids: torch.Tensor) -> None:
-            # why a copy: the router's output buffer may be reused by the next layer or step
-            self._step[index] = topk_ids.detach().to("cpu", torch.int32, copy=True)
+            # why a copy: the router's output buffer may be reused by the next layer; kept on its device, so a GPU
+            # is not synchronised once per layer: the step's rows come to the host together in `_file`
+            self._step[index] = topk_ids.detach().clone()
 
         return capture
 
     def _keep_positions(self, module, args, kwargs) -> None:
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        self._positions = None if positions is None else positions.detach().to("cpu", copy=True)
+        self._positions = None if positions is None else positions.detach().clone()
 
     def _execute_and_file(self, scheduler_output, *args, **kwargs):
         self._step, self._positions = [None] * self.layers, None
@@ -107,9 +115,9 @@ class RouteRecorder:
         if any(s is None for s in self._step):
             missing = [i for i, s in enumerate(self._step) if s is None]
             raise RuntimeError(f"routing record: MoE layers {missing} routed no tokens in a step of {total} tokens")
-        ids = torch.stack([s[:total] for s in self._step], dim=1).numpy().astype(self.dtype)  # [total, layers, k]
-        self.top_k = ids.shape[2]
-        positions = self._positions.reshape(-1)[:total].numpy().astype(np.int64)
+        ids = torch.stack([s[:total].to(torch.int32) for s in self._step], dim=1).cpu().numpy().astype(self.dtype)
+        self.top_k = ids.shape[2]  # [total, layers, k]
+        positions = self._positions.reshape(-1)[:total].cpu().numpy().astype(np.int64)
         start = 0
         for req_id in req_ids:
             n = scheduled[req_id]
