@@ -110,3 +110,26 @@ def test_a_dense_model_is_refused_at_start_with_routing_replay_on(loop, model_di
     with pytest.raises(Exception, match="no MoE router"):
         engine = start_engine(loop, model_dirs["tiny-llama"], routing_replay=True)
         stop_engine(loop, engine)  # only reached if the refusal is missing
+
+
+def test_an_episode_keeps_each_turns_first_routes_and_its_record_validates_ending_on_environment_tokens():
+    from inflight.serve.episodes import Episode
+    from inflight.wire.rollouts import Routes, Sampling, Times, decode_rollout, encode_rollout, make_rollout
+    from vllm_patches.generation import Completion
+
+    def rows(values: list[int]) -> RoutedExperts:
+        return RoutedExperts(np.asarray(values, dtype=np.uint8).tobytes(), len(values), 1, 1, "uint8")
+
+    ep = Episode(prompt_ids=[1, 2, 3])
+    ep.add_policy(Completion("t0", [1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0], "stop", [0, 0], routes=rows([0, 0, 0, 0])))
+    ep.add_env([6, 7])  # fed by the next turn's prefill, with the policy's last token
+    turn = Completion("t1", [1, 2, 3, 4, 5, 6, 7], [8], [-0.3], [1], "stop", [1], routes=rows([1] * 7))
+    ep.add_policy(turn)
+    assert np.frombuffer(ep.routes.ids, np.uint8).tolist() == [0, 0, 0, 0, 1, 1, 1]  # turn 1's rows from position 4
+    ep.add_env([9])  # the episode ends on an environment message: its tokens are never fed
+    record = make_rollout(prompt_ids=ep.prompt_ids, completion_ids=ep.token_ids, logprobs=ep.logprobs,
+                          versions=ep.versions, kv_versions=ep.kv_versions, roles=ep.env, rollout_id="r", group_id="g",
+                          group_size=1, index=0, server_id="s", model="m", reward=0.0, finish_reason="stop",
+                          sampling=Sampling(1.0), times=Times(0.0, 0.0, 0.0),
+                          routes=Routes(ep.routes.ids, 1, 1, "uint8"))  # fmt: skip
+    assert decode_rollout(encode_rollout(record)).routes.array().shape == (7, 1, 1)  # of 8 fed positions
