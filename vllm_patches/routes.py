@@ -30,7 +30,11 @@ import torch
 
 from vllm_patches.kv_age import external_id
 
-MAX_UNCLAIMED = 1 << 12  # requests whose routes nobody took (aborted clients) kept before the oldest are dropped
+# Routes nobody takes (an aborted client; a request of the serve's OpenAI API, which never asks) are dropped, least
+# recently fed first, beyond this many requests or bytes; a request still generating was fed in the last step, so it
+# is the last to go.
+MAX_UNCLAIMED = 1 << 12
+MAX_UNCLAIMED_BYTES = 1 << 30
 
 
 class RoutedExperts(msgspec.Struct, forbid_unknown_fields=True):
@@ -82,6 +86,7 @@ class RouteRecorder:
         self._step: list[torch.Tensor | None] = [None] * self.layers
         self._positions: torch.Tensor | None = None
         self.pending: OrderedDict[str, list[tuple[np.ndarray, np.ndarray]]] = OrderedDict()
+        self.pending_bytes = 0
         for index, (_, router) in enumerate(routers):
             router.set_capture_fn(self._capture_for(index))
         model.register_forward_pre_hook(self._keep_positions, with_kwargs=True)
@@ -121,11 +126,14 @@ class RouteRecorder:
         start = 0
         for req_id in req_ids:
             n = scheduled[req_id]
-            chunks = self.pending.setdefault(external_id(req_id), [])
-            chunks.append((positions[start : start + n], ids[start : start + n]))
+            # copies: a view would keep the whole step alive for as long as its longest request
+            key, chunk = external_id(req_id), (positions[start : start + n].copy(), ids[start : start + n].copy())
+            self.pending.setdefault(key, []).append(chunk)
+            self.pending.move_to_end(key)
+            self.pending_bytes += _nbytes([chunk])
             start += n
-        while len(self.pending) > MAX_UNCLAIMED:
-            self.pending.popitem(last=False)
+        while len(self.pending) > MAX_UNCLAIMED or self.pending_bytes > MAX_UNCLAIMED_BYTES:
+            self.pending_bytes -= _nbytes(self.pending.popitem(last=False)[1])
 
     def take(self, request_id: str) -> RoutedExperts | None:
         """The request's routes for positions 0..n−1 (n: one past the last fed position), once; None if none were
@@ -133,6 +141,7 @@ class RouteRecorder:
         chunks = self.pending.pop(request_id, None)
         if not chunks:
             return None
+        self.pending_bytes -= _nbytes(chunks)
         n = int(max(int(p.max()) for p, _ in chunks)) + 1
         rows = np.zeros((n, self.layers, self.top_k), dtype=self.dtype)
         fed = np.zeros(n, dtype=bool)
@@ -144,6 +153,10 @@ class RouteRecorder:
                 "(prefix caching must be off with routing replay)"
             )
         return RoutedExperts(rows.tobytes(), n, self.layers, self.top_k, self.dtype.name)
+
+
+def _nbytes(chunks: list[tuple[np.ndarray, np.ndarray]]) -> int:
+    return sum(p.nbytes + i.nbytes for p, i in chunks)
 
 
 def stitch(before: RoutedExperts | None, after: RoutedExperts | None) -> RoutedExperts | None:
