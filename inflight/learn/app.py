@@ -42,7 +42,7 @@ from inflight.wire.records import StepMetrics
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from learner.losses import LossConfig
 from learner.model import PolicyModel, full_hf_state, iter_full_pieces, load_policy, shard_policy
-from learner.routing_replay import RoutingReplay
+from learner.routing_replay import RoutingReplay, RoutingReplayError
 from learner.step import AUTOCAST, Batch, Sample, TrainConfig, make_batch, make_optimizer, train_step
 from learner.truncation import Truncation
 from learner.world import World, WorldError, start_world
@@ -348,7 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     _resolve_precision(cfg, world)
     if world.rank == 0:
         write_resolved(cfg, Path(cfg.run_dir) / "learn-config.json")
-    learner = Learner(cfg, world)
+    try:
+        learner = Learner(cfg, world)
+    except RoutingReplayError as exc:  # --routing-replay on for a model it cannot replay: refused at start, by name
+        world.close(False)
+        raise SystemExit(f"inflight.learn: {exc}") from None
 
     for stop in (signal.SIGTERM, signal.SIGINT):  # stop after the step in progress, checkpointed and exported
         signal.signal(stop, lambda *_: setattr(learner, "stop_requested", True))

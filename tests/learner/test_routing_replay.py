@@ -107,3 +107,11 @@ def test_a_dense_architecture_is_refused_at_start_naming_it():
     )
     with pytest.raises(RoutingReplayError, match="Qwen2ForCausalLM.*'qwen2'"):
         RoutingReplay(Qwen2ForCausalLM(config))
+
+
+def test_the_learner_with_routing_replay_on_refuses_a_dense_model_at_start_naming_it(tmp_path):
+    from inflight.learn.app import main
+
+    with pytest.raises(SystemExit, match=r"inflight.learn: --routing-replay on cannot replay LlamaForCausalLM"):
+        main(["--model", "tiny-llama", "--routing-replay", "on", "--device", "cpu", "--run-dir", str(tmp_path / "r"),
+              "--rollouts-port", "1", "--control-port", "1"])  # fmt: skip  # port 1: nothing may have bound
