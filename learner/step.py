@@ -271,11 +271,11 @@ def _replay_metrics(
     model: PolicyModel, batch: Batch, cfg: TrainConfig, replay: RoutingReplay, probe_mask: torch.Tensor | None
 ) -> dict[str, float]:
     """Routing agreement of the replayed forward, and the probe's mismatch without replay. The unreplayed forward runs
-    on every rank whether or not its slice has routes (replay is on for all ranks alike): under FSDP2 it is a
-    collective."""
+    only when some rank has a probe token (a step of stale tokens only has none), and then on every rank, whether or
+    not its own slice has one: under FSDP2 a forward is a collective."""
     agreement = replay.take_agreement()
     metrics = {"route_matches": float(agreement.matches), "route_total": float(agreement.total)}
-    if probe_mask is not None:
+    if probe_mask is not None and _sum_over_ranks(probe_mask.sum().to(torch.float64), model) > 0:
         with torch.no_grad():
             plain = model(
                 batch.input_ids,

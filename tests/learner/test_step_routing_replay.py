@@ -80,3 +80,15 @@ def test_train_step_with_other_routes_lowers_agreement_and_trains_the_router(tin
     # the replayed forward is another model: its logprobs are off the behaviour ones, the unreplayed ones are not
     assert metrics["probe_abs_logratio_sum"] > metrics["probe_abs_logratio_sum_unreplayed"] + 1e-3
     assert all(not torch.equal(b, r.weight.detach()) for b, r in zip(before, replay.routers, strict=True))
+
+
+def test_a_step_without_probe_tokens_runs_no_unreplayed_forward(tiny_moe):
+    model = copy.deepcopy(tiny_moe)
+    replay = RoutingReplay(model.hf)
+    batch = make_batch(samples(model, replay), pad_id=0)
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    metrics = train_step(model, make_optimizer(model, TrainConfig()), batch, TrainConfig(),
+                         probe_mask=torch.zeros_like(batch.mask), replay=replay)  # fmt: skip
+    assert "probe_abs_logratio_sum_unreplayed" not in metrics and len(calls) == 1
+    assert metrics["route_total"] > 0
