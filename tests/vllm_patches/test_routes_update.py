@@ -1,7 +1,8 @@
 """The routing record across a never-stop weight update on the real engine (tiny-moe, float32 as in test_routes.py):
 every position keeps the route of the forward that first computed it, so the record is exactly what sampled each
 token. With kv="keep" the positions after the commit are routed by the new weights over the old weights' KV; with
-kv="recompute" the re-prefill routes the positions before the commit again, and the record keeps their first route."""
+kv="recompute" the re-prefill routes the positions before the commit again, and the record keeps their first route;
+with abort-resume the resubmission's routes are stitched to the aborted request's."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def routed(model, ids: list[int], past=None):
     return torch.stack([i for _, i in seen], dim=1).sort(dim=-1).values.numpy(), gaps.min(0).values.numpy(), out
 
 
-def commit_during(env, loop, rid: str, kv: str):
+def commit_during(env, loop, rid: str, kv: str, mode: str):
     engine, sender = env["engine"], env["sender"]
 
     async def run():
@@ -64,7 +65,7 @@ def commit_during(env, loop, rid: str, kv: str):
         task = asyncio.ensure_future(engine.generate(env["prompt"], params, rid))
         await asyncio.sleep(0.5)
         assert not task.done(), "the request finished before the update: make it longer"
-        report = await sender.push(engine, env["b"], engine.version + 1, kv=kv)
+        report = await sender.push(engine, env["b"], engine.version + 1, mode=mode, kv=kv)
         done = await task
         await sender.push(engine, {n: t.float() for n, t in env["a"].items()}, engine.version + 1)  # back to A
         return done, report
@@ -79,9 +80,13 @@ def assert_routes_equal(got: np.ndarray, want: np.ndarray, gap: np.ndarray, what
     assert (~decided).sum() <= 2, f"{what}: {(~decided).sum()} near ties: pick another prompt"
 
 
-@pytest.mark.parametrize("kv", ["keep", "recompute"])
-def test_each_position_keeps_the_route_that_first_computed_it_across_a_commit(env, loop, kv):
-    done, report = commit_during(env, loop, f"routes-{kv}", kv)
+# abort-resume: the request is aborted, updated and resubmitted (prompt + partial tokens, another request id): its
+# routes are the two requests' stitched (vllm_patches/routes.py:stitch), B's over B's own KV from the resubmission on
+@pytest.mark.parametrize(
+    ("kv", "mode"), [("keep", "never-stop"), ("recompute", "never-stop"), ("keep", "abort-resume")]
+)
+def test_each_position_keeps_the_route_that_first_computed_it_across_a_commit(env, loop, kv, mode):
+    done, report = commit_during(env, loop, f"routes-{kv}-{mode}", kv, mode)
     switch = done.versions.index(report.version)  # the first token the new weights sampled
     assert 0 < switch < LONG, f"the commit landed outside the request (token {switch})"
     seq = env["prompt"] + done.token_ids
@@ -90,9 +95,11 @@ def test_each_position_keeps_the_route_that_first_computed_it_across_a_commit(en
     assert got.shape[0] == len(seq) - 1
     before, gap_a, out_a = routed(env["A"], seq[:cut])
     assert_routes_equal(got[:cut], before, gap_a, f"kv={kv}, before the commit (A)")
-    if kv == "keep":  # B over A's KV of the positions before the commit
+    if mode == "abort-resume":
+        assert done.resubmissions == 1
+    if kv == "keep" and mode == "never-stop":  # B over A's KV of the positions before the commit
         after, gap_b, _ = routed(env["B"], seq[cut:-1], past=out_a.past_key_values)
-    else:  # recomputed: B over its own KV of the whole sequence
+    else:  # recomputed or resubmitted: B over its own KV of the whole sequence
         whole, gaps, _ = routed(env["B"], seq[:-1])
         after, gap_b = whole[cut:], gaps[cut:]
     assert_routes_equal(got[cut:], after, gap_b, f"kv={kv}, from the commit on (B)")
