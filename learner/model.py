@@ -250,10 +250,27 @@ def full_hf_state(model: PolicyModel) -> dict[str, torch.Tensor]:
         state = _copy_aliases_of_live_params(state, model)
     else:
         state = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
-    state = {_hf_name(name): t for name, t in state.items() if not is_lora_name(name)}
+    state = {
+        k: v
+        for name, t in state.items()
+        if not is_lora_name(name)
+        for k, v in checkpoint_named(model.hf, _hf_name(name), t).items()
+    }
     if getattr(model.hf.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
+
+
+def checkpoint_named(hf_model: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's tensor `name` as the checkpoint stores it: one or more tensors under the checkpoint's names.
+
+    Why: transformers 5 loads some checkpoints through a conversion (an MoE layer's per-expert matrices fused into one
+    3D `experts.gate_up_proj` / `experts.down_proj`, Mixtral's `block_sparse_moe` renamed `mlp`); `save_pretrained`
+    reverts it, and so must every state the learner hands a serve, which loads (and checks updates against) the
+    checkpoint's names. The identity for a model loaded without a conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(hf_model, {name: t})
 
 
 class Piece(NamedTuple):
@@ -276,7 +293,12 @@ def iter_full_pieces(model: PolicyModel, max_piece_bytes: int = 16 << 20) -> Ite
     parameter or rank 0's own shard: valid until the next piece is asked for; copy what must outlive that, never write.
     """
     for hf_name, t in local_hf_state(model):
-        if not isinstance(t, DTensor):
+        if _converted(model.hf, hf_name, t.shape):  # whole, then split as the checkpoint stores it (`checkpoint_named`)
+            full = t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()  # (collective when sharded)
+            if not isinstance(t, DTensor) or dist.get_rank(t.device_mesh.get_group()) == 0:
+                for name, part in checkpoint_named(model.hf, hf_name, full).items():
+                    yield Piece(name, part.shape, 0, part.contiguous())
+        elif not isinstance(t, DTensor):
             yield Piece(hf_name, t.shape, 0, t.detach())
         elif _row_sharded(t):
             yield from _rows_to_rank0(hf_name, t.detach(), max_piece_bytes)
@@ -296,6 +318,11 @@ def local_hf_state(model: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:
         hf_name = _hf_name(name)
         if not (tied and hf_name == "lm_head.weight"):
             yield hf_name, t
+
+
+def _converted(hf_model: torch.nn.Module, name: str, shape: torch.Size) -> bool:
+    """Whether the checkpoint stores `name` otherwise (`checkpoint_named`), asked of a shape-only tensor."""
+    return list(checkpoint_named(hf_model, name, torch.empty(shape, device="meta"))) != [name]
 
 
 def _row_sharded(t: DTensor) -> bool:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from learner.fused_loss import FUSED_MODES, FusedLossInputs, fused_enabled
 from learner.losses import LossConfig, policy_loss
 from learner.model import PolicyModel, PolicyOutput
+from learner.routing_replay import NO_ROUTE, RoutingReplay
 from learner.truncation import Truncation
 
 AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}
@@ -88,6 +90,9 @@ class Sample(NamedTuple):
     behaviour_logprobs: list[float]  # vLLM's logprob of each completion token, after temperature
     advantage: float
     token_mask: list[bool]  # per completion token: False = do not train on it (e.g. too stale)
+    # MoE routing replay: int [positions, MoE layers, top_k], the experts input token t was routed to when sampled
+    # (t < positions <= prompt + completion − 1); None = none recorded (learner/routing_replay.py)
+    routes: Any = None
 
 
 @dataclass
@@ -104,9 +109,16 @@ class Batch:
     advantages: torch.Tensor  # float32
     mask: torch.Tensor  # bool
     seq_ids: torch.Tensor  # int64, the row index
+    # int64 [B, L, MoE layers, top_k]: the recorded experts of input position t, NO_ROUTE where none; None when no
+    # sample has routes
+    routes: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return Batch(*(_to(getattr(self, f), device) for f in self.__dataclass_fields__))
+
+
+def _to(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def make_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
@@ -140,7 +152,28 @@ def make_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
         batch.behaviour_logp[row, completion] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         batch.advantages[row, completion] = float(s.advantage)
         batch.mask[row, completion] = torch.tensor(s.token_mask, dtype=torch.bool)
+    batch.routes = _batch_routes(samples, shape)
     return batch
+
+
+def _batch_routes(samples: Sequence[Sample], shape: tuple[int, int]) -> torch.Tensor | None:
+    """The samples' routes as one [B, L, layers, top_k] tensor (NO_ROUTE where a row has none); None if none has."""
+    given = [torch.as_tensor(s.routes, dtype=torch.int64) for s in samples if s.routes is not None]
+    if not given:
+        return None
+    layout = given[0].shape[1:]
+    routes = torch.full((*shape, *layout), NO_ROUTE, dtype=torch.int64)
+    for row, s in enumerate(samples):
+        if s.routes is None:
+            continue
+        r = torch.as_tensor(s.routes, dtype=torch.int64)
+        if r.shape[1:] != layout or r.shape[0] > shape[1]:
+            raise ValueError(
+                f"samples[{row}].routes has shape {tuple(r.shape)}, expected at most {shape[1]} positions of "
+                f"{tuple(layout)} (the other samples'): its rollout was recorded from another model"
+            )
+        routes[row, : r.shape[0]] = r
+    return routes
 
 
 def _check_sample(index: int, s: Sample) -> None:
@@ -169,6 +202,7 @@ def train_step(
     global_tokens: int | None = None,
     global_sequences: int | None = None,
     probe_mask: torch.Tensor | None = None,
+    replay: RoutingReplay | None = None,
 ) -> dict[str, float]:
     """Forward, loss, backward, clip, AdamW step, zero grads; the same on every data-parallel rank (collective).
 
@@ -179,6 +213,9 @@ def train_step(
     `policy_loss` metrics (tokens, clip_fraction, ess, mean_abs_logratio).
     `probe_mask` ([B, L] bool, optional): also report `probe_abs_logratio_sum` and `probe_tokens` (rank-local) — the
     learner uses it for |logπθ − logμ| on lag-0 tokens, the mismatch floor between trainer and sampler.
+    `replay` (MoE routing replay, learner/routing_replay.py): the forward routes every token to `batch.routes`; the
+    metrics then add `route_matches` / `route_total` (rank-local routing agreement) and, with `probe_mask`,
+    `probe_abs_logratio_sum_unreplayed`: the probe's mismatch in one more forward (no graph), routed by the model.
     `batch` and `probe_mask` may be built on the CPU (`make_batch`): they are moved to the model's device (the
     learner's `learner/world.py:World.device`), a no-op where they already are.
     """
@@ -189,10 +226,13 @@ def train_step(
     given = global_tokens if cfg.loss.aggregation == "token" else global_sequences
     normalizer = float(given) if given is not None else _global_count(batch, cfg.loss.aggregation, model)
     normalizer = max(normalizer, 1.0)  # nothing trains anywhere: a zero loss, not 0 / 0
-    out = _forward_loss(model, batch, cfg, normalizer, probe_mask)
+    with replay.replaying(batch.routes) if replay is not None else nullcontext():
+        out = _forward_loss(model, batch, cfg, normalizer, probe_mask)
     metrics = dict(out.metrics)
     if probe_mask is not None:
         metrics.update(_probe_metrics(out.logp, batch.behaviour_logp, probe_mask))
+    if replay is not None:
+        metrics.update(_replay_metrics(model, batch, cfg, replay, probe_mask))
     (out.loss * world_size).backward()  # FSDP2 divides the reduced gradient by world_size; this undoes it
     grad_norm = _clip_grad_norm(model, cfg.grad_clip)
     optimizer.step()
@@ -225,6 +265,30 @@ def _forward_loss(
     flat = [t.reshape(-1) for t in (out.logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
     result = policy_loss(*flat, cfg.loss, normalizer=normalizer)
     return PolicyOutput(out.logp, result.loss, result.metrics)
+
+
+def _replay_metrics(
+    model: PolicyModel, batch: Batch, cfg: TrainConfig, replay: RoutingReplay, probe_mask: torch.Tensor | None
+) -> dict[str, float]:
+    """Routing agreement of the replayed forward, and the probe's mismatch without replay. The unreplayed forward runs
+    only when some rank has a probe token (a step of stale tokens only has none), and then on every rank, whether or
+    not its own slice has one: under FSDP2 a forward is a collective."""
+    agreement = replay.take_agreement()
+    metrics = {"route_matches": float(agreement.matches), "route_total": float(agreement.total)}
+    if probe_mask is not None and _sum_over_ranks(probe_mask.sum().to(torch.float64), model) > 0:
+        with torch.no_grad():
+            plain = model(
+                batch.input_ids,
+                batch.targets,
+                cfg.temperature,
+                cfg.chunk_tokens,
+                positions=probe_mask,
+                autocast=AUTOCAST[cfg.autocast],
+                truncation=cfg.truncation,
+            )
+        unreplayed = _probe_metrics(plain.logp, batch.behaviour_logp, probe_mask)
+        metrics["probe_abs_logratio_sum_unreplayed"] = unreplayed["probe_abs_logratio_sum"]
+    return metrics
 
 
 def _probe_metrics(logp: torch.Tensor, behaviour_logp: torch.Tensor, probe_mask: torch.Tensor) -> dict[str, float]:

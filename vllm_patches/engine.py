@@ -61,6 +61,9 @@ class EngineConfig:
     # None serves the model's own weights. `lora_rank` is that adapter's rank (vLLM's max_lora_rank holds it).
     lora_dir: str | None = None
     lora_rank: int = 0
+    # --routing-replay on: the workers record every token's routed experts (vllm_patches/routes.py), which needs every
+    # position fed, so prefix caching is then off whatever `enable_prefix_caching` says
+    routing_replay: bool = False
 
 
 def check_graph_safe_updates(enforce_eager: bool, update_memory: str) -> None:
@@ -152,7 +155,7 @@ def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "seed": cfg.seed,
         "enforce_eager": cfg.enforce_eager,
-        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "enable_prefix_caching": cfg.enable_prefix_caching and not cfg.routing_replay,
         **memory_kwargs(cfg, device),
         **lora_kwargs(cfg),
         "logprobs_mode": "processed_logprobs",
@@ -178,12 +181,19 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
 class InflightEngine:
     """AsyncLLM and its collaborators: generation, weight updates, the weights group. One per serve process."""
 
-    def __init__(self, llm: AsyncLLM, signals: StagedSignals, version: int = 0, lora_dir: str | None = None):
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        signals: StagedSignals,
+        version: int = 0,
+        lora_dir: str | None = None,
+        routes: bool = False,
+    ):
         self.llm, self.signals = llm, signals
         self.served = ServedVersion(version)
         self.requests = RunningRequests()
         self.lora = lora_request(lora_dir) if lora_dir is not None else None  # every request's adapter
-        self.generation = VersionedGeneration(llm, self.served, self.requests, self.lora)
+        self.generation = VersionedGeneration(llm, self.served, self.requests, self.lora, routes)
         self.updates = WeightUpdates(llm, self.served, self.requests, signals)
 
     @classmethod
@@ -192,11 +202,14 @@ class InflightEngine:
 
         if cfg.update_memory not in UPDATE_MEMORY:
             raise ValueError(f"update_memory is {cfg.update_memory!r}, expected one of {list(UPDATE_MEMORY)}")
-        engine = cls(AsyncLLM.from_engine_args(engine_args(cfg)), StagedSignals(), version, cfg.lora_dir)
+        llm = AsyncLLM.from_engine_args(engine_args(cfg))
+        engine = cls(llm, StagedSignals(), version, cfg.lora_dir, cfg.routing_replay)
         try:
             if engine.lora is not None:
                 await engine.llm.add_lora(engine.lora)
                 await engine.llm.collective_rpc("inflight_use_adapter", args=(cfg.lora_dir,))
+            if cfg.routing_replay:
+                await engine.llm.collective_rpc("inflight_record_routes")
             await engine.llm.collective_rpc("inflight_set_update_memory", args=(cfg.update_memory,))
             await engine.llm.collective_rpc("inflight_signal_staged_to", args=(engine.signals.address,))
             await engine.llm.engine_core.call_utility_async("inflight_track_kv", version)  # also sets the version

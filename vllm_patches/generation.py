@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_patches.kv_age import kv_ages
+from vllm_patches.routes import RoutedExperts, stitch
+from vllm_patches.rpc import rpc_result
 
 if TYPE_CHECKING:  # vLLM is imported when a request is submitted: this module is imported for the config checks too
     from vllm import SamplingParams
@@ -43,6 +45,9 @@ class Completion:
     text: str = ""
     resubmissions: int = 0
     first_token_time: float = 0.0  # time.time() when the first token came out
+    # --routing-replay on: the top-k experts of every fed position (prompt + tokens − 1) in every MoE layer
+    # (vllm_patches/routes.py); None when routes are not recorded
+    routes: RoutedExperts | None = None
 
 
 class VersionSpanError(RuntimeError):
@@ -121,10 +126,16 @@ class VersionedGeneration:
     """Submits requests to `llm` under the served version's cache salt and stitches what comes back per token."""
 
     def __init__(
-        self, llm: AsyncLLM, served: ServedVersion, requests: RunningRequests, lora: LoRARequest | None = None
+        self,
+        llm: AsyncLLM,
+        served: ServedVersion,
+        requests: RunningRequests,
+        lora: LoRARequest | None = None,
+        routes: bool = False,
     ):
         self.llm, self.served, self.requests = llm, served, requests
         self.lora = lora  # the serve's adapter (vllm_patches/adapter.py), on every request; None: the model alone
+        self.record_routes = routes  # the workers record routes (InflightEngine.start, --routing-replay on)
         self.tokens_generated = 0  # every token streamed out, finished or not (for live tokens/s)
         # Ablation counters: requests resubmitted after an abort-resume update and the prompt + partial tokens their
         # resubmission prefills again.
@@ -140,12 +151,18 @@ class VersionedGeneration:
             final = await self._generate_once(done, params, rid)
             spans = await self.llm.engine_core.call_utility_async("inflight_kv_spans", rid)
             _append(done, final, [tuple(s) for s in spans])
+            if self.record_routes:
+                done.routes = stitch(done.routes, await self._routes(rid))
             if not self.requests.take_aborted(rid):
                 return done
             await self.requests.resumed.wait()
             done.resubmissions += 1
             self.resubmitted += 1
             self.recomputed_tokens += len(done.prompt_ids) + len(done.token_ids)
+
+    async def _routes(self, rid: str) -> RoutedExperts | None:
+        routes = await self.llm.engine_core.call_utility_async("inflight_routes", rid)
+        return None if routes is None else rpc_result(routes, RoutedExperts, "inflight_routes")
 
     async def _generate_once(self, done: Completion, params: SamplingParams, rid: str) -> RequestOutput:
         from vllm.inputs import TokensPrompt

@@ -1,6 +1,6 @@
 """vLLM general plugin (entry point `vllm.general_plugins: inflight`): adds the `inflight_commit`, `inflight_park`,
-`inflight_track_kv` and `inflight_kv_spans` utilities to EngineCore, and the KV-age hook to the scheduler
-(vllm_patches/kv_age.py).
+`inflight_track_kv`, `inflight_kv_spans` and `inflight_routes` utilities to EngineCore, and the KV-age hook to the
+scheduler (vllm_patches/kv_age.py).
 
 vLLM loads general plugins in every process; `register` is idempotent and only adds a method. EngineCore runs utility
 calls in `_process_input_queue`, strictly between two `step()` calls, and on the synchronous step path (the CPU
@@ -73,11 +73,17 @@ def inflight_kv_spans(self, request_id: str) -> list[tuple[int, int]]:
     return [] if tracker is None else tracker.spans(request_id)
 
 
+def inflight_routes(self, request_id: str):
+    """EngineCore utility: a finished request's routed experts (vllm_patches/routes.py:RoutedExperts), handed over
+    once; None unless the workers record routes. Every tensor-parallel rank routes the same tokens alike: rank 0's."""
+    return self.collective_rpc("inflight_take_routes", args=(request_id,))[0]
+
+
 def register() -> None:
     # Imported here: vLLM loads its general plugins while it is itself being imported and set up in every process.
     from vllm.v1.engine.core import EngineCore
 
-    for method in (inflight_commit, inflight_park, inflight_track_kv, inflight_kv_spans):
+    for method in (inflight_commit, inflight_park, inflight_track_kv, inflight_kv_spans, inflight_routes):
         if getattr(EngineCore, method.__name__, None) is not method:
             setattr(EngineCore, method.__name__, method)
     install()

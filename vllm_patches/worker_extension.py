@@ -38,6 +38,7 @@ from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.commit import LiveWeights, ModelRunner
 from vllm_patches.cores import on_spare_cores
 from vllm_patches.prepared import ShadowPreparer
+from vllm_patches.routes import RoutedExperts, RouteRecorder
 from vllm_patches.rpc import CommitApplied, GroupJoined, HeldWeights, StageStatus
 from vllm_patches.staging import PrepareUpdate, StagedNotifier, StagedUpdate, StageState
 
@@ -106,6 +107,7 @@ class InflightWorkerExtension:
     rank: int
     # vLLM never calls an __init__ of the extension: the state is made at the first call.
     _inflight: WorkerUpdateState | None = None
+    _inflight_routes: RouteRecorder | None = None  # set by inflight_record_routes (--routing-replay on)
 
     def _inflight_state(self) -> WorkerUpdateState:
         if self._inflight is None:
@@ -199,3 +201,15 @@ class InflightWorkerExtension:
         every update must be an update of it. Returns True."""
         self._inflight_state().adapter = AdapterSlot(self.model_runner, ServedAdapter.read(path))
         return True
+
+    def inflight_record_routes(self) -> int:
+        """Record every fed token's top-k experts in every MoE layer from now on (vllm_patches/routes.py); refused
+        for a model without MoE layers. Returns the number of MoE layers; idempotent."""
+        if self._inflight_routes is None:
+            experts = int(self.model_config.get_num_experts())
+            self._inflight_routes = RouteRecorder(self.model_runner, experts)
+        return self._inflight_routes.layers
+
+    def inflight_take_routes(self, request_id: str) -> RoutedExperts | None:
+        """A finished request's recorded routes, handed over once; None when routes are not recorded."""
+        return None if self._inflight_routes is None else self._inflight_routes.take(request_id)

@@ -25,6 +25,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -43,6 +44,7 @@ from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoin
 from learner.lora import adapter_state
 from learner.losses import LossConfig
 from learner.model import PolicyModel, full_hf_state, iter_full_pieces, load_policy, shard_policy
+from learner.routing_replay import RoutingReplay, RoutingReplayError
 from learner.step import AUTOCAST, Batch, Sample, TrainConfig, make_batch, make_optimizer, train_step
 from learner.truncation import Truncation
 from learner.world import World, WorldError, start_world
@@ -90,7 +92,8 @@ class TrainInputs:
     def of(cls, samples: list[GatedSample], rank: int, world: int) -> TrainInputs:
         mine = samples[rank::world]
         as_train = [
-            Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.token_mask) for s in mine
+            Sample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.token_mask, _routes(s))
+            for s in mine
         ]
         batch = make_batch(as_train, pad_id=0)  # on the CPU: train_step moves it to the model's device
         fresh = [t._replace(token_mask=s.on_policy_prefix) for t, s in zip(as_train, mine, strict=True)]
@@ -98,6 +101,10 @@ class TrainInputs:
         tokens = sum(sum(s.token_mask) for s in samples)
         sequences = sum(any(s.token_mask) for s in samples)  # a wholly gated sample does not count
         return cls(batch, probe, tokens, sequences)
+
+
+def _routes(sample: GatedSample) -> np.ndarray | None:
+    return None if sample.routes is None else sample.routes.array()
 
 
 class Learner:
@@ -116,6 +123,8 @@ class Learner:
             shard_policy(self.model, world.mesh, world.layer_compute_dtype(AUTOCAST[cfg.autocast]))
         # with --lora-rank the adapter is what is published and exported (inflight/learn/adapter.py)
         self.adapter = AdapterOutputs(cfg, self.model, self.model_path, self.rank) if self.model.lora else None
+        # --routing-replay on: an architecture it cannot replay is refused here, at start, naming it
+        self.replay = RoutingReplay(self.model.hf) if cfg.routing_replay == "on" else None
         self.train_cfg = train_config(cfg)
         self.optimizer = make_optimizer(self.model, self.train_cfg)
         resumed = resume(self.run_dir, self.model, self.optimizer) if cfg.resume else Resumed()
@@ -179,12 +188,11 @@ class Learner:
             global_tokens=step.tokens,
             global_sequences=step.sequences,
             probe_mask=step.probe_mask,
+            replay=self.replay,
         )
         metrics["train_s"] = time.perf_counter() - start
-        if metrics.get("probe_tokens"):
-            metrics["mismatch_lag0"] = metrics["probe_abs_logratio_sum"] / metrics["probe_tokens"]
         metrics["train_tokens"] = step.tokens
-        return metrics
+        return _ratios(metrics)
 
     def _publish(self) -> dict:
         """Every rank gathers the full weights; rank 0 sends them as `version`: the StepMetrics `publish_*` fields.
@@ -265,6 +273,19 @@ def resume(run_dir: Path, model: PolicyModel, optimizer: torch.optim.Optimizer) 
     return Resumed(meta["version"], meta["step"], meta["consumed"], meta.get("consumed_by_server", {}))
 
 
+def _ratios(metrics: dict) -> dict:
+    """train_step's sums as the StepMetrics ratios: the lag-0 mismatch (with routing replay: with and without it) and
+    the routing agreement."""
+    probes = metrics.get("probe_tokens")
+    if probes:
+        metrics["mismatch_lag0"] = metrics["probe_abs_logratio_sum"] / probes
+        if "probe_abs_logratio_sum_unreplayed" in metrics:
+            metrics["mismatch_lag0_unreplayed"] = metrics["probe_abs_logratio_sum_unreplayed"] / probes
+    if metrics.get("route_total"):
+        metrics["routing_agreement"] = metrics["route_matches"] / metrics["route_total"]
+    return metrics
+
+
 def train_config(cfg: LearnConfig) -> TrainConfig:
     """The train step's settings from the flags (the loss, the sampler's truncation, precision, clipping)."""
     loss = LossConfig(kind=cfg.loss, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation)
@@ -298,6 +319,7 @@ def step_values(gate: GateStats, metrics: dict, waited: float, step_s: float, le
         "tokens_per_s": metrics.get("train_tokens", 0) / max(metrics.get("train_s", 1e-9), 1e-9),
         **metrics,
         **_episodes(gate),
+        **({"route_bytes_per_token": gate.route_bytes / gate.routed_tokens} if gate.routed_tokens else {}),
     }
 
 
@@ -344,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     _resolve_precision(cfg, world)
     if world.rank == 0:
         write_resolved(cfg, Path(cfg.run_dir) / "learn-config.json")
-    learner = Learner(cfg, world)
+    try:
+        learner = Learner(cfg, world)
+    except RoutingReplayError as exc:  # --routing-replay on for a model it cannot replay: refused at start, by name
+        world.close(False)
+        raise SystemExit(f"inflight.learn: {exc}") from None
 
     for stop in (signal.SIGTERM, signal.SIGINT):  # stop after the step in progress, checkpointed and exported
         signal.signal(stop, lambda *_: setattr(learner, "stop_requested", True))

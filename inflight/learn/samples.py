@@ -18,11 +18,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 
-from inflight.wire.rollouts import Rollout
+from inflight.wire.rollouts import Rollout, Routes, routes_of
 from learner.advantages import group_advantages
+
+_encoder = msgspec.msgpack.Encoder()
 
 
 @dataclass
@@ -39,6 +42,7 @@ class GatedSample:
     lags: list[int]
     kv_lags: list[int] = field(default_factory=list)  # learner version − version of the oldest KV attended to
     policy: list[bool] = field(default_factory=list)  # per token, False for an environment token; empty = all policy
+    routes: Routes | None = None  # the MoE routes its tokens were sampled under (--routing-replay on)
 
     @property
     def on_policy_prefix(self) -> list[bool]:
@@ -69,6 +73,10 @@ class GateStats:
     env_tokens: int = 0  # environment tokens of the batch (context, never trained; not in `tokens`)
     turns: list[int] = field(default_factory=list)  # policy turns of each sample
     env_lengths: list[int] = field(default_factory=list)  # environment tokens of each sample
+    # --routing-replay on: what the routes added to the batch's records (their encoded bytes) and the prompt and
+    # completion tokens of the records that carry them
+    route_bytes: int = 0
+    routed_tokens: int = 0
 
 
 class GatedBatch(NamedTuple):
@@ -111,6 +119,10 @@ def _gate(
     stats.rewards.append(rollout.reward)
     stats.turns.append(rollout.turns)
     stats.env_lengths.append(int((~policy).sum()))
+    routes = routes_of(rollout)
+    if routes is not None:
+        stats.route_bytes += len(_encoder.encode({"routes": routes})) - 1  # the record's extra key and value
+        stats.routed_tokens += len(rollout.prompt) + len(policy)
     return GatedSample(
         rollout.prompt.tolist(),
         rollout.completion.tolist(),
@@ -120,4 +132,5 @@ def _gate(
         lags.tolist(),
         kv_lags.tolist(),
         [] if policy.all() else policy.tolist(),
+        routes,
     )

@@ -163,6 +163,7 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
         gpu_plan=plan,
         lora_dir=served_adapter(cfg, model_path),
         lora_rank=cfg.lora_rank,
+        routing_replay=cfg.routing_replay == "on",
     )
 
 

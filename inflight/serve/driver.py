@@ -34,7 +34,7 @@ from inflight.serve.verifiers_runner import VerifiersRunner
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
 from inflight.wire.endpoints import RolloutStream
-from inflight.wire.rollouts import Rollout, Sampling, Times, encode_rollout, make_rollout
+from inflight.wire.rollouts import Rollout, Routes, Sampling, Times, encode_rollout, make_rollout
 
 log = logging.getLogger("inflight.serve")
 
@@ -292,4 +292,5 @@ def rollout_record(
         problem_id=problem.id,
         resubmissions=ep.resubmissions,
         turns=ep.turns,
+        routes=None if ep.routes is None else Routes(ep.routes.ids, ep.routes.layers, ep.routes.top_k, ep.routes.dtype),
     )

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from inflight.envs.base import EpisodeState, check_feedback, check_messages
 from inflight.tasks.base import Message, Problem
+from vllm_patches.routes import RoutedExperts, stitch
 
 log = logging.getLogger("inflight.serve")
 ENV_VERSION = -1  # the version an environment token carries: no policy sampled it
@@ -99,6 +100,8 @@ class Episode:
     submitted: float = 0.0
     first_token: float = 0.0
     finished: float = 0.0
+    # --routing-replay on: every fed position's experts (vllm_patches/routes.py), later turns' prefills included
+    routes: RoutedExperts | None = None
 
     def add_policy(self, done) -> None:
         """A finished engine request (vllm_patches/engine.py:Completion) as this episode's next turn."""
@@ -110,6 +113,7 @@ class Episode:
         self.text, self.last_ids, self.finish_reason = done.text, list(done.token_ids), done.finish_reason
         self.resubmissions += done.resubmissions
         self.first_token = self.first_token or done.first_token_time
+        self.routes = stitch(self.routes, done.routes)  # a later turn's prompt is this whole episode so far
         self.turns += 1
 
     def add_env(self, ids: list[int]) -> None:

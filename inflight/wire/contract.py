@@ -11,6 +11,8 @@ The learner's gradient is only the one its rollouts call for if both sides mean 
   another truncation (or a full softmax) biases every ratio by the log of a kept mass.
 - `dtype`: the compute precision (the serve's engine dtype; the learner's autocast dtype, or its parameter dtype
   without autocast), always resolved (`auto` never travels: inflight/machine.py:resolve_precision runs first).
+- `routing_replay`: a learner replaying MoE routes (learner/routing_replay.py) needs every rollout to carry them; a
+  serve recording routes for a learner that ignores them spends its prefix cache for nothing.
 
 Advisory, not refused: `head_dtype`, the LM head's precision (the serve's `--head-dtype float32`, else its engine
 dtype; the learner's parameter dtype — autocast never covers its head). Two heads of different precision only move the
@@ -43,6 +45,7 @@ TEMPERATURE = 1.0
 TOP_P = 1.0  # no nucleus truncation: the learner's logprobs are a full softmax
 TOP_K = 0  # the one spelling of off, on every side and on the wire (vLLM's SamplingParams reads 0 as off too)
 MIN_P = 0.0  # no min-p truncation
+ROUTING_REPLAY = "off"  # MoE routing replay (issue 32): "on" | "off"
 _TOLERANCE = 1e-6  # floats given as the same decimal on both sides compare equal; anything else differs
 
 
@@ -55,6 +58,7 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     top_k: int = TOP_K
     min_p: float = MIN_P
     head_dtype: str = ""  # advisory: the LM head's precision ('' = not said); see the module docstring
+    routing_replay: str = ROUTING_REPLAY
     dtype: str  # resolved compute dtype: 'float32', 'bfloat16' or 'float16'
     # LoRA (issue 31): the adapter's rank (0 = full weights) and its scale's numerator, resolved (0 -> the rank); an
     # adapter of another rank or scale is another policy. Its targets show in the adapter's tensor names (Hello).
@@ -126,6 +130,9 @@ _REASONS = {
     "lora_alpha": lambda learner, serve: (
         f"this learner scales its adapters by {learner} / rank: start both with the same --lora-alpha"
     ),
+    "routing_replay": lambda learner, serve: (
+        f"this learner runs with --routing-replay {learner}: start both with the same --routing-replay"
+    ),
 }
 
 
@@ -172,6 +179,13 @@ class SharedKnobs:
         "o_proj,gate_proj,up_proj,down_proj for Llama/Qwen2; the attention's for Qwen3-MoE, whose experts are fused "
         "tensors, not linear modules); never the LM head or the embeddings",
     )
+    routing_replay: str = knob(
+        ROUTING_REPLAY,
+        "MoE models (Qwen3-MoE, Qwen2-MoE, Mixtral): on = the serve records every token's top-k experts in every MoE "
+        "layer into its rollouts (prefix caching off) and the learner routes each token to them; off = nothing "
+        "recorded, no cost; both sides must have the same (refused at Hello)",
+        choices=("on", "off"),
+    )
 
     def validate_shared(self) -> None:
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
@@ -201,6 +215,7 @@ class SharedKnobs:
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
+            routing_replay=self.routing_replay,
             dtype=dtype,
             head_dtype=head_dtype,
             lora_rank=self.lora_rank,

@@ -65,6 +65,15 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     # From `inflight/learn/app.py:Learner._train`:
     train_s: float  # train_step alone
     mismatch_lag0: float | None = None  # probe_abs_logratio_sum / probe_tokens; absent with no lag-0 token
+    # --routing-replay on (learner/routing_replay.py), from train_step: the token×MoE-layer pairs of rank 0's slice
+    # with a recorded route and those where the learner's own top-k set equals it; the probe's Σ |logπθ − logμ| in a
+    # forward routed by the learner's own router (the lag-0 mismatch replay removes); and from the learner:
+    route_matches: float | None = None
+    route_total: float | None = None
+    probe_abs_logratio_sum_unreplayed: float | None = None
+    routing_agreement: float | None = None  # route_matches / route_total
+    mismatch_lag0_unreplayed: float | None = None  # mismatch_lag0 without replay (mismatch_lag0 is with it)
+    route_bytes_per_token: float | None = None  # the routes' encoded bytes / prompt + completion tokens of the batch
     train_tokens: int  # trained tokens of the whole batch (all ranks)
     # From `inflight/learn/app.py:Learner._publish`, only on steps that published (--publish-every):
     publish_s: float | None = None  # gather the full weights and send the update

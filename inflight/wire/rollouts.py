@@ -14,6 +14,12 @@ A multi-turn episode (inflight/serve/episodes.py) is one record: `prompt_ids` is
 every later token in order, the policy's turns and the environment's messages between them. `token_roles[i]` is 1 for
 an environment token (tool output, user turn, chat scaffolding): it carries version −1, KV version −1 and logprob 0.0,
 is context for the learner and never a loss term. Schema 2 added `token_roles` and `turns`.
+
+Schema 3 (`RoutedRollout`, issue 32: Rollout Routing Replay) is a schema-2 record plus `routes`: the top-k experts
+every fed position (prompt + completion − 1: the last token is never fed) was routed to in every MoE layer of the
+serve's forward pass, for the learner to replay (learner/routing_replay.py). Only a serve with `--routing-replay on`
+writes it; a record without routes is still schema 2, byte for byte what it was, and a reader that predates schema 3
+refuses a routed record by its `schema` field instead of training on it without the routes.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import msgspec
 import numpy as np
 
 ROLLOUT_SCHEMA = 2
+ROUTED_SCHEMA = 3  # a RoutedRollout: a schema-2 record plus `routes`
+ROUTE_DTYPES = ("uint8", "uint16")  # expert ids in the smallest unsigned type that holds them (LE)
 POLICY, ENVIRONMENT = 0, 1  # token_roles values
 MAX_ROLLOUT_BYTES = 64 << 20  # a record larger than this is refused before decoding
 
@@ -103,24 +111,55 @@ class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return np.where(kv < 0, self.versions, kv)
 
 
-def make_rollout(*, prompt_ids, completion_ids, logprobs, versions, kv_versions=(), roles=(), **fields) -> Rollout:
+class Routes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Routed experts: `ids` [positions, layers, top_k] in C order, as `dtype` (one of ROUTE_DTYPES, little-endian).
+    Row t is input token t of prompt + completion; `layers` counts the MoE layers, in layer order. The rows cover
+    every fed position, prompt + completion − 1, except after an episode that ended on environment tokens."""
+
+    ids: bytes
+    layers: int
+    top_k: int
+    dtype: str
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.ids, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(
+            -1, self.layers, self.top_k
+        )
+
+
+class RoutedRollout(Rollout, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A rollout with the routes its tokens were sampled under (schema 3, `--routing-replay on`)."""
+
+    routes: Routes
+
+
+def routes_of(rollout: Rollout) -> Routes | None:
+    """The record's routes, None for a record without them (schema 2)."""
+    return getattr(rollout, "routes", None)
+
+
+def make_rollout(
+    *, prompt_ids, completion_ids, logprobs, versions, kv_versions=(), roles=(), routes: Routes | None = None, **fields
+) -> Rollout:
     """Build a record from Python/numpy sequences; arrays are converted to the wire dtypes. `roles`: per completion
-    token, truthy for an environment token; all-policy roles are sent as empty."""
+    token, truthy for an environment token; all-policy roles are sent as empty. `routes`: a schema-3 RoutedRollout."""
     env = np.asarray(roles, dtype=bool)
-    return Rollout(
+    kind, extra = (Rollout, {}) if routes is None else (RoutedRollout, {"routes": routes})
+    return kind(
         token_roles=env.astype(np.uint8).tobytes() if env.any() else b"",
         kv_versions=np.asarray(kv_versions, dtype="<i4").tobytes(),
-        schema=ROLLOUT_SCHEMA,
+        schema=ROLLOUT_SCHEMA if routes is None else ROUTED_SCHEMA,
         prompt_ids=np.asarray(prompt_ids, dtype="<i4").tobytes(),
         completion_ids=np.asarray(completion_ids, dtype="<i4").tobytes(),
         behaviour_logprobs=np.asarray(logprobs, dtype="<f4").tobytes(),
         token_versions=np.asarray(versions, dtype="<i4").tobytes(),
+        **extra,
         **fields,
     )
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Rollout)
+_decoders = {ROLLOUT_SCHEMA: msgspec.msgpack.Decoder(Rollout), ROUTED_SCHEMA: msgspec.msgpack.Decoder(RoutedRollout)}
 
 
 def encode_rollout(rollout: Rollout) -> bytes:
@@ -132,12 +171,13 @@ def decode_rollout(data: bytes) -> Rollout:
     if len(data) > MAX_ROLLOUT_BYTES:
         raise RolloutError(f"rollout message is {len(data)} bytes, the limit is {MAX_ROLLOUT_BYTES}: refused unread")
     schema = _peek_schema(data)
-    if schema != ROLLOUT_SCHEMA:
+    if schema not in _decoders:
         raise RolloutError(
-            f"rollout.schema is {schema!r}, expected {ROLLOUT_SCHEMA}: run the same inflight version on serve and learn"
+            f"rollout.schema is {schema!r}, expected {ROLLOUT_SCHEMA} or {ROUTED_SCHEMA} (with routes): run the "
+            "same inflight version on serve and learn"
         )
     try:
-        rollout = _decoder.decode(data)
+        rollout = _decoders[schema].decode(data)
     except msgspec.DecodeError as exc:
         raise RolloutError(f"rollout could not be decoded: {exc}") from exc
     validate_rollout(rollout)
@@ -186,6 +226,31 @@ def validate_rollout(r: Rollout) -> None:
         raise RolloutError("rollout.token_versions has negative versions on policy tokens")
     if r.turns < 0:  # 0: an environment that failed at reset ended the episode before its first turn
         raise RolloutError(f"rollout.turns is {r.turns}, expected >= 0")
+    _validate_routes(r, len(r.prompt_ids) // 4 + n - 1)
+
+
+def _validate_routes(r: Rollout, positions: int) -> None:
+    """Routes, when sent, are whole rows of ids of a declared type for at most every fed position (prompt +
+    completion − 1); the schema says whether a record has them. Fewer rows: the episode's last environment tokens,
+    never fed (it ended on them), have none; nothing trained comes after them, so no replay needs them."""
+    routes = routes_of(r)
+    if (routes is not None) != (r.schema == ROUTED_SCHEMA):
+        raise RolloutError(f"rollout.schema is {r.schema} and routes are {'' if routes else 'not '}sent: a record "
+                           f"has routes exactly when its schema is {ROUTED_SCHEMA}")  # fmt: skip
+    if routes is None:
+        return
+    if routes.dtype not in ROUTE_DTYPES or routes.layers < 1 or routes.top_k < 1:
+        raise RolloutError(
+            f"rollout.routes is dtype {routes.dtype!r}, {routes.layers} layers, top-k {routes.top_k}: expected one "
+            f"of {list(ROUTE_DTYPES)}, >= 1 layer, top-k >= 1"
+        )
+    row = routes.layers * routes.top_k * np.dtype(routes.dtype).itemsize
+    if len(routes.ids) % row or len(routes.ids) // row > positions:
+        raise RolloutError(
+            f"rollout.routes.ids has {len(routes.ids)} bytes, expected whole rows of {row} bytes ({routes.layers} "
+            f"layers × top-k {routes.top_k} × {routes.dtype}) for at most {positions} positions (prompt + completion "
+            "− 1)"
+        )
 
 
 def _validate_roles(r: Rollout, n: int) -> None:

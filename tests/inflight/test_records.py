@@ -37,11 +37,13 @@ COMMITTED = sorted(p.parent for p in (ROOT / "benchmarks" / "results" / "ablate"
 # -- the writers ------------------------------------------------------------------------------------------------------
 
 
-def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_writes(model_dirs, tmp_path):
+ROUTING_FIELDS = {"route_matches", "route_total", "probe_abs_logratio_sum_unreplayed", "routing_agreement",
+                  "mismatch_lag0_unreplayed", "route_bytes_per_token"}  # fmt: skip
+
+
+def learner_step_lines(model_dirs, tmp_path, model_name: str = "tiny-llama", routes=None):
     """The learner's own `_train`, `_publish` and `_log` and its service's `publish` and `write_step` (sockets
-    stubbed, a real train_step on tiny-llama): a metric train_step or the publish report gains, loses or renames
-    without StepMetrics fails here."""
-    import time
+    stubbed, a real train_step on `model_name`): (the first line as written, both lines as StepMetrics)."""
 
     from inflight.learn.adapter import counted_parameters
     from inflight.learn.app import Learner
@@ -50,13 +52,14 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
     from inflight.learn.service import LearnerService, RolloutIntake
     from inflight.wire.rollouts import Sampling, Times, make_rollout
     from learner.model import load_policy
+    from learner.routing_replay import RoutingReplay
     from learner.step import TrainConfig, make_optimizer
 
-    model = load_policy(model_dirs["tiny-llama"])
+    model = load_policy(model_dirs[model_name])
     rollouts = [make_rollout(prompt_ids=[1, 2], completion_ids=[3, 4, 5], logprobs=[-1.0] * 3, versions=[0, 0, 0],
                              rollout_id=f"s-g0-{i}", group_id="s-g0", group_size=2, index=i, server_id="s@1",
-                             model="tiny-llama", reward=float(i), finish_reason="length", sampling=Sampling(1.0),
-                             times=Times(0.0, 0.0, 0.0)) for i in range(2)]  # fmt: skip
+                             model=model_name, reward=float(i), finish_reason="length", sampling=Sampling(1.0),
+                             times=Times(0.0, 0.0, 0.0), routes=routes) for i in range(2)]  # fmt: skip
     samples, gate = build_samples([rollouts], 0, max_lag=1)
 
     class Socketless(LearnerService):  # the real publish and write_step over stubbed buffer, receiver and publisher
@@ -73,25 +76,48 @@ def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_wri
         learner = SimpleNamespace(rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(),
                                   service=Socketless(metrics_file), cfg=SimpleNamespace(full_every=1),
                                   placement=SimpleNamespace(weights_device="cpu", device="cpu"), adapter=None,
-                                  param_counts=counted_parameters(model))  # fmt: skip
+                                  param_counts=counted_parameters(model),
+                                  replay=RoutingReplay(model.hf) if routes else None)  # fmt: skip
         learner.optimizer = make_optimizer(model, learner.train_cfg)
         metrics = Learner._train(learner, samples)
         Learner._log(learner, gate, metrics, Learner._publish(learner), 0.5, 2.0, [3, 3])
         learner.step = learner.version = 2  # a step that did not publish
         Learner._log(learner, gate, Learner._train(learner, samples), {}, 0.5, 2.0, [3, 3])
-    published, quiet = read_steps(tmp_path / "metrics.jsonl")
     written = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    return written, read_steps(tmp_path / "metrics.jsonl")
+
+
+def test_the_learners_step_line_is_a_step_metrics_record_with_every_field_it_writes(model_dirs, tmp_path):
+    """A metric train_step or the publish report gains, loses or renames without StepMetrics fails here."""
+    import time
+
+    written, (published, quiet) = learner_step_lines(model_dirs, tmp_path)
     # a publishing step with lag-0 tokens: every field but the episode ones, written only for batches with environment
     # tokens (tests/inflight/test_run.py's calculator run reads them)
     episode_fields = {"env_tokens", "turns_mean", "turns", "env_lengths"}
     # and the GPU's publish peak, written only by a CUDA learner publishing over gloo (benchmarks/results/gpu: the H100
     # runs' metrics lines carry it)
     gpu_fields = {"publish_device_peak_bytes"}
-    assert set(written) == set(StepMetrics.__struct_fields__) - episode_fields - gpu_fields
+    # and the routing replay ones, written only with --routing-replay on (the next test)
+    assert set(written) == set(StepMetrics.__struct_fields__) - episode_fields - gpu_fields - ROUTING_FIELDS
     assert published.lag_histogram == {0: 6} and published.tokens == published.probe_tokens == 6
     assert published.rejected == {"duplicate": 2, "wire:size": 1} and published.publish_bytes_per_s == 128
     assert published.time <= time.time() and published.mismatch_lag0 >= 0
     assert quiet.publish_s is None and "publish_s" not in (tmp_path / "metrics.jsonl").read_text().splitlines()[1]
+
+
+def test_a_routing_replay_step_line_carries_agreement_both_mismatches_and_the_routes_bytes(model_dirs, tmp_path):
+    import numpy as np
+
+    from inflight.wire.rollouts import Routes
+
+    ids = np.tile(np.array([0, 1], dtype=np.uint8), 4 * 2)  # 4 positions (2 + 3 − 1) × 2 MoE layers × top-2
+    written, (published, _) = learner_step_lines(model_dirs, tmp_path, "tiny-moe", Routes(ids.tobytes(), 2, 2, "uint8"))
+    assert set(written) >= ROUTING_FIELDS
+    assert 0 <= published.routing_agreement <= 1 and published.route_total == 2 * 4 * 2
+    assert published.mismatch_lag0 >= 0 and published.mismatch_lag0_unreplayed >= 0
+    # 16 id bytes + msgpack's 'routes' key, Routes map and its field names, over 2 × 5 prompt + completion tokens
+    assert 16 / 5 < published.route_bytes_per_token < 100 / 5
 
 
 def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):

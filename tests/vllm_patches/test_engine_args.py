@@ -87,3 +87,8 @@ def test_every_argument_is_a_field_of_vllms_async_engine_args() -> None:
     for device in ("cpu", "cuda"):
         unknown = set(engine_kwargs(planned(EngineConfig(model="m")), device)) - fields
         assert not unknown, f"not AsyncEngineArgs fields in vLLM {vllm.__version__}: {unknown}"
+
+
+def test_routing_replay_turns_prefix_caching_off_since_a_cached_block_has_no_route() -> None:
+    assert engine_kwargs(EngineConfig(model="m"), "cpu")["enable_prefix_caching"] is True
+    assert engine_kwargs(EngineConfig(model="m", routing_replay=True), "cpu")["enable_prefix_caching"] is False

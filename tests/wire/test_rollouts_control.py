@@ -10,6 +10,7 @@ import pytest
 from inflight.wire.control import ControlError, Hello, Progress, TensorSpec, decode_control, encode_control
 from inflight.wire.rollouts import (
     ROLLOUT_SCHEMA,
+    ROUTED_SCHEMA,
     RolloutError,
     Sampling,
     Times,
@@ -51,7 +52,7 @@ def test_inconsistent_rollouts_are_refused_naming_the_field(over, field):
 
 def test_unknown_schema_pickle_and_garbage_rollouts_are_refused():
     raw = msgspec.msgpack.decode(encode_rollout(record()))
-    newer = ROLLOUT_SCHEMA + 1  # a rollout from a newer inflight than this learner
+    newer = ROUTED_SCHEMA + 1  # a rollout from a newer inflight than this learner
     with pytest.raises(RolloutError, match=f"schema is {newer}"):
         decode_rollout(msgspec.msgpack.encode({**raw, "schema": newer}))
     for data in (pickle.dumps({"schema": ROLLOUT_SCHEMA}), b"\xff\x00garbage", msgspec.msgpack.encode([1, 2])):

@@ -1,0 +1,69 @@
+"""The learner hands a serve an MoE model's weights under the checkpoint's names (learner/model.py:checkpoint_named):
+transformers 5 fuses the per-expert matrices into one 3D tensor when it loads them, the serve loads the checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from moe_models import FAMILIES, save_tiny_moe
+from safetensors.torch import load_file
+
+from learner.model import checkpoint_tensor_names, full_hf_state, iter_full_pieces, load_policy
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def moe_dir(request, model_dirs: dict[str, Path], tmp_path_factory) -> Path:
+    if request.param == "qwen3_moe":
+        return model_dirs["tiny-moe"]
+    return save_tiny_moe(request.param, tmp_path_factory.mktemp(request.param), model_dirs["smollm2"])
+
+
+def test_full_state_and_published_pieces_are_the_checkpoints_tensors_under_its_names(moe_dir):
+    model = load_policy(moe_dir)
+    stored = {name: t.float() for name, t in load_file(moe_dir / "model.safetensors").items()}
+    state = full_hf_state(model)
+    pieces = {p.name: p.tensor for p in iter_full_pieces(model)}
+    assert set(state) == set(pieces) == checkpoint_tensor_names(moe_dir)
+    for name, want in stored.items():
+        assert torch.equal(state[name], want) and torch.equal(pieces[name], want), name
+
+
+def two_rank_pieces(rank: int, tmp: str, model_dir: str) -> None:
+    """One spawned rank of a 2-rank gloo FSDP2 learner on `model_dir`: rank 0 saves what it gets of iter_full_pieces
+    and full_hf_state."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from learner.model import shard_policy
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=180)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, timeout=timeout)
+    try:
+        mesh = dist.device_mesh.init_device_mesh("cpu", (2,))
+        model = shard_policy(load_policy(model_dir), mesh)
+        pieces = [(p.name, p.shape, p.start, p.tensor.clone()) for p in iter_full_pieces(model, 1 << 12)]
+        full = full_hf_state(model)
+        if rank == 0:
+            torch.save({"pieces": pieces, "full": full}, f"{tmp}/rank0.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_learner_streams_the_experts_under_the_checkpoints_names_bitwise(model_dirs, tmp_path):
+    import torch.multiprocessing as mp
+
+    model_dir = model_dirs["tiny-moe"]
+    mp.spawn(two_rank_pieces, args=(str(tmp_path), str(model_dir)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assembled: dict[str, torch.Tensor] = {}
+    for name, shape, start, block in got["pieces"]:
+        whole = assembled.setdefault(name, torch.empty(shape, dtype=block.dtype))
+        whole[start : start + len(block)] = block
+    stored = {name: t.float() for name, t in load_file(model_dir / "model.safetensors").items()}
+    assert set(assembled) == set(got["full"]) == set(stored)
+    for name, want in stored.items():
+        assert torch.equal(assembled[name], want) and torch.equal(got["full"][name], want), name
