@@ -17,11 +17,13 @@ torch or touching a file.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -187,6 +189,21 @@ _BUILDERS = {
     "tiny-qwen2": lambda out, root: _build_tiny("tiny-qwen2", out, root),
     "tiny-moe": lambda out, root: _build_tiny("tiny-moe", out, root),
 }
+
+
+def checkpoint_fingerprint(model_path: str | Path, sample_bytes: int = 1 << 20) -> str:
+    """A short fingerprint of a checkpoint's contents: sha256 over every safetensors file's header (names, dtypes,
+    shapes) and the first `sample_bytes` of its tensor data, in file order. Two copies of one checkpoint agree
+    wherever they are; a fine-tune of it (every tensor moved) does not, though its names and shapes are the same —
+    the case an adapter's `base_model` check exists for (inflight/wire/contract.py). Reads ~1 MiB per file."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with path.open("rb") as f:
+            head = f.read(8)
+            (length,) = struct.unpack("<Q", head)
+            digest.update(f.read(length))
+            digest.update(f.read(sample_bytes))
+    return digest.hexdigest()[:16]
 
 
 def resolve_model(name_or_path: str) -> Path:

@@ -209,3 +209,19 @@ def test_path_command_honours_inflight_home(tmp_path, monkeypatch, capsys):
     assert models.main(["path", "tiny-llama"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "models" / "tiny-llama")
     assert not (tmp_path / "models").exists()  # asking where is not preparing
+
+
+def test_a_checkpoints_fingerprint_is_its_contents_not_its_place_and_a_fine_tune_of_it_differs(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from inflight.models import checkpoint_fingerprint, model_dir
+
+    source = model_dir("tiny-llama")
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    assert checkpoint_fingerprint(copy) == checkpoint_fingerprint(source)
+    tuned = {name: t + 1e-3 for name, t in load_file(str(copy / "model.safetensors")).items()}
+    save_file(tuned, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    assert checkpoint_fingerprint(copy) != checkpoint_fingerprint(source)  # same names and shapes, other weights

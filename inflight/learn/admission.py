@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from inflight.wire.contract import RunContract
+from inflight.wire.contract import ADAPTER_FIELDS, RunContract
 from inflight.wire.control import Hello
 from inflight.wire.weights import DTYPES
 
@@ -38,7 +38,8 @@ class ServeCheck:
     def __call__(self, hello: Hello) -> str:
         """'' if the serve's tensors can take the learner's update and its contract is the learner's, else the first
         mismatch in words (the model first: a serve of another model is that, whatever its contract says)."""
-        problem = self._tensor_mismatch(hello) or self._contract_mismatch(hello)
+        problem = self._contract_mismatch(hello, ADAPTER_FIELDS) or self._tensor_mismatch(hello)
+        problem = problem or self._contract_mismatch(hello)
         if not problem and self.contract is not None and hello.contract is not None:
             warning = hello.contract.head_warning(self.contract, hello.server_id)
             if warning and hello.server_id not in self._head_warned:
@@ -46,12 +47,12 @@ class ServeCheck:
                 log.warning("%s", warning)
         return problem
 
-    def _contract_mismatch(self, hello: Hello) -> str:
+    def _contract_mismatch(self, hello: Hello, fields: tuple[str, ...] = ()) -> str:
         if self.contract is None:
             return ""
         if hello.contract is None:
             return f"serve {hello.server_id} announced no run contract (group size, temperature, dtype) to check"
-        return hello.contract.mismatch(self.contract, hello.server_id)
+        return hello.contract.mismatch(self.contract, hello.server_id, fields)
 
     def _tensor_mismatch(self, hello: Hello) -> str:
         if self.expected is None:
@@ -59,7 +60,8 @@ class ServeCheck:
         served = {t.name: (t.dtype, list(t.shape)) for t in hello.tensors}
         for name, (_, shape) in self.expected.items():
             if name not in served:
-                return f"the learner's tensor {name!r} is not served by {hello.server_id} (different model?)"
+                other = "another --lora-targets" if ".lora_" in name else "different model"
+                return f"the learner's tensor {name!r} is not served by {hello.server_id} ({other}?)"
             if list(served[name][1]) != list(shape):
                 return f"tensor {name}: learner shape {list(shape)}, serve {hello.server_id} has {served[name][1]}"
             if served[name][0] not in DTYPES:

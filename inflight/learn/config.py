@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from inflight.config import knob, require
 from inflight.learn.replay import check_replay
 from inflight.learn.tracking import REPORT_TO, check_installed
+from inflight.models import checkpoint_fingerprint, resolve_model
 from inflight.wire.contract import RunContract, SecretKnob, SharedKnobs
 from inflight.wire.memory import trim_every_s
 
@@ -198,4 +199,5 @@ class LearnConfig(
         """What a serve must agree on (inflight/wire/contract.py); after `main` resolved `--autocast auto`. The compute
         dtype is the decoder's autocast dtype, or the parameter dtype without autocast; the head's is the parameter
         dtype (autocast never covers the LM head)."""
-        return self.run_contract(self.dtype if self.autocast == "none" else self.autocast, self.dtype)
+        base = checkpoint_fingerprint(resolve_model(self.model)) if self.lora_rank else ""
+        return self.run_contract(self.dtype if self.autocast == "none" else self.autocast, self.dtype, base)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from inflight.config import parse_dataclass, setup_logging
 from inflight.machine import is_cuda, query_cuda_device, resolve_precision, serve_device
-from inflight.models import MODEL_NAMES, resolve_model
+from inflight.models import MODEL_NAMES, checkpoint_fingerprint, resolve_model
 from inflight.serve.config import ServeConfig
 from inflight.serve.eval import Evaluation, load_eval_problems
 from inflight.serve.http import start_http
@@ -85,7 +85,8 @@ async def serve(cfg: ServeConfig) -> int:
     from inflight.serve.driver import RolloutDriver
 
     model_path = resolve_model(cfg.model)
-    contract = cfg.contract()  # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
+    # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
+    contract = cfg.contract(checkpoint_fingerprint(model_path) if cfg.lora_rank else "")
     work = load_work(cfg)
     engine = await start_engine(cfg, model_path)
     try:

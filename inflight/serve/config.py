@@ -275,9 +275,10 @@ class ServeConfig(EngineKnobs, AdmissionKnobs, EnvKnobs, EvalKnobs, TaskKnobs, S
         self.validate_engine()
         self.validate_secret()
 
-    def contract(self) -> RunContract:
-        """What this serve samples with, for `Hello` (inflight/wire/contract.py); once `main` resolved `--dtype`."""
-        return self.run_contract(self.dtype, "float32" if self.head_dtype == "float32" else self.dtype)
+    def contract(self, base_model: str = "") -> RunContract:
+        """What this serve samples with, for `Hello` (inflight/wire/contract.py); once `main` resolved `--dtype`.
+        `base_model`: the checkpoint's fingerprint (said with an adapter)."""
+        return self.run_contract(self.dtype, "float32" if self.head_dtype == "float32" else self.dtype, base_model)
 
     def resolved_server_id(self) -> str:
         return self.server_id or f"{socket.gethostname()}-{os.getpid()}"

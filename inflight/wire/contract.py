@@ -13,6 +13,11 @@ The learner's gradient is only the one its rollouts call for if both sides mean 
   without autocast), always resolved (`auto` never travels: inflight/machine.py:resolve_precision runs first).
 - `routing_replay`: a learner replaying MoE routes (learner/routing_replay.py) needs every rollout to carry them; a
   serve recording routes for a learner that ignores them spends its prefix cache for nothing.
+- `lora_rank`, `lora_alpha`, `base_model` (issue 31): an adapter of another rank or scale is another policy, and an
+  adapter trained on other base weights (an Instruct model's adapter on its base, say: the same tensor names and shapes)
+  means nothing on them. `base_model` is a fingerprint of the checkpoint's contents (inflight/models.py:
+  checkpoint_fingerprint), said only with an adapter. These are checked before the tensors, so the refusal names the
+  flag, not the first adapter tensor that differs.
 
 Advisory, not refused: `head_dtype`, the LM head's precision (the serve's `--head-dtype float32`, else its engine
 dtype; the learner's parameter dtype — autocast never covers its head). Two heads of different precision only move the
@@ -39,6 +44,7 @@ import msgspec
 from inflight.config import knob, require
 from inflight.wire.secure import read_secret
 
+ADAPTER_FIELDS = ("lora_rank", "lora_alpha", "base_model")  # checked before the tensors (ServeCheck)
 # The shared defaults: `SharedKnobs` and `RunContract` take theirs from here, so the flags and the wire agree.
 GROUP_SIZE = 8
 TEMPERATURE = 1.0
@@ -64,6 +70,7 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # adapter of another rank or scale is another policy. Its targets show in the adapter's tensor names (Hello).
     lora_rank: int = 0
     lora_alpha: float = 0.0
+    base_model: str = ""  # with an adapter: the base checkpoint's fingerprint ('' = not said, not checked)
 
     def __post_init__(self) -> None:
         if self.dtype in ("", "auto", "none"):
@@ -72,11 +79,14 @@ class RunContract(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 "'auto' with inflight.machine.resolve_precision first)"
             )
 
-    def mismatch(self, learner: RunContract, server_id: str) -> str:
-        """'' when this serve's contract is the `learner`'s, else the first differing field in words with its fix."""
-        for name in self.__struct_fields__:
+    def mismatch(self, learner: RunContract, server_id: str, fields: tuple[str, ...] = ()) -> str:
+        """'' when this serve's contract is the `learner`'s (in `fields`, default all), else the first differing field
+        in words with its fix."""
+        for name in fields or self.__struct_fields__:
             if name == "head_dtype":
                 continue  # advisory: head_warning
+            if name == "base_model" and not (self.base_model and learner.base_model):
+                continue  # said only with an adapter
             mine, theirs = getattr(self, name), getattr(learner, name)
             numeric = isinstance(mine, float) or isinstance(theirs, float)
             same = abs(mine - theirs) <= _TOLERANCE if numeric else mine == theirs
@@ -129,6 +139,10 @@ _REASONS = {
     ),
     "lora_alpha": lambda learner, serve: (
         f"this learner scales its adapters by {learner} / rank: start both with the same --lora-alpha"
+    ),
+    "base_model": lambda learner, serve: (
+        f"this learner trains its adapter on another base model (checkpoint fingerprint {learner}): give both the "
+        "same --model"
     ),
     "routing_replay": lambda learner, serve: (
         f"this learner runs with --routing-replay {learner}: start both with the same --routing-replay"
@@ -207,8 +221,9 @@ class SharedKnobs:
         """`--lora-targets` as names (empty: all of the decoder's linear modules, resolved against the model)."""
         return tuple(name.strip() for name in self.lora_targets.split(",") if name.strip())
 
-    def run_contract(self, dtype: str, head_dtype: str) -> RunContract:
-        """This side's contract, with its resolved compute dtype and its LM head's precision."""
+    def run_contract(self, dtype: str, head_dtype: str, base_model: str = "") -> RunContract:
+        """This side's contract, with its resolved compute dtype, its LM head's precision and, with an adapter, its
+        base checkpoint's fingerprint."""
         return RunContract(
             group_size=self.group_size,
             temperature=self.temperature,
@@ -220,6 +235,7 @@ class SharedKnobs:
             head_dtype=head_dtype,
             lora_rank=self.lora_rank,
             lora_alpha=self.resolved_lora_alpha,
+            base_model=base_model if self.lora_rank else "",
         )
 
 

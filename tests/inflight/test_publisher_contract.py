@@ -4,6 +4,7 @@ are refused end to end in tests/inflight/test_contract_refusal.py."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -59,3 +60,44 @@ def test_a_serve_with_the_learners_contract_is_accepted(publisher):
     assert isinstance(reply, Progress), reply
     assert [s.server_id for s in publisher.plane.serves.values()] == ["infer3@1"]
     assert publisher.plane.membership.refused == {}
+
+
+ADAPTER = {
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 4),
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(4, 8),
+}
+LORA_LEARNER = RunContract(dtype="float32", lora_rank=8, lora_alpha=8.0, base_model="f00d")
+
+
+@pytest.mark.parametrize(
+    ("serve", "tensors", "named"),
+    [
+        (dict(lora_rank=16, lora_alpha=16.0), ADAPTER, "lora_rank 16, but this learner trains adapters of rank 8: "
+         "start both with the same --lora-rank"),
+        (dict(lora_rank=0, lora_alpha=0.0, base_model=""), STATE, "lora_rank 0, but this learner trains adapters of "
+         "rank 8"),
+        (dict(base_model="beef"), ADAPTER, "trains its adapter on another base model (checkpoint fingerprint f00d): "
+         "give both the same --model"),
+        (dict(), {"base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight": torch.zeros(8, 4)},
+         "is not served by infer3@1 (another --lora-targets?)"),
+    ],
+    ids=["rank", "no-adapter", "base-model", "targets"],
+)  # fmt: skip
+def test_a_serve_of_another_adapter_or_base_model_is_refused_at_hello_naming_the_flag(serve, tensors, named):
+    """Checked before the tensors: a serve of another rank names --lora-rank, not the first adapter tensor's shape."""
+    pub = open_publisher(ControlServer(), timeout_s=5.0)
+    pub.check.set_model(ADAPTER, LORA_LEARNER)
+    specs = [TensorSpec(n, "float32", list(t.shape)) for n, t in tensors.items()]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pub.plane.control.address)
+    try:
+        contract = msgspec.structs.replace(LORA_LEARNER, **serve)
+        sock.send(encode_control(Hello(server_id="infer3@1", model="m", tensors=specs, contract=contract)))
+        pub.plane.pump(2.0)
+        reply = decode_control(sock.recv(), to="serve") if sock.poll(2000) else None
+    finally:
+        sock.close()
+        pub.close()
+        pub.plane.control.close()
+    assert isinstance(reply, Refused) and named in reply.reason, reply
