@@ -64,10 +64,10 @@ def adapter_manifest(tensors: dict[str, torch.Tensor], version: int, spec: Adapt
     return msgspec.structs.replace(plan_manifest(tensors, version, 1 << 20), adapter=spec)
 
 
-async def push_adapter(sender: Sender, engine, tensors, version: int, spec: AdapterSpec, kv: str = "keep"):
+async def push_adapter(sender: Sender, engine, tensors, version: int, spec: AdapterSpec, kv="keep", mode="never-stop"):
     manifest = adapter_manifest(tensors, version, spec)
     thread, result = sender.send_in_thread(manifest, tensors)
-    report = await engine.update(manifest.encode(), kv=kv)
+    report = await engine.update(manifest.encode(), mode=mode, kv=kv)
     thread.join(sender.timeout_s)
     assert "error" not in result, result
     return report
@@ -187,3 +187,17 @@ def test_the_openai_api_answers_with_the_live_adapter_under_the_base_name_and_th
 
     (under_base, under_adapter), own = loop.run_until_complete(ask_both())
     assert under_base == under_adapter == own  # the rollouts' adapter, whichever name is asked for
+
+
+@pytest.mark.parametrize("mode", ["keep-pause", "drain", "abort-resume", "blocking"])
+def test_an_adapter_update_commits_exactly_in_every_interruption_mode(lora_env, loop, mode):
+    env, engine = lora_env, lora_env["engine"]
+    if env["base"].name != "tiny-qwen2":
+        pytest.skip("the modes pause and resume the engine the same way for any model: run on the fastest")
+    report = loop.run_until_complete(push_adapter(env["sender"], engine, env["b"], engine.version + 1, env["spec"],
+                                                  mode=mode))  # fmt: skip
+    assert report.mode == mode and engine.version == report.version
+    after = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{mode}-b"))
+    assert_same_outputs(after, env["fresh_b"], f"adapter A -> B in {mode} vs a fresh engine with B")
+    loop.run_until_complete(push_adapter(env["sender"], engine, env["a"], engine.version + 1, env["spec"]))
+    assert_same_outputs(loop.run_until_complete(greedy(engine, env["tok"], tag=f"{mode}-a")), env["before"], "back")
