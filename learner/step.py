@@ -250,7 +250,24 @@ def _forward_loss(
     fused = None
     if fused_enabled(cfg.fused_loss, batch.input_ids.device) and not cfg.truncation.active:
         fused = FusedLossInputs(batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg.loss, normalizer)
-    out = model(
+    out = _policy_forward(model, batch, cfg, positions, fused)
+    if out.loss is not None:
+        return out
+    flat = [t.reshape(-1) for t in (out.logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
+    result = policy_loss(*flat, cfg.loss, normalizer=normalizer)
+    return PolicyOutput(out.logp, result.loss, result.metrics)
+
+
+def _policy_forward(
+    model: PolicyModel,
+    batch: Batch,
+    cfg: TrainConfig,
+    positions: torch.Tensor,
+    fused: FusedLossInputs | None = None,
+) -> PolicyOutput:
+    """The policy's forward over `batch` at the LM head `positions`, with the step's temperature, chunking, autocast
+    and truncation (and the fused loss when given)."""
+    return model(
         batch.input_ids,
         batch.targets,
         cfg.temperature,
@@ -260,11 +277,6 @@ def _forward_loss(
         fused=fused,
         truncation=cfg.truncation,
     )
-    if out.loss is not None:
-        return out
-    flat = [t.reshape(-1) for t in (out.logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
-    result = policy_loss(*flat, cfg.loss, normalizer=normalizer)
-    return PolicyOutput(out.logp, result.loss, result.metrics)
 
 
 def _replay_metrics(
@@ -277,15 +289,7 @@ def _replay_metrics(
     metrics = {"route_matches": float(agreement.matches), "route_total": float(agreement.total)}
     if probe_mask is not None and _sum_over_ranks(probe_mask.sum().to(torch.float64), model) > 0:
         with torch.no_grad():
-            plain = model(
-                batch.input_ids,
-                batch.targets,
-                cfg.temperature,
-                cfg.chunk_tokens,
-                positions=probe_mask,
-                autocast=AUTOCAST[cfg.autocast],
-                truncation=cfg.truncation,
-            )
+            plain = _policy_forward(model, batch, cfg, probe_mask)
         unreplayed = _probe_metrics(plain.logp, batch.behaviour_logp, probe_mask)
         metrics["probe_abs_logratio_sum_unreplayed"] = unreplayed["probe_abs_logratio_sum"]
     return metrics

@@ -16,7 +16,6 @@ which a one-adapter serve never does) loads the new weights.
 from __future__ import annotations
 
 import json
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from inflight.wire.weights import AdapterSpec, ManifestError
+from vllm_patches.device_plan import safetensors_header
 from vllm_patches.rpc import CommitApplied
 
 ADAPTER_ID = 1  # the serve's one adapter: vLLM's lora_int_id of every request
@@ -68,13 +68,8 @@ class ServedAdapter:
 
 
 def _header_layout(weights_file: Path) -> dict[str, tuple[str, list[int]]]:
-    with weights_file.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
     layout = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
+    for name, entry in safetensors_header(weights_file).items():
         if entry["dtype"] not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{weights_file}: tensor {name} is {entry['dtype']}; an adapter is float32/bf16/fp16")
         layout[name] = (_SAFETENSORS_DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]])
@@ -136,10 +131,7 @@ def write_zero_adapter(model_dir: str | Path, dest: str | Path, spec: AdapterSpe
 
 def _base_layout(weights_file: Path) -> dict[str, list[int]]:
     """Every tensor's shape in one safetensors file, from its header."""
-    with weights_file.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    return {name: [int(d) for d in entry["shape"]] for name, entry in header.items() if name != "__metadata__"}
+    return {name: [int(d) for d in entry["shape"]] for name, entry in safetensors_header(weights_file).items()}
 
 
 def lora_request(path: str):

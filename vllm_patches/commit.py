@@ -32,7 +32,7 @@ from inflight.wire.weights import UPDATE_MEMORY, ManifestError
 from vllm_patches import faults
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.rpc import CommitApplied, HeldWeights
-from vllm_patches.staging import HeldTensors, StagedUpdate, StageState
+from vllm_patches.staging import HeldTensors, StagedUpdate, StageState, check_committable
 
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -85,10 +85,7 @@ class LiveWeights:
     def commit(self, stage: StagedUpdate | None, version: int, ordinal: int) -> CommitApplied:
         """Put `stage` (the worker's `ordinal`-th update) into the live model: swap in its prepared layers or reload it
         in place. All-or-nothing; raises ManifestError naming what is staged unless it is `version`, verified."""
-        if stage is None or stage.state != StageState.STAGED or stage.manifest.version != version:
-            got = "nothing" if stage is None else f"v{stage.manifest.version} in state {stage.state.value}"
-            detail = f" ({stage.error})" if stage is not None and stage.error else ""
-            raise ManifestError(f"cannot commit v{version}: {got} is staged{detail}")
+        stage = check_committable(stage, version)
         start = time.perf_counter()
         try:
             swapped = self._swap(stage, ordinal) if stage.prepared is not None else self._in_place(stage, ordinal)

@@ -117,14 +117,19 @@ def checkpoint_weight_bytes(model_dir: str | Path, dtype: str) -> int:
     return elements * DTYPE_BYTES[dtype]
 
 
-def _elements(path: Path) -> int:
-    with path.open("rb") as f:
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """Tensor name -> its header entry (dtype, shape, offsets) of one safetensors file, from the JSON header alone (no
+    tensor data, no pickle)."""
+    with Path(path).open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _elements(path: Path) -> int:
     total = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
+    for entry in safetensors_header(path).values():
         count = 1
         for dim in entry["shape"]:
             count *= int(dim)

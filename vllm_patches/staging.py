@@ -42,7 +42,7 @@ import zmq
 
 from inflight.wire.group import WeightsGroup
 from inflight.wire.transfer import receive_update
-from inflight.wire.weights import UpdateManifest, unpack_buckets
+from inflight.wire.weights import ManifestError, UpdateManifest, unpack_buckets
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.rpc import StagedSignal, StageStatus
 
@@ -227,6 +227,16 @@ class StagedUpdate:
             started_at=self.started_at,
             staged_at=self.staged_at,
         )
+
+
+def check_committable(stage: StagedUpdate | None, version: int) -> StagedUpdate:
+    """`stage` when it holds `version`, staged and verified; else ManifestError naming what is staged (any commit
+    path: the model's, vllm_patches/commit.py, or the adapter's, vllm_patches/adapter.py)."""
+    if stage is None or stage.state != StageState.STAGED or stage.manifest.version != version:
+        got = "nothing" if stage is None else f"v{stage.manifest.version} in state {stage.state.value}"
+        detail = f" ({stage.error})" if stage is not None and stage.error else ""
+        raise ManifestError(f"cannot commit v{version}: {got} is staged{detail}")
+    return stage
 
 
 def pinned_host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

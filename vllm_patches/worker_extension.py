@@ -40,7 +40,7 @@ from vllm_patches.cores import on_spare_cores
 from vllm_patches.prepared import ShadowPreparer
 from vllm_patches.routes import RoutedExperts, RouteRecorder
 from vllm_patches.rpc import CommitApplied, GroupJoined, HeldWeights, StageStatus
-from vllm_patches.staging import PrepareUpdate, StagedNotifier, StagedUpdate, StageState
+from vllm_patches.staging import PrepareUpdate, StagedNotifier, StagedUpdate, StageState, check_committable
 
 
 @dataclass
@@ -87,9 +87,7 @@ class WorkerUpdateState:
     def commit(self, version: int) -> CommitApplied:
         """The staged update into the live adapter or model, between two engine steps."""
         if self.adapter is not None:
-            stage = self.stage
-            if stage is None or stage.state != StageState.STAGED or stage.manifest.version != version:
-                raise ManifestError(f"cannot commit adapter v{version}: it is not what is staged")
+            stage = check_committable(self.stage, version)
             applied = self.adapter.commit(stage.prepared, version)
             stage.state = StageState.COMMITTED
             stage.release()

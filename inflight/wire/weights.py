@@ -285,8 +285,10 @@ def plan_update(
         )
         payloads[name] = payload
     base_version = base[0] if base is not None else -1
-    manifest = UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base)
-    return msgspec.structs.replace(manifest, checksum_kind=checksum_kind, adapter=adapter), payloads
+    manifest = UpdateManifest(
+        MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base, checksum_kind=checksum_kind, adapter=adapter
+    )
+    return manifest, payloads
 
 
 def plan_layout(
