@@ -42,7 +42,7 @@ async def sample(model_dir: Path, head_dtype: str, prompts: list[list[int]], max
     engine = await InflightEngine.start(cfg)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0)  # the engine seed fixes draws
-        jobs = [engine.generate(p, params, f"{head_dtype}-{i}") for i, p in enumerate(prompts)]
+        jobs = [engine.generation.generate(p, params, f"{head_dtype}-{i}") for i, p in enumerate(prompts)]
         return await asyncio.gather(*jobs)
     finally:
         engine.shutdown()

@@ -61,7 +61,7 @@ def sample(model_dir: Path, args) -> list:
     async def run():
         engine = await InflightEngine.start(cfg)
         try:
-            jobs = (engine.generate(list(p), params, f"rr-{i}") for i, p in enumerate(prompts))
+            jobs = (engine.generation.generate(list(p), params, f"rr-{i}") for i, p in enumerate(prompts))
             return await asyncio.gather(*jobs)
         finally:
             engine.shutdown()

@@ -374,11 +374,11 @@ def probe_decode(model: str, core: int, out: Path, dtype: str = "bfloat16") -> d
             for b in (1, 4, 16, 32, 64):
                 params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
                 start = time.perf_counter()
-                await asyncio.gather(*(engine.generate(prompt, params, f"p{b}-{i}") for i in range(b)))
+                await asyncio.gather(*(engine.generation.generate(prompt, params, f"p{b}-{i}") for i in range(b)))
                 points.append((b, (time.perf_counter() - start) / tokens))
             start = time.perf_counter()
             long_prompt = list(range(100, 612))
-            await engine.generate(long_prompt, SamplingParams(max_tokens=1), "prefill")
+            await engine.generation.generate(long_prompt, SamplingParams(max_tokens=1), "prefill")
             prefill = (time.perf_counter() - start) / len(long_prompt)
         finally:
             engine.shutdown()

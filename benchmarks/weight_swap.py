@@ -387,7 +387,9 @@ async def _warm_up(engine, prompts, concurrency: int) -> None:
     from vllm import SamplingParams
 
     warm = SamplingParams(max_tokens=4)
-    await asyncio.gather(*(engine.generate(prompts[i % len(prompts)], warm, f"warm-{i}") for i in range(concurrency)))
+    await asyncio.gather(
+        *(engine.generation.generate(prompts[i % len(prompts)], warm, f"warm-{i}") for i in range(concurrency))
+    )
 
 
 @contextlib.asynccontextmanager
@@ -406,7 +408,7 @@ async def _workload(engine, prompts, concurrency: int, tag: str):
         while True:
             counter += 1
             params = SamplingParams(max_tokens=lengths.randint(24, 104), temperature=1.0, ignore_eos=True)
-            await engine.generate(prompts[counter % len(prompts)], params, f"{tag}-w{w}-{counter}")
+            await engine.generation.generate(prompts[counter % len(prompts)], params, f"{tag}-w{w}-{counter}")
 
     workers = [asyncio.ensure_future(worker(w)) for w in range(concurrency)]
     try:

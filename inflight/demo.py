@@ -23,7 +23,8 @@ from inflight.tasks.arithmetic import ArithmeticTask, reward
 from inflight.tasks.base import Problem
 
 if TYPE_CHECKING:
-    from vllm_patches.engine import Completion, InflightEngine
+    from vllm_patches.engine import InflightEngine
+    from vllm_patches.generation import Completion
 
 
 @dataclass
@@ -78,7 +79,7 @@ async def sample_groups(
     params = SamplingParams(n=1, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
     prompts = [chat_prompt_ids(tokenizer, p.question) for p in problems]
     requests = [
-        engine.generate(ids, params, f"{p.id}/{k}")
+        engine.generation.generate(ids, params, f"{p.id}/{k}")
         for p, ids in zip(problems, prompts, strict=True)
         for k in range(cfg.group_size)
     ]

@@ -50,7 +50,9 @@ async def measure(args) -> dict:
 
         async def group(k, p):
             ids = prompt_token_ids(tok, p)
-            done = await asyncio.gather(*(engine.generate(ids, params, f"acc-{k}-{i}") for i in range(args.samples)))
+            done = await asyncio.gather(
+                *(engine.generation.generate(ids, params, f"acc-{k}-{i}") for i in range(args.samples))
+            )
             scores = await score_group(rewards, p, [c.text for c in done], [c.token_ids for c in done])
             means.add(scores)
             return scores.total

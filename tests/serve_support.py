@@ -104,7 +104,12 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    @property
+    def generation(self):
+        """What the driver hands its episodes: this recorder, in front of the engine's own generation."""
+        return self
+
     async def generate(self, prompt_ids, params, request_id):
-        done = await self.engine.generate(prompt_ids, params, request_id)
+        done = await self.engine.generation.generate(prompt_ids, params, request_id)
         self.calls.append((request_id, list(prompt_ids), done))
         return done

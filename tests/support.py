@@ -109,7 +109,7 @@ async def greedy(engine, tokenizer, prompts=PROMPTS, max_tokens: int = 16, tag: 
     # One request at a time: vLLM is not batch-invariant, so exact comparisons need identical batch shapes.
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [chat_ids(tokenizer, p) for p in prompts]
-    return [await engine.generate(i, params, f"{tag}-{k}") for k, i in enumerate(ids)]
+    return [await engine.generation.generate(i, params, f"{tag}-{k}") for k, i in enumerate(ids)]
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:

@@ -43,14 +43,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 PATH_SECTIONS = ("The token path", "The weight path")
-# Issue 29's target is 12 files per path: beyond that a newcomer cannot hold a path in their head. Counted in full
-# the token path crosses 17 files and the weight path 14 (after folding inflight/learn/dist.py into app.py and
-# inflight/serve/stream.py into inflight/wire/endpoints.py); the bound is the honest count, so a longer path fails.
-# Reaching 12 takes more than small moves: on the token path e.g. the learner's intake (buffer.py, journal.py) in one
-# module, learner/advantages.py's one function in inflight/learn/samples.py, learner/logprobs.py beside losses.py,
-# inflight/serve/episodes.py's Episode with the driver; on the weight path Learner._publish calling the publisher
-# without LearnerService.publish_stream, and inflight/wire/group.py's broadcast folded into transfer.py.
-MAX_FILES_PER_PATH = 17
+# Issue 29 asked for at most 12 files per path. Counted in full, each file left is one stage the datum really passes
+# (token: sampling, episode, group driver, reward, record codec, transport, intake, buffer, journal, samples and
+# advantages, trainer loop, batch and step, model, logprobs, loss; weights: step, loop, gather, publisher, layout,
+# transfer, group, staging, prepared weights, update choreography, EngineCore utility, worker RPC, commit) and no hop
+# is a pass-through any more: fewer means merging two of those concepts into one file. The bound is each path's
+# honest count, a ratchet: a longer path fails, a shorter one lowers it.
+MAX_FILES_PER_PATH = {"The token path": 15, "The weight path": 13}
 REVISITED = {
     "inflight/wire/rollouts.py": "the record's codec: encoded on the serve, decoded on the learner",
     "inflight/wire/weights.py": "the update's layout: planned and checksummed by the learner, unpacked by the worker",
@@ -69,7 +68,6 @@ FIRST_HOP = {
 LANDMARKS = {
     "The token path": (
         "vllm_patches/generation.py:spans_to_versions",
-        "vllm_patches/engine.py:InflightEngine.generate",
         "inflight/serve/driver.py:rollout_record",
         "inflight/serve/episodes.py:Episode.add_policy",
         "inflight/tasks/rewards.py:score_group",
@@ -80,7 +78,7 @@ LANDMARKS = {
         "inflight/learn/service.py:LearnerService.next_groups",
         "inflight/learn/journal.py:RolloutJournal.append",
         "inflight/learn/samples.py:build_samples",
-        "learner/advantages.py:group_advantages",
+        "inflight/learn/samples.py:group_advantages",
         "inflight/learn/app.py:broadcast_samples",
         "learner/step.py:make_batch",
         "inflight/learn/app.py:Learner._train",
@@ -92,7 +90,6 @@ LANDMARKS = {
     "The weight path": (
         "inflight/learn/app.py:Learner._publish",
         "learner/model.py:iter_full_pieces",
-        "inflight/learn/service.py:LearnerService.publish_stream",
         "inflight/learn/publisher.py:WeightPublisher.publish_stream",
         "inflight/learn/publisher.py:StreamedUpdate.put",
         "inflight/wire/weights.py:plan_layout",
@@ -372,7 +369,7 @@ def test_each_path_crosses_at_most_the_bound_of_files_and_none_twice(doc, title)
     errors = crossing_errors(hops)
     assert not errors, f"'{title}' crosses a file twice:\n" + "\n".join(errors)
     files = files_crossed(hops)
-    assert len(files) <= MAX_FILES_PER_PATH, f"'{title}' crosses {len(files)} files: {files}"
+    assert len(files) <= MAX_FILES_PER_PATH[title], f"'{title}' crosses {len(files)} files: {files}"
     stated = re.findall(r"^That is (\d+) files, counted in full", sections(doc)[title], flags=re.MULTILINE)
     assert stated == [str(len(files))], f"'{title}' should say 'That is {len(files)} files, counted in full'"
 

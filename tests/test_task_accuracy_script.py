@@ -39,13 +39,14 @@ def load_script():
 
 
 class CannedEngine:
-    """Stands in for `InflightEngine` (start, generate, shutdown): sample 0 of every group answers `first`, the others
+    """Stands in for `InflightEngine` (start, its generation, shutdown): sample 0 of every group answers `first`, the others
     `rest`; each engine started is kept in `started`, with its config and what it was asked."""
 
     first, rest, started = "", "", []
 
     def __init__(self, cfg):
         self.cfg, self.params, self.prompts = cfg, [], []
+        self.generation = self  # what the script samples from
 
     @classmethod
     async def start(cls, cfg):
@@ -53,7 +54,7 @@ class CannedEngine:
         return cls.started[-1]
 
     async def generate(self, prompt_ids, params, request_id):
-        from vllm_patches.engine import Completion
+        from vllm_patches.generation import Completion
 
         self.params.append(params)
         self.prompts.append(prompt_ids)

@@ -19,12 +19,11 @@ from inflight.machine import is_cuda, serve_device
 from inflight.wire.weights import UPDATE_MEMORY
 from vllm_patches.adapter import engine_lora_rank, lora_request
 from vllm_patches.device_plan import GpuMemoryPlan
-from vllm_patches.generation import Completion, RunningRequests, ServedVersion, VersionedGeneration
+from vllm_patches.generation import RunningRequests, ServedVersion, VersionedGeneration
 from vllm_patches.rpc import GroupJoined, rpc_result
 from vllm_patches.updates import StagedSignals, UpdateError, UpdateReport, WeightUpdates
 
 if TYPE_CHECKING:  # vLLM is imported by `start`: this module's config checks run where no engine starts
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -230,10 +229,6 @@ class InflightEngine:
     @property
     def cache_salt(self) -> str:
         return self.served.cache_salt
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Completion:
-        """One completion with per-token logprobs and versions (vllm_patches/generation.py:VersionedGeneration)."""
-        return await self.generation.generate(prompt_ids, params, request_id)
 
     async def update(
         self, manifest_bytes: bytes, mode: str = "never-stop", kv: str = "keep", timeout_s: float = 120.0

@@ -1,6 +1,6 @@
 """VersionedGeneration: one completion from vLLM's AsyncLLM with one behaviour logprob and one policy version per token.
 
-Called through `vllm_patches/engine.py:InflightEngine.generate` (the serve's episodes, the demo, tests and benchmarks).
+Reached as `InflightEngine.generation` (the serve's episodes and evaluation, the demo, tests and benchmarks).
 It owns what the raw AsyncLLM leaves to the caller:
 - every token's version, from vLLM's `weight_versions` spans (`spans_to_versions`), and the version of the oldest KV it
   attended to (vllm_patches/kv_age.py);

@@ -33,12 +33,13 @@ from safetensors.torch import save_file
 from inflight.config import parse_dataclass, setup_logging, write_resolved
 from inflight.learn.adapter import AdapterOutputs, counted_parameters, lora_spec
 from inflight.learn.config import LearnConfig
+from inflight.learn.publisher import PublishReport
 from inflight.learn.samples import GatedSample, GateStats
 from inflight.learn.service import LearnerService
 from inflight.learn.tracking import Reporting
 from inflight.machine import resolve_precision
 from inflight.models import resolve_model
-from inflight.wire.memory import PeakMeter
+from inflight.wire.memory import PeakMeter, trim_after_update
 from inflight.wire.records import StepMetrics
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from learner.lora import adapter_state
@@ -138,6 +139,8 @@ class Learner:
             if world.rank == 0
             else None
         )
+        # rank 0 hands each version straight to the service's publisher (it reads no socket of the loop's)
+        self.publisher = self.service.publisher if self.service is not None else None
 
     def _served_state(self) -> dict[str, torch.Tensor]:
         """What the serves get (collective): the adapter alone with --lora-rank, else the full weights."""
@@ -203,7 +206,7 @@ class Learner:
         start = time.perf_counter()
         if self.adapter is not None or self.cfg.full_every > 1:  # an adapter (a few MB), or a delta on whole states
             state = self._served_state()  # collective: every rank gathers, rank 0 keeps the tensors
-            return self.service.publish(state, self.version, start) if self.rank == 0 else {}
+            return published_fields(self.publisher.publish(state, self.version), start) if self.rank == 0 else {}
         if self.rank != 0:
             for _ in iter_full_pieces(self.model):  # this rank's part of each gather; rank 0 gets the pieces
                 pass
@@ -211,7 +214,8 @@ class Learner:
         # A CUDA learner over gloo: the buckets are in host memory, the gathered pieces on its GPU; both are measured.
         own = self.placement.device if self.placement.device != self.placement.weights_device else None
         with PeakMeter(self.placement.weights_device) as peak, PeakMeter(own) if own else nullcontext() as on_gpu:
-            fields = self.service.publish_stream(iter_full_pieces(self.model), self.version, start)
+            report = self.publisher.publish_stream(iter_full_pieces(self.model), self.version)
+        fields = published_fields(report, start)
         fields["publish_peak_bytes"] = peak.extra_bytes if peak.measured else None
         if on_gpu is not None and on_gpu.measured:
             fields["publish_device_peak_bytes"] = on_gpu.extra_bytes
@@ -299,6 +303,13 @@ def train_config(cfg: LearnConfig) -> TrainConfig:
         loss=loss,
         truncation=truncation,
     )
+
+
+def published_fields(report: PublishReport, started: float) -> dict:
+    """A publish's StepMetrics `publish_*` fields, `publish_s` counted from `started` (a `time.perf_counter()` reading
+    taken before the weights were gathered); the freed snapshots and buckets go back to the OS first."""
+    trim_after_update()  # INFLIGHT_TRIM_EVERY_S
+    return report.fields(time.perf_counter() - started)
 
 
 def step_values(gate: GateStats, metrics: dict, waited: float, step_s: float, lengths: list[int]) -> dict:

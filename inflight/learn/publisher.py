@@ -68,6 +68,17 @@ class PublishReport:
     failed: list[str] = field(default_factory=list)
     delta: bool = False  # sent as a delta on the previous version sent
 
+    def fields(self, seconds: float) -> dict:
+        """The StepMetrics `publish_*` fields: `seconds` the whole publish, the rate over the broadcast alone."""
+        return {
+            "publish_s": seconds,
+            "publish_bytes": self.bytes,
+            "publish_serves": self.serves,
+            "publish_bytes_per_s": self.bytes / self.seconds if self.seconds else 0.0,
+            "publish_failed": self.failed,
+            "publish_delta": self.delta,
+        }
+
 
 @dataclass
 class DeltaBase:
@@ -167,7 +178,8 @@ class WeightPublisher:
     and dtypes); `device`: where the buckets are packed and sent from — the learner's GPU for NCCL, host memory for
     gloo (`learner/world.py:World.weights_device`); `weights_key` (from --secret-file,
     inflight/wire/secure.py:weights_key): tag every tensor with it instead of a CRC32; `full_every` (--full-every): a
-    full update every that many versions, deltas between. Rank 0's main thread only."""
+    full update every that many versions, deltas between; `consumed`: the groups trained of each serve's rollouts so far
+    (a live view: `UpdateWeights.groups_consumed`). Rank 0's main thread only."""
 
     def __init__(
         self,
@@ -178,17 +190,17 @@ class WeightPublisher:
         weights_key: bytes | None = None,
         full_every: int = 1,
         adapter: AdapterSpec | None = None,
+        consumed: Mapping[str, int] | None = None,
     ):
         self.plane, self.check, self.device = plane, check, torch.device(device)
+        self.consumed: Mapping[str, int] = consumed if consumed is not None else {}
         self.adapter = adapter  # LoRA: every update is of this adapter, always whole (the serves check it)
         self.bucket_bytes, self.weights_key = bucket_bytes, weights_key
         self.sums = checksum_kind_for(self.device)  # where the buckets are: a GPU's are summed there, not copied out
         self.latest = LatestWeights()
         self.deltas = DeltaBase(full_every)
 
-    def publish(
-        self, state: Mapping[str, torch.Tensor], version: int, consumed: dict[str, int] | None = None, retries: int = 1
-    ) -> PublishReport:
+    def publish(self, state: Mapping[str, torch.Tensor], version: int, retries: int = 1) -> PublishReport:
         """Send the whole `state` as `version` to every member (a delta when `DeltaBase.base_for` allows); after a
         failed broadcast the control plane drops the serves that went quiet and the rest get the same version again."""
         previous = self.latest.version
@@ -212,7 +224,7 @@ class WeightPublisher:
                 checksum_kind=self.sums,
                 adapter=self.adapter,
             )
-            self._announce(manifest, members, served, consumed)
+            self._announce(manifest, members, served)
             try:
                 stats = send_update(self.plane.group, manifest, payloads)
             except WeightsGroupError as exc:
@@ -224,7 +236,7 @@ class WeightPublisher:
             return report
         return report
 
-    def begin_stream(self, version: int, consumed: dict[str, int] | None = None) -> StreamedUpdate:
+    def begin_stream(self, version: int) -> StreamedUpdate:
         """Start sending `version` as a full update streamed in the learner's order (`check.expected`): the members
         ready, the manifest planned from names, dtypes and shapes alone (`plan_layout`) and announced. Feed it every
         piece (`StreamedUpdate.put`), then `finish_stream`. With no serve it only fills the snapshot."""
@@ -235,7 +247,7 @@ class WeightPublisher:
         served = _served(members)
         layout = {name: served[name] for name in (self.check.expected or served)}  # the learner's order, serve dtypes
         manifest = plan_layout(layout, version, self.bucket_bytes, self.sums)
-        self._announce(manifest, members, served, consumed)
+        self._announce(manifest, members, served)
         sender = StreamSender(self.plane.group, manifest, self.device, self.weights_key)
         return StreamedUpdate(version, len(members), sender, self.latest.writable(layout))
 
@@ -253,22 +265,20 @@ class WeightPublisher:
             report.serves, report.bytes, report.seconds = outcome.serves, outcome.stats.bytes, outcome.stats.seconds
         return report
 
-    def publish_stream(
-        self, pieces: Iterable[WeightPiece], version: int, consumed: dict[str, int] | None = None
-    ) -> PublishReport:
+    def publish_stream(self, pieces: Iterable[WeightPiece], version: int) -> PublishReport:
         """Rank 0's whole streamed publish: `begin_stream`, every piece of `pieces` put in (walked to its end whatever
         the broadcast does: on the other ranks each piece is a collective gather), `finish_stream`."""
-        update = self.begin_stream(version, consumed)
+        update = self.begin_stream(version)
         for piece in pieces:
             update.put(piece)
         return self.finish_stream(update)
 
-    def catch_up(self, consumed: dict[str, int] | None = None) -> PublishReport | None:
+    def catch_up(self) -> PublishReport | None:
         """If a serve joined after the latest publish, send it (and everyone) the latest weights now."""
         version = self.plane.membership.catch_up(self.latest.version)
         if version is None:
             return None
-        return self.publish(self.latest.tensors, version, consumed)
+        return self.publish(self.latest.tensors, version)
 
     def close(self) -> None:
         """Wait (up to the plane's `timeout_s`) until every member has answered the last published update, then break
@@ -285,15 +295,14 @@ class WeightPublisher:
             self.plane.wait_for_commits(previous)
         return self.plane.ensure_group()
 
-    def _announce(
-        self, manifest: UpdateManifest, members: list[Serve], served: TensorLayout, consumed: dict[str, int] | None
-    ) -> None:
+    def _announce(self, manifest: UpdateManifest, members: list[Serve], served: TensorLayout) -> None:
         """Check `manifest` against what the serves hold, then send it to every member before any bucket moves."""
         check_against(manifest, served)
         encoded = manifest.encode()
+        consumed = self.consumed
         self.plane.perform(
             [
-                Send(s.identity, UpdateWeights(manifest=encoded, groups_consumed=(consumed or {}).get(s.server_id, 0)))
+                Send(s.identity, UpdateWeights(manifest=encoded, groups_consumed=consumed.get(s.server_id, 0)))
                 for s in members
             ]
         )

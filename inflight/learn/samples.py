@@ -1,5 +1,14 @@
 """From complete groups to training samples: group advantages and the per-token staleness gate.
 
+Group-relative advantages (`group_advantages`): one scalar per sample from the rewards of the n samples of its
+prompt, broadcast to its completion tokens. No value model: the group itself is the baseline. `--advantage`:
+- `mean`: r_i − mean(r). The plain group baseline (Dr. GRPO style, no length or scale normalisation).
+- `std`: (r_i − mean(r)) / (std(r) + eps), GRPO's normalisation. The std is the population std (unbiased=False):
+  then the normalised advantages of a group have root-mean-square exactly 1 (up to eps) whatever n is, and a group
+  whose rewards are all equal gets advantage 0, not 0/0.
+- `loo`: r_i − mean of the other n−1 rewards (RLOO), an unbiased baseline since it excludes the sample's own reward.
+  Equals n/(n−1) · (r_i − mean(r)); needs n ≥ 2.
+
 Called by the learner's rank 0 once per step. lag = learner version − token version, per token; a token whose lag
 exceeds `max_lag` is masked out of the loss (and counted), so a long rollout that straddled several updates still
 trains on its fresh tail. kv lag = learner version − the version of the oldest KV the token attended to (≥ its lag;
@@ -23,9 +32,9 @@ import numpy as np
 import torch
 
 from inflight.wire.rollouts import Rollout, Routes, routes_of
-from learner.advantages import group_advantages
 
 _encoder = msgspec.msgpack.Encoder()
+ADVANTAGE_KINDS = ("mean", "std", "loo")
 
 
 @dataclass
@@ -99,6 +108,34 @@ def build_samples(
         for rollout, adv in zip(group, advantages, strict=True):
             samples.append(_gate(rollout, float(adv), version, max_lag, max_kv_lag, stats))
     return GatedBatch(samples, stats)
+
+
+def group_advantages(rewards: torch.Tensor, kind: str = "mean", eps: float = 1e-6) -> torch.Tensor:
+    """Advantages for `rewards` of shape [G groups, n samples per group]; returns the same shape.
+
+    Integer or bool rewards are promoted to float32; floating rewards keep their dtype.
+    """
+    if kind not in ADVANTAGE_KINDS:
+        raise ValueError(f"advantage kind is {kind!r}, expected one of {ADVANTAGE_KINDS}")
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"rewards has shape {tuple(rewards.shape)}, expected [groups, samples_per_group]: "
+            "reshape the batch to one row per prompt group"
+        )
+    if eps < 0:
+        raise ValueError(f"eps is {eps}, expected >= 0")
+    n = rewards.shape[1]
+    if kind == "loo" and n < 2:
+        raise ValueError(f"samples_per_group is {n}, expected >= 2 for kind='loo': use kind='mean' or larger groups")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.float32)
+
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if kind == "mean":
+        return centred
+    if kind == "std":
+        return centred / (rewards.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred * (n / (n - 1))
 
 
 def _gate(

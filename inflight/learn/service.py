@@ -32,11 +32,10 @@ import torch
 from inflight.learn.buffer import RolloutBuffer
 from inflight.learn.config import LearnConfig
 from inflight.learn.journal import RolloutJournal
-from inflight.learn.publisher import PublishReport, WeightPiece, WeightPublisher, open_publisher
+from inflight.learn.publisher import WeightPublisher, open_publisher
 from inflight.learn.replay import JournalReplay
 from inflight.learn.samples import GatedBatch, build_samples
 from inflight.wire.endpoints import ControlServer, RolloutReceiver
-from inflight.wire.memory import trim_after_update
 from inflight.wire.records import StepMetrics, encode_line, to_record
 from inflight.wire.rollouts import Rollout, RolloutError, decode_rollout
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
@@ -168,6 +167,7 @@ class LearnerService:
             weights_key=weights_key(secret) if secret is not None else None,
             full_every=cfg.full_every,
             adapter=adapter,
+            consumed=self.intake.buffer.consumed_by_server,  # a live view: each update says what each serve had trained
         )
         self.plane = self.publisher.plane
         self.publisher.check.set_model(state, cfg.contract())  # serves that differ are refused at Hello
@@ -202,7 +202,7 @@ class LearnerService:
             if not self._collect():
                 return None  # the replayed recording is used up: the run ends as at --steps
             self.plane.pump(0)
-            self.publisher.catch_up(self._consumed_by_server())
+            self.publisher.catch_up()
             groups = None if self._waiting_for_serves() else self.intake.take(self.cfg.groups_per_step)
             if groups is not None:
                 self.stepped = True
@@ -238,25 +238,7 @@ class LearnerService:
     def _consumed_by_server(self) -> dict[str, int]:
         return dict(self.intake.buffer.consumed_by_server)
 
-    # -- weights out, records, checkpoints ------------------------------------------------------------------------
-    def publish(self, state: dict[str, torch.Tensor], version: int, started: float) -> dict:
-        """Send `state` as `version` to every serve (inflight/learn/publisher.py:WeightPublisher.publish); the
-        StepMetrics `publish_*` fields, `publish_s` counted from `started` (a `time.perf_counter()` reading taken
-        before the weights were gathered)."""
-        report = self.publisher.publish(state, version, self._consumed_by_server())
-        return self._published(report, started)
-
-    def publish_stream(self, pieces: Iterable[WeightPiece], version: int, started: float) -> dict:
-        """`publish` for a full update streamed from `pieces` (inflight/learn/publisher.py:
-        WeightPublisher.publish_stream, which walks every piece: the other ranks gather them in lockstep)."""
-        report = self.publisher.publish_stream(pieces, version, self._consumed_by_server())
-        return self._published(report, started)
-
-    def _published(self, report: PublishReport, started: float) -> dict:
-        seconds = time.perf_counter() - started
-        trim_after_update()  # freed snapshots and buckets back to the OS (INFLIGHT_TRIM_EVERY_S)
-        return publish_fields(report, seconds)
-
+    # -- records, checkpoints --------------------------------------------------------------------------------------
     def write_step(self, values: dict) -> StepMetrics:
         """Append one StepMetrics line (inflight/wire/records.py) to `<run_dir>/metrics.jsonl`: `values` plus the
         rollouts refused so far (`rejected`). A value StepMetrics does not know raises RecordError naming it."""
@@ -279,15 +261,3 @@ class LearnerService:
         self.control.close()
         self.metrics_file.close()
         self.intake.close()
-
-
-def publish_fields(report: PublishReport, seconds: float) -> dict:
-    """A publish report as StepMetrics fields: `seconds` the whole publish, the rate over the broadcast alone."""
-    return {
-        "publish_s": seconds,
-        "publish_bytes": report.bytes,
-        "publish_serves": report.serves,
-        "publish_bytes_per_s": report.bytes / report.seconds if report.seconds else 0.0,
-        "publish_failed": report.failed,
-        "publish_delta": report.delta,
-    }

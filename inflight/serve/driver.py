@@ -22,14 +22,13 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from vllm import SamplingParams
 
 from inflight.envs.loading import load_env
 from inflight.envs.verifiers_env import VerifiersEnv
 from inflight.serve.config import ServeConfig
-from inflight.serve.episodes import Episode, EpisodeRunner
+from inflight.serve.episodes import Episode, EpisodeRunner, VersionedEngine
 from inflight.serve.verifiers_runner import VerifiersRunner
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
@@ -68,12 +67,6 @@ class DriverStats:
         self.tool_errors += ep.tool_errors
         self.env_tokens += sum(ep.env)
         self.policy_tokens += len(ep.env) - sum(ep.env)
-
-
-class VersionedEngine(Protocol):
-    """What admission reads of the engine (vllm_patches/engine.py:InflightEngine): the weight version it serves."""
-
-    version: int
 
 
 class Admission:
@@ -116,7 +109,7 @@ class Admission:
 class RolloutDriver:
     def __init__(
         self,
-        engine,
+        engine: VersionedEngine,
         cfg: ServeConfig,
         problems: Iterable[Problem],
         rewards: list[Reward],
@@ -139,7 +132,9 @@ class RolloutDriver:
         if isinstance(self.env, VerifiersEnv):  # its own taskset and rewards (--reward adds to them)
             problems, self.rewards, runner = self.env.problems(), rewards if cfg.reward else [], VerifiersRunner
         self._problems = iter(problems)
-        self.episodes = runner(engine, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling, tool_latency)
+        self.episodes = runner(
+            engine.generation, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling, tool_latency
+        )
         self.admission = Admission(cfg, engine, self.stats)
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()

@@ -21,10 +21,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from inflight.envs.base import EpisodeState, check_feedback, check_messages
 from inflight.tasks.base import Message, Problem
+from vllm_patches.generation import Completion
 from vllm_patches.routes import RoutedExperts, stitch
+
+if TYPE_CHECKING:  # vLLM is imported once a serve really starts (inflight/serve/app.py)
+    from vllm import SamplingParams
 
 log = logging.getLogger("inflight.serve")
 ENV_VERSION = -1  # the version an environment token carries: no policy sampled it
@@ -104,7 +109,7 @@ class Episode:
     routes: RoutedExperts | None = None
 
     def add_policy(self, done) -> None:
-        """A finished engine request (vllm_patches/engine.py:Completion) as this episode's next turn."""
+        """A finished engine request (vllm_patches/generation.py:Completion) as this episode's next turn."""
         self.token_ids += done.token_ids
         self.logprobs += done.logprobs
         self.versions += done.versions
@@ -124,14 +129,29 @@ class Episode:
         self.env += [True] * len(ids)
 
 
+class Sampler(Protocol):
+    """What an episode asks of the engine: one request's completion, with a logprob and a weight version per token
+    (vllm_patches/generation.py:VersionedGeneration.generate)."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> Completion: ...
+
+
+class VersionedEngine(Protocol):
+    """What the driver and the evaluation read of the engine (vllm_patches/engine.py:InflightEngine): the weight
+    version it serves (admission, eval's schedule) and its generation, which episodes sample from."""
+
+    version: int
+    generation: Sampler
+
+
 class EpisodeRunner:
-    """Runs episodes of one environment on one engine. `stats` is the driver's `DriverStats` (its `requests_inflight`
-    counts a sample while one of its turns generates); `notify` tells the driver's admission something changed;
-    `sampling(max_tokens)` builds a turn's `SamplingParams`."""
+    """Runs episodes of one environment on one engine's generation (`sampler`). `stats` is the driver's
+    `DriverStats` (its `requests_inflight` counts a sample while one of its turns generates); `notify` tells the
+    driver's admission something changed; `sampling(max_tokens)` builds a turn's `SamplingParams`."""
 
     def __init__(
         self,
-        engine,
+        sampler: Sampler,
         env,
         tokenizer,
         cfg,
@@ -140,7 +160,7 @@ class EpisodeRunner:
         sampling,
         tool_latency: Callable[[], float] | None = None,
     ):
-        self.engine, self.env, self.cfg, self.stats, self.notify = engine, env, cfg, stats, notify
+        self.sampler, self.env, self.cfg, self.stats, self.notify = sampler, env, cfg, stats, notify
         self.turns, self.sampling, self.tool_latency = TurnTokens(tokenizer), sampling, tool_latency
 
     async def run(self, problem: Problem, request_id: str) -> Episode:
@@ -173,7 +193,7 @@ class EpisodeRunner:
                     self.stats.requests_inflight, counted = self.stats.requests_inflight + 1, True
                 rid = request_id if not ep.turns else f"{request_id}-t{ep.turns}"
                 try:
-                    done = await self.engine.generate(
+                    done = await self.sampler.generate(
                         ep.prompt_ids + ep.token_ids, self.sampling(min(self.cfg.max_tokens, room)), rid
                     )
                 finally:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from itertools import islice
 
 from inflight.serve.config import ServeConfig
+from inflight.serve.episodes import VersionedEngine
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import Reward, RewardMeans, score_group
 from inflight.wire.records import EvalResult
@@ -51,7 +52,7 @@ class Evaluation:
 
     def __init__(
         self,
-        engine,
+        engine: VersionedEngine,
         cfg: ServeConfig,
         problems: list[Problem],
         rewards: list[Reward],
@@ -100,7 +101,7 @@ class Evaluation:
         params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.eval_temperature)
         done = await asyncio.gather(
             *(
-                self.engine.generate(
+                self.engine.generation.generate(
                     prompt_token_ids(self.tokenizer, p), params, f"eval-v{version}-{k}-{time.time_ns()}"
                 )
                 for k, p in enumerate(self.problems)

@@ -5,12 +5,12 @@ the serve's own environments. The episode is the environment's: its taskset's ta
 conversation, its rewards scoring the trace. Every model call of the harness reaches verifiers' own train client
 (`TrainClient`: it renders the chat to token ids itself and bridges each turn onto the previous turn's ids), which
 posts the ids to a token-in/token-out endpoint `/inference/v1/generate`; here that endpoint is the serve's own
-(`TokenEndpoint`, on 127.0.0.1, a random key per serve), answering with `InflightEngine.generate`.
+(`TokenEndpoint`, on 127.0.0.1, a random key per serve), answering with the engine's `VersionedGeneration.generate`.
 
 Why an endpoint of our own rather than vLLM's (which 0.32 has, behind the serve's `--http-port`): vLLM's router calls
-AsyncLLM directly, past `InflightEngine.generate`, so its requests carry no version salt for the prefix cache, are not
-resubmitted after an abort-resume update and record no KV ages; and verifiers 0.4's client (renderers 0.1.12) reads
-each logprob entry's `token` as `"token_id:N"`, which vLLM 0.32's tokens-mode response does not send (it sends
+AsyncLLM directly, past `VersionedGeneration.generate`, so its requests carry no version salt for the prefix cache,
+are not resubmitted after an abort-resume update and record no KV ages; and verifiers 0.4's client (renderers 0.1.12)
+reads each logprob entry's `token` as `"token_id:N"`, which vLLM 0.32's tokens-mode response does not send (it sends
 `token_id`), so that pairing fails on its first call. The endpoint here answers vLLM 0.32's response schema with both
 spellings and vLLM's own `weight_versions` spans; an in-process client would have needed verifiers' private
 interception internals. The loopback hop costs a JSON round trip per turn (verifiers' harness already reaches its
@@ -48,7 +48,7 @@ from aiohttp import web
 
 from inflight.envs.verifiers_env import VerifiersEnv
 from inflight.models import resolve_model
-from inflight.serve.episodes import Episode, TurnTokens
+from inflight.serve.episodes import Episode, Sampler, TurnTokens
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import GroupScores
 from vllm_patches.generation import Completion
@@ -234,8 +234,8 @@ class VerifiersRunner:
     """Runs episodes of a `VerifiersEnv` on the serve's engine; the constructor is `EpisodeRunner`'s, so the driver
     picks either by the environment (`stats`, `notify`, `sampling` as there; `tool_latency` does not apply)."""
 
-    def __init__(self, engine, env: VerifiersEnv, tokenizer, cfg, stats, notify, sampling, tool_latency=None):
-        self.engine, self.env, self.cfg, self.stats, self.notify = engine, env, cfg, stats, notify
+    def __init__(self, sampler: Sampler, env: VerifiersEnv, tokenizer, cfg, stats, notify, sampling, tool_latency=None):
+        self.sampler, self.env, self.cfg, self.stats, self.notify = sampler, env, cfg, stats, notify
         self.sampling, self.turns = sampling, TurnTokens(tokenizer)
         env.cap_turns(cfg.max_turns)
         model = str(resolve_model(cfg.model))
@@ -320,7 +320,7 @@ class VerifiersRunner:
             self.stats.requests_inflight, watch.counted = self.stats.requests_inflight + 1, True
         start = time.monotonic()
         try:
-            done = await self.engine.generate(list(body.token_ids), params, rid)
+            done = await self.sampler.generate(list(body.token_ids), params, rid)
         finally:
             self.stats.requests_inflight, watch.counted = self.stats.requests_inflight - 1, False
             watch.generating, watch.since = watch.generating - 1, time.monotonic()

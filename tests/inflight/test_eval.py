@@ -101,6 +101,7 @@ class VersionBumpingEngine:
 
     def __init__(self):
         self.version, self.calls = 2, 0
+        self.generation = self  # the evaluation samples from the engine's generation
 
     async def generate(self, prompt_ids, params, request_id):
         from types import SimpleNamespace

@@ -42,7 +42,7 @@ ROUTING_FIELDS = {"route_matches", "route_total", "probe_abs_logratio_sum_unrepl
 
 
 def learner_step_lines(model_dirs, tmp_path, model_name: str = "tiny-llama", routes=None):
-    """The learner's own `_train`, `_publish` and `_log` and its service's `publish` and `write_step` (sockets
+    """The learner's own `_train`, `_publish` and `_log` and its service's `write_step` (sockets and the publisher
     stubbed, a real train_step on `model_name`): (the first line as written, both lines as StepMetrics)."""
 
     from inflight.learn.adapter import counted_parameters
@@ -62,19 +62,21 @@ def learner_step_lines(model_dirs, tmp_path, model_name: str = "tiny-llama", rou
                              times=Times(0.0, 0.0, 0.0), routes=routes) for i in range(2)]  # fmt: skip
     samples, gate = build_samples([rollouts], 0, max_lag=1)
 
-    class Socketless(LearnerService):  # the real publish and write_step over stubbed buffer, receiver and publisher
+    class Socketless(LearnerService):  # the real write_step over a stubbed buffer and receiver
         def __init__(self, metrics_file):
             self.metrics_file = metrics_file
             self.intake = RolloutIntake.__new__(RolloutIntake)  # the real `rejected` over a stubbed buffer, receiver
             self.intake.buffer = SimpleNamespace(rejected=collections.Counter(duplicate=2), consumed_by_server={})
             self.intake.receiver = SimpleNamespace(rejected={"size": 1})
-            report = PublishReport(1, serves=1, bytes=64, seconds=0.5)
-            # the streamed publish of a full update (the default): it walks the learner's pieces
-            self.publisher = SimpleNamespace(publish_stream=lambda pieces, v, c: (list(pieces), report)[1])
+
+    report = PublishReport(1, serves=1, bytes=64, seconds=0.5)
+    # the streamed publish of a full update (the default): it walks the learner's pieces
+    publisher = SimpleNamespace(publish_stream=lambda pieces, v: (list(pieces), report)[1])
 
     with (tmp_path / "metrics.jsonl").open("a") as metrics_file:
         learner = SimpleNamespace(rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(),
-                                  service=Socketless(metrics_file), cfg=SimpleNamespace(full_every=1),
+                                  service=Socketless(metrics_file), publisher=publisher,
+                                  cfg=SimpleNamespace(full_every=1),
                                   placement=SimpleNamespace(weights_device="cpu", device="cpu"), adapter=None,
                                   param_counts=counted_parameters(model),
                                   replay=RoutingReplay(model.hf) if routes else None)  # fmt: skip

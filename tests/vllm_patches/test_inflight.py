@@ -39,7 +39,7 @@ def env(loop, model_dirs, tmp_path_factory):
 
 def long_request(engine, prompt, rid: str, max_tokens: int = LONG):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return engine.generate(prompt, params, rid)
+    return engine.generation.generate(prompt, params, rid)
 
 
 async def update_during(engine, sender, prompt, state, rid: str, delay: float = 0.4, **push):

@@ -123,7 +123,9 @@ def test_an_adapter_of_another_rank_or_a_full_update_is_refused_before_any_bucke
 
 
 def long_greedy(engine, prompt: list[int], rid: str, max_tokens: int = LONG):
-    return engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), rid)
+    return engine.generation.generate(
+        prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), rid
+    )
 
 
 def test_a_generation_across_two_adapter_commits_has_each_adapters_own_tokens_segment_by_segment(lora_env, loop):

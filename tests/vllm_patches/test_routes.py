@@ -43,7 +43,9 @@ def routed(request, loop, model_dirs, tmp_path_factory):
     prompts = [chat_ids(tok, p) for p in PROMPTS]
 
     async def together():
-        return await asyncio.gather(*(engine.generate(ids, params, f"routes-{k}") for k, ids in enumerate(prompts)))
+        return await asyncio.gather(
+            *(engine.generation.generate(ids, params, f"routes-{k}") for k, ids in enumerate(prompts))
+        )
 
     done = loop.run_until_complete(together())
     yield model_dir, done
@@ -86,7 +88,7 @@ def test_routes_are_not_recorded_with_routing_replay_off(loop, model_dirs):
     engine = start_engine(loop, model_dirs["tiny-moe"])
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        done = loop.run_until_complete(engine.generate([1, 2, 3], params, "off"))
+        done = loop.run_until_complete(engine.generation.generate([1, 2, 3], params, "off"))
         assert done.routes is None
         assert loop.run_until_complete(engine.llm.engine_core.call_utility_async("inflight_routes", "off")) is None
     finally:

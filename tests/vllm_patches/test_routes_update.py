@@ -62,7 +62,7 @@ def commit_during(env, loop, rid: str, kv: str, mode: str):
 
     async def run():
         params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
-        task = asyncio.ensure_future(engine.generate(env["prompt"], params, rid))
+        task = asyncio.ensure_future(engine.generation.generate(env["prompt"], params, rid))
         await asyncio.sleep(0.5)
         assert not task.done(), "the request finished before the update: make it longer"
         report = await sender.push(engine, env["b"], engine.version + 1, mode=mode, kv=kv)

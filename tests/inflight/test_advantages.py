@@ -1,4 +1,4 @@
-"""Group advantages (learner/advantages.py) against plain Python loops over each group."""
+"""Group advantages (inflight/learn/samples.py:group_advantages) against plain Python loops over each group."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from tolerances import check_within, float64_bound, sum_bound
 
-from learner.advantages import group_advantages
+from inflight.learn.samples import group_advantages
 
 
 def reference(rows: list[list[float]], kind: str, eps: float) -> list[list[float]]:
