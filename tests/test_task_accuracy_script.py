@@ -39,8 +39,8 @@ def load_script():
 
 
 class CannedEngine:
-    """Stands in for `InflightEngine` (start, its generation, shutdown): sample 0 of every group answers `first`, the others
-    `rest`; each engine started is kept in `started`, with its config and what it was asked."""
+    """Stands in for `InflightEngine` (start, its generation, shutdown): sample 0 of every group answers `first`, the
+    others `rest`; each engine started is kept in `started`, with its config and what it was asked."""
 
     first, rest, started = "", "", []
 
