@@ -28,7 +28,7 @@ models: setup
 # the tolerances (tests/tolerances.py, derived from the arithmetic) hold on the other kind.
 AVX2_ONLY := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 NUMERIC_TESTS := tests/learner/test_step.py tests/learner/test_logprobs.py tests/learner/test_fused_loss.py \
-	tests/learner/test_model.py tests/learner/test_losses.py tests/learner/test_advantages.py \
+	tests/learner/test_model.py tests/learner/test_losses.py tests/inflight/test_advantages.py \
 	tests/inflight/test_logprob_parity.py
 
 test: models
