@@ -36,7 +36,7 @@ test: models
 	@echo "== numerically sensitive tests on AVX2 kernels only: $(AVX2_ONLY) =="
 	$(AVX2_ONLY) $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS)
 	@echo "== the whole suite =="
-	$(PY) -m pytest -q tests benchmarks/micro -m "not engine_bench" --durations=15
+	$(PY) -m pytest -q tests benchmarks/micro -m "not engine_bench" --durations=40
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not engine"

@@ -20,6 +20,7 @@ from inflight.wire.weights import UPDATE_MEMORY
 from vllm_patches.adapter import engine_lora_rank, lora_request
 from vllm_patches.device_plan import GpuMemoryPlan
 from vllm_patches.generation import RunningRequests, ServedVersion, VersionedGeneration
+from vllm_patches.routes import check_routed_checkpoint
 from vllm_patches.rpc import GroupJoined, rpc_result
 from vllm_patches.updates import StagedSignals, UpdateError, UpdateReport, WeightUpdates
 
@@ -95,6 +96,8 @@ def check_engine_config(cfg: EngineConfig) -> None:
     if cfg.head_dtype not in HEAD_DTYPES:
         raise ValueError(f"head_dtype is {cfg.head_dtype!r}, expected one of {list(HEAD_DTYPES)}")
     check_graph_safe_updates(cfg.enforce_eager, cfg.update_memory)
+    if cfg.routing_replay:
+        check_routed_checkpoint(cfg.model)
 
 
 def memory_kwargs(cfg: EngineConfig, device: str) -> dict:

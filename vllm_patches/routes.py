@@ -21,7 +21,9 @@ fed (nothing is sampled after it): a record covers prompt + completion − 1 pos
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -50,6 +52,25 @@ class RoutedExperts(msgspec.Struct, forbid_unknown_fields=True):
 def id_dtype(num_experts: int) -> np.dtype:
     """The smallest unsigned integer type that holds every expert id of a layer with `num_experts` experts."""
     return np.dtype(np.uint8) if num_experts <= 256 else np.dtype("<u2")
+
+
+# config.json's expert count under each family's name for it (Qwen2/3-MoE, Mixtral, DeepSeek)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def check_routed_checkpoint(model: str) -> None:
+    """Refuse routing replay for a local checkpoint whose config.json names no experts, before the engine starts (the
+    worker refuses a model without a router it can capture too, but only once the weights are loaded)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return  # not a local checkpoint: the worker's check decides
+    settings = json.loads(config.read_text())
+    settings = settings.get("text_config", settings)
+    if not any(settings.get(key) for key in EXPERT_COUNT_KEYS):
+        raise ValueError(
+            f"routing replay is on but {model} ({settings.get('model_type', 'unknown type')}) has no MoE router: "
+            f"its config.json has none of {list(EXPERT_COUNT_KEYS)}; serve it with --routing-replay off"
+        )
 
 
 def moe_routers(model: torch.nn.Module) -> list[tuple[int, Any]]:

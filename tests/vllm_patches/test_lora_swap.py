@@ -130,6 +130,9 @@ def long_greedy(engine, prompt: list[int], rid: str, max_tokens: int = LONG):
 
 def test_a_generation_across_two_adapter_commits_has_each_adapters_own_tokens_segment_by_segment(lora_env, loop):
     env, engine, prompt = lora_env, lora_env["engine"], lora_env["prompt"]
+    if env["base"].name != "tiny-qwen2":  # SmolLM2's LoRA decode is 42 s of suite time here (vLLM's CPU LoRA: 0.34x)
+        pytest.skip("a commit mid-generation works the same for any model (SmolLM2's exactness is the first test's): "
+                    "run on the fastest")  # fmt: skip
     first = engine.version
 
     async def generate_across_two_commits():

@@ -66,6 +66,14 @@ def test_engine_generates_one_finite_logprob_per_sampled_token(swap_env):
         assert all(math.isfinite(lp) and lp <= 0.0 for lp in out.logprobs)
 
 
+def test_no_routes_are_recorded_without_routing_replay(swap_env, loop):
+    """Off, the default, even on the MoE model: no hook, no routes on any completion, nothing for the utility to hand
+    over (tests/vllm_patches/test_routes.py records them with it on)."""
+    assert all(out.routes is None for out in swap_env["before"])
+    core = swap_env["engine"].llm.engine_core
+    assert loop.run_until_complete(core.call_utility_async("inflight_routes", swap_env["before"][0].request_id)) is None
+
+
 def test_prepared_smollm2_greedy_in_vllm_equals_transformers_greedy(swap_env, model_dirs):
     """The GGUF -> bf16 conversion is faithful: vLLM serving the prepared SmolLM2 and transformers running the same
     directory pick the same greedy tokens and score them alike. The prompts are ones where the greedy choice is clear
