@@ -28,6 +28,7 @@ from inflight.wire.control import (
     decode_control,
     encode_control,
 )
+from inflight.wire.secure import CurveKeys
 from vllm_patches.updates import UpdateError
 
 log = logging.getLogger("inflight.serve")
@@ -44,7 +45,7 @@ class ControlClient:
         driver: RolloutDriver,
         tensors: list[TensorSpec],
         heartbeat_s: float = 1.0,
-        keys=None,
+        keys: CurveKeys | None = None,
         contract: RunContract | None = None,
     ):
         from inflight.wire.endpoints import connect_control_dealer

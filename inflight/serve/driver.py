@@ -22,9 +22,11 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm import SamplingParams
 
+from inflight.envs.base import Environment
 from inflight.envs.loading import load_env
 from inflight.envs.verifiers_env import VerifiersEnv
 from inflight.serve.config import ServeConfig
@@ -34,6 +36,9 @@ from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
 from inflight.wire.endpoints import RolloutStream
 from inflight.wire.rollouts import Rollout, Routes, Sampling, Times, encode_rollout, make_rollout
+
+if TYPE_CHECKING:  # transformers is imported once a serve really starts (inflight/serve/app.py)
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("inflight.serve")
 
@@ -114,9 +119,9 @@ class RolloutDriver:
         problems: Iterable[Problem],
         rewards: list[Reward],
         stream: RolloutStream,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         tool_latency: Callable[[], float] | None = None,
-        env=None,
+        env: Environment | None = None,
     ):
         """`env`: the environment episodes run in (inflight/envs/); None = `--env` as `cfg` names it."""
         self.engine, self.cfg, self.rewards, self.stream = engine, cfg, rewards, stream

@@ -23,13 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from inflight.envs.base import EpisodeState, check_feedback, check_messages
+from inflight.envs.base import Environment, EpisodeState, check_feedback, check_messages
 from inflight.tasks.base import Message, Problem
 from vllm_patches.generation import Completion
 from vllm_patches.routes import RoutedExperts, stitch
 
-if TYPE_CHECKING:  # vLLM is imported once a serve really starts (inflight/serve/app.py)
+if TYPE_CHECKING:  # vLLM and transformers are imported once a serve really starts (inflight/serve/app.py)
+    from transformers import PreTrainedTokenizerBase
     from vllm import SamplingParams
+
+    from inflight.serve.config import ServeConfig
+    from inflight.serve.driver import DriverStats
 
 log = logging.getLogger("inflight.serve")
 ENV_VERSION = -1  # the version an environment token carries: no policy sampled it
@@ -49,7 +53,7 @@ class TurnTokens:
     the template renders them after an assistant turn.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         self._base = [{"role": "user", "content": _U}, {"role": "assistant", "content": _A}]
         base = self._render(self._base, generation_prompt=False)
@@ -152,12 +156,12 @@ class EpisodeRunner:
     def __init__(
         self,
         sampler: Sampler,
-        env,
-        tokenizer,
-        cfg,
-        stats,
+        env: Environment,
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: ServeConfig,
+        stats: DriverStats,
         notify: Callable[[], None],
-        sampling,
+        sampling: Callable[[int], SamplingParams],
         tool_latency: Callable[[], float] | None = None,
     ):
         self.sampler, self.env, self.cfg, self.stats, self.notify = sampler, env, cfg, stats, notify

@@ -15,12 +15,16 @@ import logging
 import time
 from collections.abc import Callable
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from inflight.serve.config import ServeConfig
 from inflight.serve.episodes import VersionedEngine
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import Reward, RewardMeans, score_group
 from inflight.wire.records import EvalResult
+
+if TYPE_CHECKING:  # transformers is imported once a serve really starts
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("inflight.serve")
 MAX_ATTEMPTS = 3  # an update committing into every attempt means updates come faster than an eval: skip this one
@@ -56,7 +60,7 @@ class Evaluation:
         cfg: ServeConfig,
         problems: list[Problem],
         rewards: list[Reward],
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         server_id: str,
         on_result: Callable[[EvalResult], None],
     ):

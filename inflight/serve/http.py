@@ -16,13 +16,19 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # vLLM is imported by start_http, once an API is asked for
+    from vllm_patches.engine import InflightEngine
 
 log = logging.getLogger("inflight.serve")
+ASGIApp = Callable[..., Awaitable[None]]  # (scope, receive, send)
 SALTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 class WeightVersionMiddleware:
-    def __init__(self, app, engine, served_name: str = "", adapter_name: str = ""):
+    def __init__(self, app: ASGIApp, engine: InflightEngine, served_name: str = "", adapter_name: str = ""):
         self.app, self.engine = app, engine
         self.served_name, self.adapter_name = served_name, adapter_name  # adapter_name '': no adapter to map to
 
@@ -88,7 +94,7 @@ def _quiet_server_class():
     return QuietServer
 
 
-async def start_http(engine, model_path: str, served_name: str, host: str, port: int) -> asyncio.Task:
+async def start_http(engine: InflightEngine, model_path: str, served_name: str, host: str, port: int) -> asyncio.Task:
     """Serve the OpenAI API on host:port from `engine.llm`; returns the uvicorn task (cancel it to stop)."""
     import uvicorn
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state

@@ -9,14 +9,18 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from inflight.wire.records import EvalResult, ServeProgress, UpdateEvent, encode_line
 
+if TYPE_CHECKING:  # the driver imports vLLM
+    from inflight.serve.driver import RolloutDriver
+
 
 class ProgressReporter:
-    def __init__(self, driver, metrics_path: str, interval_s: float):
+    def __init__(self, driver: RolloutDriver, metrics_path: str, interval_s: float):
         self.driver, self.interval_s = driver, interval_s
         self.path = Path(metrics_path) if metrics_path else None
         if self.path is not None:

@@ -41,7 +41,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -52,6 +52,13 @@ from inflight.serve.episodes import Episode, Sampler, TurnTokens
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import GroupScores
 from vllm_patches.generation import Completion
+
+if TYPE_CHECKING:  # vLLM and transformers are imported once a serve really starts (inflight/serve/app.py)
+    from transformers import PreTrainedTokenizerBase
+    from vllm import SamplingParams
+
+    from inflight.serve.config import ServeConfig
+    from inflight.serve.driver import DriverStats
 
 log = logging.getLogger("inflight.serve")
 KEY_HEADER = "X-Inflight-Key"
@@ -234,7 +241,17 @@ class VerifiersRunner:
     """Runs episodes of a `VerifiersEnv` on the serve's engine; the constructor is `EpisodeRunner`'s, so the driver
     picks either by the environment (`stats`, `notify`, `sampling` as there; `tool_latency` does not apply)."""
 
-    def __init__(self, sampler: Sampler, env: VerifiersEnv, tokenizer, cfg, stats, notify, sampling, tool_latency=None):
+    def __init__(
+        self,
+        sampler: Sampler,
+        env: VerifiersEnv,
+        tokenizer: PreTrainedTokenizerBase,
+        cfg: ServeConfig,
+        stats: DriverStats,
+        notify: Callable[[], None],
+        sampling: Callable[[int], SamplingParams],
+        tool_latency: Callable[[], float] | None = None,
+    ):
         self.sampler, self.env, self.cfg, self.stats, self.notify = sampler, env, cfg, stats, notify
         self.sampling, self.turns = sampling, TurnTokens(tokenizer)
         env.cap_turns(cfg.max_turns)

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from inflight.wire.control import ControlError, decode_control, encode_control
 from inflight.wire.rollouts import Rollout, RolloutError, decode_rollout
-from inflight.wire.secure import secure_client, secure_server
+from inflight.wire.secure import CurveKeys, secure_client, secure_server
 
 log = logging.getLogger("inflight.wire")
 
@@ -36,7 +36,14 @@ def _bind(sock, host: str, port: int) -> str:
 
 
 class RolloutReceiver:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, hwm: int = 64, ctx=None, keys=None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        hwm: int = 64,
+        ctx: zmq.Context | None = None,
+        keys: CurveKeys | None = None,
+    ):
 
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
@@ -91,7 +98,7 @@ class RolloutStream:
     memory stays bounded while the learner is away.
     """
 
-    def __init__(self, address: str, hwm: int = 4, keys=None):
+    def __init__(self, address: str, hwm: int = 4, keys: CurveKeys | None = None):
         self.address = address
         self._ctx, self._sock = connect_rollout_push(address, hwm, keys)
         self.outbox: collections.deque[tuple[bytes, str]] = collections.deque()  # (record, group id)
@@ -150,7 +157,9 @@ class RolloutStream:
 
 
 class ControlServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ctx=None, keys=None):
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, ctx: zmq.Context | None = None, keys: CurveKeys | None = None
+    ):
 
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)

@@ -15,6 +15,10 @@ import functools
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported only where a CUDA device is measured
+    import torch
 
 _malloc_trim = None
 _looked_up = False
@@ -112,7 +116,7 @@ class PeakMeter:
         meter.extra_bytes
     """
 
-    def __init__(self, device) -> None:
+    def __init__(self, device: torch.device | str | None) -> None:
         self.cuda = str(device).startswith("cuda")
         self.device, self.extra_bytes, self._base, self.measured = device, 0, 0, self.cuda
 
