@@ -2,8 +2,8 @@
 sampler's truncation (learner/truncation.py); a full softmax is biased on every token whose kept mass is below 1.
 
 tiny-qwen2, float32 serve and learner, version 0 (lag 0): whatever differs is the learner's view of the sampler. The
-tolerance is the one the real learner's lag-0 probe holds a float32 pair to (tests/inflight/test_learn.py), the same
-for plain temperature sampling and for the truncated run.
+tolerance is the one the real learner's lag-0 probe holds a float32 pair to under plain temperature sampling
+(tests/inflight/test_learn.py, the control this test once repeated with a second serve).
 """
 
 from __future__ import annotations
@@ -37,22 +37,17 @@ def learner_logprobs(model_dir, rollouts, truncation: Truncation | None) -> tupl
 
 def test_top_p_and_top_k_rollouts_match_the_learner_only_under_the_same_truncation(model_dirs):
     model_dir = model_dirs["tiny-qwen2"]
-    plain = collect(model_dir, "float32")
     truncated = collect(model_dir, "float32", extra=TRUNCATED)
     assert {(r.sampling.top_p, r.sampling.top_k) for r in truncated} == {(0.9, 20)}
 
-    mine, theirs = learner_logprobs(model_dir, plain, None)
-    plain_gap = (mine - theirs).abs()
     rule = Truncation(top_k=20, top_p=0.9)
     mine, theirs = learner_logprobs(model_dir, truncated, rule)
     truncated_gap = (mine - theirs).abs()
     full, _ = learner_logprobs(model_dir, truncated, None)
     biased_gap = (full - theirs).abs()
-    print(f"\nmean |learner - serve| logprob over {plain_gap.numel()}/{truncated_gap.numel()} tokens: plain sampling "
-          f"{plain_gap.mean():.2e}; top-p 0.9 + top-k 20 with the truncation {truncated_gap.mean():.2e}, with a full "
-          f"softmax {biased_gap.mean():.2e}")  # fmt: skip
+    print(f"\nmean |learner - serve| logprob over {truncated_gap.numel()} tokens of top-p 0.9 + top-k 20: with the "
+          f"truncation {truncated_gap.mean():.2e}, with a full softmax {biased_gap.mean():.2e}")  # fmt: skip
 
-    check_within(float(plain_gap.mean()), LAG0_TOLERANCE, "plain sampling: mean |learner - serve|")
     check_within(float(truncated_gap.mean()), LAG0_TOLERANCE, "top-p/top-k, truncated learner: mean |learner - serve|")
     # Today's full-softmax learner: every kept-mass deficit shows as a bias of the same sign (the full softmax spreads
     # probability over tokens the sampler could not pick), far outside the tolerance.
