@@ -1,6 +1,7 @@
 """Real `python -m inflight.learn` and `python -m inflight.serve` processes on tiny-llama: a serve started with another
-group size or temperature than the learner is refused at Hello naming the field, and nothing is trained
-(inflight/wire/contract.py; the dtype case, which needs no engine, is tests/inflight/test_publisher_contract.py)."""
+temperature than the learner is refused at Hello naming the field, exits, and nothing is trained
+(inflight/wire/contract.py). Every contract field's refusal (dtype, group size, temperature) over real sockets, without
+an engine, is tests/inflight/test_publisher_contract.py: one real serve proves the path end to end."""
 
 from __future__ import annotations
 
@@ -14,17 +15,16 @@ pytestmark = pytest.mark.engine
 
 # server id -> (its flags that differ from the learner's, what the refusal must name)
 WRONG = {
-    "wrong-group": (["--group-size", "2"], "group_size 2, but this learner trains groups of 4"),
     "wrong-temperature": (["--group-size", "4", "--temperature", "0.5"],
                           "temperature 0.5, but this learner computes logprobs at temperature 1.0"),
 }  # fmt: skip
 
 
-def test_serves_of_another_group_size_or_temperature_are_refused_at_hello_naming_it_and_nothing_is_trained(
+def test_a_serve_of_another_temperature_is_refused_at_hello_naming_it_exits_and_nothing_is_trained(
     model_dirs, tmp_path
 ):
-    """Both serves start at once against one learner (group size 4, temperature 1.0); each must exit 1 with the
-    learner's reason, the learner logs each refusal once, forms no weights group and makes no step."""
+    """The serve starts against a learner of group size 4, temperature 1.0: it must exit 1 with the learner's
+    reason; the learner logs the refusal once, forms no weights group and makes no step."""
     model, ports = model_dirs["tiny-llama"], [free_port() for _ in range(3)]
     learn = ServeProcess(["--model", str(model), "--group-size", "4", "--groups-per-step", "1", "--run-dir",
                           str(tmp_path), "--rollouts-port", str(ports[0]), "--control-port", str(ports[1]),

@@ -42,11 +42,26 @@ def say_hello(publisher: WeightPublisher, contract: RunContract | None, server_i
         sock.close()
 
 
-def test_a_serve_computing_in_another_dtype_is_refused_at_hello_naming_dtype_and_is_not_a_member(publisher):
-    reply = say_hello(publisher, RunContract(group_size=8, temperature=1.0, dtype="bfloat16"))
+# a serve's contract that differs in one field -> the start of the learner's reason
+DIFFERING = {
+    "dtype": (RunContract(group_size=8, temperature=1.0, dtype="bfloat16"),
+              "dtype bfloat16, but this learner computes in float32"),
+    "group_size": (RunContract(group_size=2, temperature=1.0, dtype="float32"),
+                   "group_size 2, but this learner trains groups of 8"),
+    "temperature": (RunContract(group_size=8, temperature=0.5, dtype="float32"),
+                    "temperature 0.5, but this learner computes logprobs at temperature 1.0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", DIFFERING)
+def test_a_serve_of_another_dtype_group_size_or_temperature_is_refused_at_hello_naming_it_and_is_not_a_member(
+    publisher, field
+):
+    contract, named = DIFFERING[field]
+    reply = say_hello(publisher, contract)
     assert isinstance(reply, Refused), reply
-    assert reply.reason.startswith("serve infer3@1: dtype bfloat16, but this learner computes in float32")
-    assert publisher.plane.serves == {} and "dtype bfloat16" in publisher.plane.membership.refused["infer3@1"]
+    assert reply.reason.startswith(f"serve infer3@1: {named}"), reply.reason
+    assert publisher.plane.serves == {} and named in publisher.plane.membership.refused["infer3@1"]
 
 
 def test_a_serve_without_a_contract_is_refused_when_the_learner_has_one(publisher):
