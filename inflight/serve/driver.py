@@ -30,7 +30,7 @@ from inflight.envs.base import Environment
 from inflight.envs.loading import load_env
 from inflight.envs.verifiers_env import VerifiersEnv
 from inflight.serve.config import ServeConfig
-from inflight.serve.episodes import Episode, EpisodeRunner, VersionedEngine
+from inflight.serve.episodes import Episode, EpisodeRunner, RunnerContext, VersionedEngine
 from inflight.serve.verifiers_runner import VerifiersRunner
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
@@ -137,9 +137,10 @@ class RolloutDriver:
         if isinstance(self.env, VerifiersEnv):  # its own taskset and rewards (--reward adds to them)
             problems, self.rewards, runner = self.env.problems(), rewards if cfg.reward else [], VerifiersRunner
         self._problems = iter(problems)
-        self.episodes = runner(
-            engine.generation, self.env, tokenizer, cfg, self.stats, self.notify, self._sampling, tool_latency
+        context = RunnerContext(
+            engine.generation, tokenizer, cfg, self.stats, self.notify, self._sampling, tool_latency
         )
+        self.episodes = runner(self.env, context)
         self.admission = Admission(cfg, engine, self.stats)
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()

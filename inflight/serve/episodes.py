@@ -148,24 +148,30 @@ class VersionedEngine(Protocol):
     generation: Sampler
 
 
-class EpisodeRunner:
-    """Runs episodes of one environment on one engine's generation (`sampler`). `stats` is the driver's
-    `DriverStats` (its `requests_inflight` counts a sample while one of its turns generates); `notify` tells the
-    driver's admission something changed; `sampling(max_tokens)` builds a turn's `SamplingParams`."""
+@dataclass(frozen=True)
+class RunnerContext:
+    """What the driver hands whichever episode runner its environment takes (this module's `EpisodeRunner`, or
+    inflight/serve/verifiers_runner.py's): the engine's generation (`sampler`); `stats`, the driver's `DriverStats`
+    (its `requests_inflight` counts a sample while one of its turns generates); `notify`, which tells the driver's
+    admission something changed; `sampling(max_tokens)`, which builds a turn's `SamplingParams`; `tool_latency`
+    (--tool-latency), a simulated tool call's seconds after each turn."""
 
-    def __init__(
-        self,
-        sampler: Sampler,
-        env: Environment,
-        tokenizer: PreTrainedTokenizerBase,
-        cfg: ServeConfig,
-        stats: DriverStats,
-        notify: Callable[[], None],
-        sampling: Callable[[int], SamplingParams],
-        tool_latency: Callable[[], float] | None = None,
-    ):
-        self.sampler, self.env, self.cfg, self.stats, self.notify = sampler, env, cfg, stats, notify
-        self.turns, self.sampling, self.tool_latency = TurnTokens(tokenizer), sampling, tool_latency
+    sampler: Sampler
+    tokenizer: PreTrainedTokenizerBase
+    cfg: ServeConfig
+    stats: DriverStats
+    notify: Callable[[], None]
+    sampling: Callable[[int], SamplingParams]
+    tool_latency: Callable[[], float] | None = None
+
+
+class EpisodeRunner:
+    """Runs episodes of one environment on the engine's generation (`RunnerContext`)."""
+
+    def __init__(self, env: Environment, context: RunnerContext):
+        self.env, self.sampler, self.cfg, self.stats = env, context.sampler, context.cfg, context.stats
+        self.notify, self.sampling, self.tool_latency = context.notify, context.sampling, context.tool_latency
+        self.turns = TurnTokens(context.tokenizer)
 
     async def run(self, problem: Problem, request_id: str) -> Episode:
         """The whole episode; its first turn is already counted in `stats.requests_inflight` by the driver."""

@@ -41,24 +41,17 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from inflight.envs.verifiers_env import VerifiersEnv
 from inflight.models import resolve_model
-from inflight.serve.episodes import Episode, Sampler, TurnTokens
+from inflight.serve.episodes import Episode, RunnerContext, TurnTokens
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import GroupScores
 from vllm_patches.generation import Completion
-
-if TYPE_CHECKING:  # vLLM and transformers are imported once a serve really starts (inflight/serve/app.py)
-    from transformers import PreTrainedTokenizerBase
-    from vllm import SamplingParams
-
-    from inflight.serve.config import ServeConfig
-    from inflight.serve.driver import DriverStats
 
 log = logging.getLogger("inflight.serve")
 KEY_HEADER = "X-Inflight-Key"
@@ -239,21 +232,12 @@ def trace_into_episode(ep: Episode, trace, turns: list[ModelTurn]) -> None:
 
 class VerifiersRunner:
     """Runs episodes of a `VerifiersEnv` on the serve's engine; the constructor is `EpisodeRunner`'s, so the driver
-    picks either by the environment (`stats`, `notify`, `sampling` as there; `tool_latency` does not apply)."""
+    picks either by the environment (the context's `tool_latency` does not apply)."""
 
-    def __init__(
-        self,
-        sampler: Sampler,
-        env: VerifiersEnv,
-        tokenizer: PreTrainedTokenizerBase,
-        cfg: ServeConfig,
-        stats: DriverStats,
-        notify: Callable[[], None],
-        sampling: Callable[[int], SamplingParams],
-        tool_latency: Callable[[], float] | None = None,
-    ):
-        self.sampler, self.env, self.cfg, self.stats, self.notify = sampler, env, cfg, stats, notify
-        self.sampling, self.turns = sampling, TurnTokens(tokenizer)
+    def __init__(self, env: VerifiersEnv, context: RunnerContext):
+        self.env, self.sampler, self.cfg, self.stats = env, context.sampler, context.cfg, context.stats
+        self.notify, self.sampling, self.turns = context.notify, context.sampling, TurnTokens(context.tokenizer)
+        cfg = self.cfg
         env.cap_turns(cfg.max_turns)
         model = str(resolve_model(cfg.model))
         self.endpoint = TokenEndpoint(self._sample, model, cfg.max_model_len)
