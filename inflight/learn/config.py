@@ -16,6 +16,8 @@ from inflight.models import checkpoint_fingerprint, resolve_model
 from inflight.wire.contract import RunContract, SecretKnob, SharedKnobs
 from inflight.wire.memory import trim_every_s
 
+ADVANTAGE_KINDS = ("mean", "std", "loo")  # --advantage; group_advantages checks against it too
+
 
 @dataclass
 class EndpointKnobs:
@@ -46,7 +48,7 @@ class LossKnobs:
     )
     loss: str = knob("tis", "policy loss", choices=("tis", "ppo", "mask"))
     aggregation: str = knob("token", "loss aggregation", choices=("token", "sequence"))
-    advantage: str = knob("mean", "group advantage", choices=("mean", "std", "loo"))
+    advantage: str = knob("mean", "group advantage (inflight/learn/samples.py)", choices=ADVANTAGE_KINDS)
     tis_cap: float = knob(2.0, "tis: cap on the importance ratio")
     lr: float = knob(1e-5, "AdamW learning rate")
     grad_clip: float = knob(1.0, "max gradient norm")

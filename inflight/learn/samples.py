@@ -31,10 +31,10 @@ import msgspec
 import numpy as np
 import torch
 
+from inflight.learn.config import ADVANTAGE_KINDS
 from inflight.wire.rollouts import Rollout, Routes, routes_of
 
 _encoder = msgspec.msgpack.Encoder()
-ADVANTAGE_KINDS = ("mean", "std", "loo")
 
 
 @dataclass
