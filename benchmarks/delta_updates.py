@@ -103,7 +103,7 @@ class Trajectory:
         self.groups, self.group_size = groups, group_size
 
     def state(self) -> dict[str, torch.Tensor]:
-        from learner.model import full_hf_state
+        from learner.export import full_hf_state
 
         return full_hf_state(self.model)
 

@@ -21,8 +21,8 @@ import time
 import torch
 
 from learner.fused_loss import fused_policy_loss, triton_available
-from learner.logprobs import naive_token_logprobs, token_logprobs
 from learner.losses import LossConfig, policy_loss
+from learner.model import naive_token_logprobs, token_logprobs
 
 CFG = LossConfig("tis")
 

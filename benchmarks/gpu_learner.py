@@ -134,9 +134,9 @@ def plain_loop(args, cuda_metrics: list[dict]) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from inflight.learn.buffer import RolloutBuffer
     from inflight.learn.replay import JournalReplay
     from inflight.learn.samples import build_samples
+    from inflight.learn.store import RolloutBuffer
     from inflight.models import resolve_model
     from learner.step import AUTOCAST, Sample, make_batch
 

@@ -35,7 +35,8 @@ def _rank_main(args) -> None:
     """Every rank: load + shard; rank 0 publishes each mode `repeats` times, the others take part in the gathers."""
     import torch.distributed as dist
 
-    from learner.model import full_hf_state, iter_full_pieces, load_policy, shard_policy
+    from learner.export import full_hf_state, iter_full_pieces
+    from learner.model import load_policy, shard_policy
     from learner.world import start_world
 
     world = start_world("cpu")
@@ -64,9 +65,9 @@ class _Rank0:
 
     def __init__(self, args, model):
         from inflight.learn.publisher import open_publisher
-        from inflight.wire.endpoints import ControlServer
+        from inflight.wire.control import ControlServer
         from inflight.wire.weights import DTYPES
-        from learner.model import local_hf_state
+        from learner.export import local_hf_state
 
         self.args, self.model, self.rows = args, model, []
         self.publisher = open_publisher(ControlServer(), timeout_s=300, bucket_bytes=args.bucket_mb * MiB)
@@ -85,7 +86,7 @@ class _Rank0:
 
     def publish(self, mode: str, version: int) -> None:
         from inflight.wire.memory import PeakMeter
-        from learner.model import full_hf_state, iter_full_pieces
+        from learner.export import full_hf_state, iter_full_pieces
 
         start = time.perf_counter()
         with PeakMeter("cpu") as peak:

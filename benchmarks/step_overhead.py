@@ -22,9 +22,9 @@ from pathlib import Path
 
 
 def batches(replay: Path, groups_per_step: int, max_lag: int, steps: int) -> list:
-    from inflight.learn.buffer import RolloutBuffer
     from inflight.learn.replay import JournalReplay
     from inflight.learn.samples import build_samples
+    from inflight.learn.store import RolloutBuffer
     from learner.step import Sample, make_batch
 
     source, buffer, out = JournalReplay(replay), RolloutBuffer(), []

@@ -1,6 +1,6 @@
 """The policy loss fused with the LM head: hidden states in, scalar loss out, never a tokens × vocab tensor.
 
-`fused_policy_loss` gives the same loss and gradients as `token_logprobs` (learner/logprobs.py) followed by
+`fused_policy_loss` gives the same loss and gradients as `token_logprobs` (learner/model.py) followed by
 `policy_loss` (learner/losses.py) for every loss kind and aggregation, but in one pass per chunk of tokens:
 
 1. logits_chunk = hidden_chunk @ Wᵀ (cuBLAS / the CPU BLAS, in the model's dtype, as the model's own LM head);
@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import torch
 
-from learner.logprobs import _check_logprob_inputs
 from learner.losses import LossConfig, _metrics
 
 _TRITON: bool | None = None
@@ -106,7 +105,7 @@ def fused_policy_loss(
     """The loss, the per-token logprobs and the metrics (`FusedPolicyLoss`) of `token_logprobs` + `policy_loss`,
     computed with the LM head chunk by chunk. backend: 'auto' (Triton on CUDA when it is there, else
     torch), 'triton' or 'torch'."""
-    _check_logprob_inputs(hidden, lm_head_weight, targets, temperature, chunk_tokens, None)
+    check_head_inputs(hidden, lm_head_weight, targets, temperature, chunk_tokens, None)
     for name, t in (
         ("behaviour_logp", behaviour_logp),
         ("advantages", advantages),
@@ -265,3 +264,32 @@ def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
         out.add_(a @ b)
+
+
+def check_head_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    bias: torch.Tensor | None,
+) -> None:
+    """The LM head's inputs, checked alike by `token_logprobs` (learner/model.py) and `fused_policy_loss`."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)} and lm_head_weight {tuple(weight.shape)}, "
+            "expected [T, H] and [V, H] with the same H"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden dtype is {hidden.dtype}, lm_head_weight dtype is {weight.dtype}: cast them to one")
+    if targets.dtype != torch.int64 or targets.shape != (hidden.shape[0],):
+        raise ValueError(
+            f"targets has dtype {targets.dtype} and shape {tuple(targets.shape)}, "
+            f"expected torch.int64 and ({hidden.shape[0]},), one target per hidden row"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"lm_head_bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    if not temperature > 0:
+        raise ValueError(f"temperature is {temperature}, expected > 0 (use the sampling temperature)")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens is {chunk_tokens}, expected >= 1")

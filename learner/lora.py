@@ -63,7 +63,7 @@ def decoder_linear_names(hf_model: torch.nn.Module) -> list[str]:
     For Llama- and Qwen2-style models: q_proj, k_proj, v_proj, o_proj (attention), gate_proj, up_proj, down_proj
     (MLP); for Qwen3-MoE the attention's alone (transformers keeps its experts as fused tensors and its router is no
     nn.Linear, so neither is adapted). The LM head and the embeddings are not among them: PolicyModel computes the
-    logprobs from the LM head's weight directly (learner/logprobs.py), so an adapter there would never be applied.
+    logprobs from the LM head's weight directly (learner/model.py), so an adapter there would never be applied.
     """
     names = {
         name.rsplit(".", 1)[-1]

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_TRACKED_BYTES = 1 << 20
-# A segment of inflight/learn/journal.py's RolloutJournal, under any run directory's journal/.
+# A segment of inflight/learn/store.py's RolloutJournal, under any run directory's journal/.
 JOURNAL_SEGMENT = re.compile(r"(^|/)journal/segment-\d+\.log$")
 
 

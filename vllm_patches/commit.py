@@ -1,7 +1,7 @@
 """LiveWeights: puts a staged update into a worker's live model, all-or-nothing, between two engine steps.
 
 Called by the worker extension's `inflight_commit_staged` (itself reached from the EngineCore utility
-`vllm_patches/plugin.py:inflight_commit`). Two commit paths, chosen once per engine (the serve's `--update-memory`):
+`vllm_patches/updates.py:inflight_commit`). Two commit paths, chosen once per engine (the serve's `--update-memory`):
 - `double` (default): the staging thread already loaded and processed the update into a shadow copy of the changed
   layers (vllm_patches/prepared.py); the commit swaps references, O(layers), whatever the model size.
 - `low`: the commit runs vLLM's layerwise reload into the live storage on the engine thread, O(bytes); every

@@ -2,11 +2,9 @@
 `inflight_track_kv`, `inflight_kv_spans` and `inflight_routes` utilities to EngineCore, and the KV-age hook to the
 scheduler (vllm_patches/kv_age.py).
 
-vLLM loads general plugins in every process; `register` is idempotent and only adds a method. EngineCore runs utility
-calls in `_process_input_queue`, strictly between two `step()` calls, and on the synchronous step path (the CPU
-default, `--no-async-scheduling` on GPU) each step's outputs are stamped with `_weight_version` as the step finishes.
-Applying the staged weights and setting the version in this one call is therefore what makes per-token versions
-exact: every token sampled after the commit carries the new version, every token before it the old one.
+vLLM loads general plugins in every process; `register` is idempotent and only adds a method. The two utilities of a
+weight update, `inflight_commit` and `inflight_park`, are the EngineCore half of its choreography and live beside
+the front-end half (vllm_patches/updates.py); the others, which read a finished request's KV ages and routes, are here.
 """
 
 from __future__ import annotations
@@ -19,45 +17,7 @@ import threading
 import time
 
 from vllm_patches.kv_age import KvAgeTracker, install
-from vllm_patches.rpc import CommitResult
-
-KV_MODES = ("keep", "recompute")
-
-
-def inflight_commit(self, version: int, kv: str = "keep") -> CommitResult:
-    """EngineCore utility: commit the staged update on every worker and set the weight version, in one engine step gap.
-
-    kv="keep" leaves running requests' KV (computed by the old weights) in place; kv="recompute" preempts every running
-    request so its KV is recomputed by the new weights. A worker failure leaves the version unchanged and re-raises.
-    """
-    if kv not in KV_MODES:
-        raise ValueError(f"kv is {kv!r}, expected one of {KV_MODES}")
-    start = time.perf_counter()
-    workers = self.collective_rpc("inflight_commit_staged", args=(int(version),))
-    self._weight_version = str(int(version))
-    tracker = getattr(self.scheduler, "_inflight_kv", None)
-    if tracker is not None:
-        tracker.version = int(version)  # requests (re)started from the next step on compute KV at the new version
-    if kv == "recompute":
-        self.reset_prefix_cache(reset_running_requests=True)
-        if tracker is not None:
-            tracker.prefix_cache_reset()
-    return CommitResult(int(version), time.perf_counter() - start, workers)  # workers: CommitApplied each
-
-
-def inflight_park(self, timeout_s: float) -> bool:
-    """EngineCore utility for a paused update only: every worker waits in a blocking call until its update is staged
-    (or `timeout_s`); returns True once they all returned.
-
-    Between two RPCs a worker's main thread reads vLLM's shared-memory queue, and for 1 s after each message it reads
-    by busy-looping on `sched_yield` (vllm/distributed/device_communicators/shm_broadcast.py, `busy_loop_s`): each turn
-    takes the GIL back from the staging thread, which lives in the same process. While decoding, the main thread is in
-    `execute_model` and barely reads; paused, nothing comes for the whole transfer, and a keep-pause update (under 1 s
-    for SmolLM2 on 2 cores) is staged entirely inside that window. Parked in `inflight_wait_staged`, the main thread
-    sleeps on the stage's event instead (BENCHMARKS.md "Weight swap" has what it is worth). The staged signal still
-    tells the engine (vllm_patches/updates.py); this only keeps the workers' main threads out of the way."""
-    self.collective_rpc("inflight_wait_staged", args=(float(timeout_s),))
-    return True
+from vllm_patches.updates import inflight_commit, inflight_park
 
 
 def inflight_track_kv(self, version: int) -> int:

@@ -3,7 +3,7 @@
 Called through `vllm_patches/engine.py:InflightEngine.update` (the serve's control client, tests, benchmarks). One way:
 pause as the mode says, begin staging on every worker (`inflight_begin_update`, which returns at once), await every
 worker's staged signal (`StagedSignals`: the workers tell, nothing asks), commit between two engine steps (the
-EngineCore utility `vllm_patches/plugin.py:inflight_commit`), resume.
+EngineCore utility `inflight_commit`, below), resume.
 
   never-stop    stage in the background while decoding continues; commit between two steps (the only stall)
   keep-pause    pause (keep, KV kept) for the whole transfer, commit, resume — what PipelineRL/TRL do
@@ -20,6 +20,13 @@ worker's staging thread pushes one `vllm_patches/rpc.py:StagedSignal` when it fi
 (`vllm_patches/staging.py:StagedNotifier`) to a ZeroMQ PULL socket this engine binds on an ipc path in a private
 directory (mode 0700: only this user can connect), awaited with `zmq.asyncio`: nothing polls, and EngineCore and the
 worker never wait for it. Messages are msgpack-encoded `StagedSignal` records, validated on decode.
+
+The update's two EngineCore utilities are here too, the half of the choreography that runs in EngineCore (the plugin,
+vllm_patches/plugin.py, adds them to it). EngineCore runs utility calls in `_process_input_queue`, strictly between two
+`step()` calls, and on the synchronous step path (the CPU default, `--no-async-scheduling` on GPU) each step's outputs
+are stamped with `_weight_version` as the step finishes. Applying the staged weights and setting the version in the one
+call `inflight_commit` is therefore what makes per-token versions exact: every token sampled after the commit carries
+the new version, every token before it the old one.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ if TYPE_CHECKING:  # see vllm_patches/generation.py: vLLM is imported by whoever
 log = logging.getLogger(__name__)
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
+KV_MODES = ("keep", "recompute")
 
 
 @dataclass
@@ -62,7 +70,7 @@ class UpdateReport:
     prepare_s: float = 0.0  # loading into the processed copy off the engine thread (update_memory "double")
     bytes: int = 0
     staging_window: tuple[float, float] = (0.0, 0.0)  # wall clock: receive started, all buckets verified
-    parked: bool = False  # the workers waited for staging in a blocking call (paused modes: plugin.py:inflight_park)
+    parked: bool = False  # the workers waited for staging in a blocking call (paused modes: inflight_park, below)
     workers: list[CommitApplied] = field(default_factory=list)
 
 
@@ -173,7 +181,7 @@ class WeightUpdates:
 
     def _park(self, timeout_s: float) -> asyncio.Task:
         """While paused, the workers wait for staging in a blocking call instead of spinning on their RPC queue
-        (vllm_patches/plugin.py:inflight_park says why); the commit queues behind it. A failed park costs nothing."""
+        (`inflight_park` says why); the commit queues behind it. A failed park costs nothing."""
 
         async def park() -> bool:
             try:
@@ -213,3 +221,42 @@ class WeightUpdates:
         committed = rpc_result(result, CommitResult, "inflight_commit")
         report.commit_s, report.workers = committed.stall_s, committed.workers
         self.served.number = report.version
+
+
+# The EngineCore half: utilities the plugin adds to EngineCore (`self` is EngineCore).
+
+
+def inflight_commit(self, version: int, kv: str = "keep") -> CommitResult:
+    """EngineCore utility: commit the staged update on every worker and set the weight version, in one engine step gap.
+
+    kv="keep" leaves running requests' KV (computed by the old weights) in place; kv="recompute" preempts every running
+    request so its KV is recomputed by the new weights. A worker failure leaves the version unchanged and re-raises.
+    """
+    if kv not in KV_MODES:
+        raise ValueError(f"kv is {kv!r}, expected one of {KV_MODES}")
+    start = time.perf_counter()
+    workers = self.collective_rpc("inflight_commit_staged", args=(int(version),))
+    self._weight_version = str(int(version))
+    tracker = getattr(self.scheduler, "_inflight_kv", None)
+    if tracker is not None:
+        tracker.version = int(version)  # requests (re)started from the next step on compute KV at the new version
+    if kv == "recompute":
+        self.reset_prefix_cache(reset_running_requests=True)
+        if tracker is not None:
+            tracker.prefix_cache_reset()
+    return CommitResult(int(version), time.perf_counter() - start, workers)  # workers: CommitApplied each
+
+
+def inflight_park(self, timeout_s: float) -> bool:
+    """EngineCore utility for a paused update only: every worker waits in a blocking call until its update is staged
+    (or `timeout_s`); returns True once they all returned.
+
+    Between two RPCs a worker's main thread reads vLLM's shared-memory queue, and for 1 s after each message it reads
+    by busy-looping on `sched_yield` (vllm/distributed/device_communicators/shm_broadcast.py, `busy_loop_s`): each turn
+    takes the GIL back from the staging thread, which lives in the same process. While decoding, the main thread is in
+    `execute_model` and barely reads; paused, nothing comes for the whole transfer, and a keep-pause update (under 1 s
+    for SmolLM2 on 2 cores) is staged entirely inside that window. Parked in `inflight_wait_staged`, the main thread
+    sleeps on the stage's event instead (BENCHMARKS.md "Weight swap" has what it is worth). The staged signal still
+    tells the engine (vllm_patches/updates.py); this only keeps the workers' main threads out of the way."""
+    self.collective_rpc("inflight_wait_staged", args=(float(timeout_s),))
+    return True

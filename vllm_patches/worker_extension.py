@@ -185,7 +185,7 @@ class InflightWorkerExtension:
 
     def inflight_wait_staged(self, timeout_s: float) -> bool:
         """Block until the current update has finished staging or `timeout_s` passed (EngineCore parks in this
-        while paused: vllm_patches/plugin.py:inflight_park); whether it finished. Nothing begun: True at once."""
+        while paused: vllm_patches/updates.py:inflight_park); whether it finished. Nothing begun: True at once."""
         stage = self._inflight_state().stage
         return stage is None or stage.wait(timeout_s)
 

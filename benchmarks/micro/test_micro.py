@@ -17,7 +17,7 @@ import torch
 
 from inflight.wire.group import GroupAddress, WeightsGroup
 from inflight.wire.weights import pack_bucket, plan_manifest, unpack_buckets
-from learner.logprobs import naive_token_logprobs, token_logprobs
+from learner.model import naive_token_logprobs, token_logprobs
 
 MIB = 1 << 20
 ROUNDS = 5

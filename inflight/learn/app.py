@@ -42,9 +42,10 @@ from inflight.models import resolve_model
 from inflight.wire.memory import PeakMeter, trim_after_update
 from inflight.wire.records import StepMetrics
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from learner.export import full_hf_state, iter_full_pieces
 from learner.lora import adapter_state
 from learner.losses import LossConfig
-from learner.model import PolicyModel, full_hf_state, iter_full_pieces, load_policy, shard_policy
+from learner.model import PolicyModel, load_policy, shard_policy
 from learner.routing_replay import RoutingReplay, RoutingReplayError
 from learner.step import AUTOCAST, Batch, Sample, TrainConfig, make_batch, make_optimizer, train_step
 from learner.truncation import Truncation

@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 from inflight.learn.membership import Action, BreakGroup, Membership, Send, Serve
 from inflight.learn.rendezvous import GroupRendezvous
-from inflight.wire.control import Hello, Progress, UpdateDone
-from inflight.wire.endpoints import ControlServer
+from inflight.wire.control import ControlServer, Hello, Progress, UpdateDone
 from inflight.wire.group import WeightsGroup
 
 log = logging.getLogger("inflight.learn")

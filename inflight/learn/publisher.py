@@ -11,7 +11,7 @@ a full update piece by piece as the learner's ranks gather it, through two reuse
 model on the weights device.
 
 Contract of a streamed publish (every learner rank, in lockstep, or the ranks deadlock): every rank walks
-`learner/model.py:iter_full_pieces` to its end, in the same order — on a sharded model each piece is a collective
+`learner/export.py:iter_full_pieces` to its end, in the same order — on a sharded model each piece is a collective
 gather — and rank 0 hands each piece to `StreamedUpdate.put` as it comes, then calls `finish_stream`. `put` never
 raises a broadcast error: a broadcast that fails part-way only stops the sending (the serves that missed the version
 are dropped afterwards), the pieces still go into the snapshot and the walk goes on, so no rank is left in a gather.
@@ -41,8 +41,7 @@ from inflight.learn.membership import Send, Serve
 from inflight.learn.rendezvous import GroupRendezvous
 from inflight.learn.snapshot import LatestWeights
 from inflight.wire.checksum import checksum_kind_for
-from inflight.wire.control import UpdateWeights
-from inflight.wire.endpoints import ControlServer
+from inflight.wire.control import ControlServer, UpdateWeights
 from inflight.wire.group import WeightsGroupError
 from inflight.wire.transfer import StreamSender, TransferStats, send_update
 from inflight.wire.weights import (
@@ -115,7 +114,7 @@ class DeltaBase:
 
 
 class WeightPiece(Protocol):
-    """Rows `start` .. `start + len(tensor)` of the full tensor `name` (learner/model.py:Piece)."""
+    """Rows `start` .. `start + len(tensor)` of the full tensor `name` (learner/export.py:Piece)."""
 
     name: str
     start: int

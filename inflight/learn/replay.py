@@ -1,9 +1,9 @@
 """JournalReplay: `--replay DIR` — the learner trains on a recorded rollout journal instead of on serves.
 
 Why it reaches the live run's weights: the live learner journals every accepted record in arrival order
-(inflight/learn/journal.py), and a group becomes trainable when its last sample arrives, so the order in which groups
+(inflight/learn/store.py), and a group becomes trainable when its last sample arrives, so the order in which groups
 complete is a function of that order alone; each step takes the `groups_per_step` oldest complete groups
-(inflight/learn/buffer.py:RolloutBuffer.take). Fed the same records in the same order, the buffer hands each step
+(inflight/learn/store.py:RolloutBuffer.take). Fed the same records in the same order, the buffer hands each step
 the same groups, the gate sees the same learner version, and with the same flags and seed the same optimizer steps
 follow — whatever the live run's timing was. The recording must keep every segment (`--keep-journal`): by default a
 checkpoint deletes the segments of trained groups.
@@ -19,8 +19,7 @@ import json
 import logging
 from pathlib import Path
 
-from inflight.learn.buffer import RolloutBuffer
-from inflight.learn.journal import read_segments, segment_paths
+from inflight.learn.store import RolloutBuffer, read_segments, segment_paths
 from inflight.wire.rollouts import RolloutError, decode_rollout
 
 log = logging.getLogger("inflight.learn")

@@ -9,9 +9,9 @@ journaled and acknowledged (`RolloutIntake`, below), control messages are served
 rollouts come from a recorded journal; the control socket and the publisher work as in a live run.
 
 `RolloutIntake` is the rollouts' way in. Live: `receive` takes what arrived on the rollout socket
-(inflight/wire/endpoints.py:RolloutReceiver), adds it to the buffer (inflight/learn/buffer.py:RolloutBuffer, which
+(inflight/wire/rollouts.py:RolloutReceiver), adds it to the buffer (inflight/learn/store.py:RolloutBuffer, which
 refuses duplicates and strangers), writes the accepted records to the journal with fsync
-(inflight/learn/journal.py:RolloutJournal) and only then queues the acknowledgements that `Progress` carries. With
+(inflight/learn/store.py:RolloutJournal) and only then queues the acknowledgements that `Progress` carries. With
 `--replay` the records come from a recorded journal (inflight/learn/replay.py:JournalReplay): no socket, no journal of
 its own, nothing to acknowledge.
 """
@@ -29,15 +29,14 @@ from pathlib import Path
 
 import torch
 
-from inflight.learn.buffer import RolloutBuffer
 from inflight.learn.config import LearnConfig
-from inflight.learn.journal import RolloutJournal
 from inflight.learn.publisher import WeightPublisher, open_publisher
 from inflight.learn.replay import JournalReplay
 from inflight.learn.samples import GatedBatch, build_samples
-from inflight.wire.endpoints import ControlServer, RolloutReceiver
+from inflight.learn.store import RolloutBuffer, RolloutJournal
+from inflight.wire.control import ControlServer
 from inflight.wire.records import StepMetrics, encode_line, to_record
-from inflight.wire.rollouts import Rollout, RolloutError, decode_rollout
+from inflight.wire.rollouts import Rollout, RolloutError, RolloutReceiver, decode_rollout
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
 from inflight.wire.weights import AdapterSpec
 
@@ -68,7 +67,7 @@ class RolloutIntake:
         return f"replaying {self.replay.dir}" if self.replay else f"rollouts {self.receiver.address}"
 
     def _open_journal(self) -> RolloutJournal:
-        """The write-ahead log of accepted rollouts (inflight/learn/journal.py): replayed on --resume, else emptied."""
+        """The write-ahead log of accepted rollouts (inflight/learn/store.py): replayed on --resume, else emptied."""
         directory = self.run_dir / "journal"
         if not self.cfg.resume and directory.exists():
             shutil.rmtree(directory)

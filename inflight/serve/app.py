@@ -33,7 +33,7 @@ from inflight.tasks.base import Problem
 from inflight.tasks.loading import load_task
 from inflight.tasks.rewards import Reward, load_rewards
 from inflight.wire.control import TensorSpec
-from inflight.wire.endpoints import RolloutStream
+from inflight.wire.rollouts import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
 from vllm_patches.device_plan import StagingPlan, checkpoint_weight_bytes, cpu_threads_bind, plan_gpu_memory
 
@@ -124,7 +124,7 @@ async def serve(cfg: ServeConfig) -> int:
 
 async def start_engine(cfg: ServeConfig, model_path: Path) -> InflightEngine:
     """The patched vLLM engine (vllm_patches/engine.py:InflightEngine) with the serve's engine knobs."""
-    from vllm_patches.engine import InflightEngine  # vLLM: see `serve`
+    from vllm_patches.engine import InflightEngine, engine_kwargs  # vLLM: see `serve`
 
     device = serve_device()
     gpu = query_cuda_device() if is_cuda(device) else None  # in a child: this process keeps no CUDA context
@@ -132,7 +132,11 @@ async def start_engine(cfg: ServeConfig, model_path: Path) -> InflightEngine:
         bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), cfg.tensor_parallel_size)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # read by the workers vLLM spawns
         log.info("CPU tensor parallelism: worker cores %s (VLLM_CPU_OMP_THREADS_BIND)", bind)
-    config = engine_config(cfg, model_path, device, gpu.total_bytes if gpu else 0)
+    try:
+        config = engine_config(cfg, model_path, device, gpu.total_bytes if gpu else 0)
+        engine_kwargs(config, device)  # every refusal of the engine's config, before vLLM starts
+    except ValueError as exc:  # a refused flag, said in one line (the message names the flag and the fix)
+        raise SystemExit(f"inflight.serve: {exc}") from None
     if config.gpu_plan is not None:
         log.info("%s", config.gpu_plan.describe())
     return await InflightEngine.start(config, version=cfg.version)

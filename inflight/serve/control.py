@@ -48,7 +48,7 @@ class ControlClient:
         keys: CurveKeys | None = None,
         contract: RunContract | None = None,
     ):
-        from inflight.wire.endpoints import connect_control_dealer
+        from inflight.wire.control import connect_control_dealer
 
         self.driver, self.engine, self.cfg = driver, driver.engine, driver.cfg
         self.tensors, self.heartbeat_s, self.contract = tensors, heartbeat_s, contract

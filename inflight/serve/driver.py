@@ -34,8 +34,7 @@ from inflight.serve.episodes import Episode, EpisodeRunner, RunnerContext, Versi
 from inflight.serve.verifiers_runner import VerifiersRunner
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import ConstantRewardWatch, GroupScores, Reward, RewardMeans, score_group
-from inflight.wire.endpoints import RolloutStream
-from inflight.wire.rollouts import Rollout, Routes, Sampling, Times, encode_rollout, make_rollout
+from inflight.wire.rollouts import Rollout, RolloutStream, Routes, Sampling, Times, encode_rollout, make_rollout
 
 if TYPE_CHECKING:  # transformers is imported once a serve really starts (inflight/serve/app.py)
     from transformers import PreTrainedTokenizerBase

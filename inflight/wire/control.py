@@ -10,13 +10,23 @@ itself). A serve reports `Joined` and `UpdateDone`.
 
 Every message carries `schema`; `decode_control` raises `ControlError` naming the problem for anything malformed or of
 another schema, and the receiver logs it and keeps running.
+
+`ControlServer` is the learner's ROUTER, bound (synchronous); every serve's DEALER (`connect_control_dealer`, asyncio)
+connects, and messages to a serve are addressed by its ZeroMQ identity, learned from its `Hello`.
 """
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
+import zmq
+import zmq.asyncio
 
 from inflight.wire.contract import RunContract
+from inflight.wire.secure import CurveKeys, bind_socket, connect_socket, secure_server
+
+log = logging.getLogger("inflight.wire")
 
 # 2: Hello carries the serve's RunContract. An older serve's Hello is refused naming both schemas, never read as one
 # that agrees with every default.
@@ -135,3 +145,56 @@ def decode_control(data: bytes, to: str):
             "the same inflight version on serve and learn"
         )
     return message
+
+
+class ControlServer:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, ctx: zmq.Context | None = None, keys: CurveKeys | None = None
+    ):
+
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            secure_server(self._sock, keys)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished serve raises instead of vanishing
+        self.address = bind_socket(self._sock, host, port)
+        self.rejected = 0
+
+    def poll(self, timeout_s: float = 0.0) -> list[tuple[bytes, object]]:
+        """(identity, message) for every valid message waiting (waits up to `timeout_s` for the first)."""
+
+        out = []
+        wait_ms = int(timeout_s * 1000)
+        while self._sock.poll(wait_ms if not out else 0, zmq.POLLIN):
+            identity, data = self._sock.recv_multipart()
+            try:
+                out.append((identity, decode_control(data, to="learner")))
+            except ControlError as exc:
+                self.rejected += 1
+                log.error("rejected control message from %r: %s", identity, exc)
+        return out
+
+    def send(self, identity: bytes, message) -> bool:
+        """Send to one serve; False if that serve is not connected (it died or has not said Hello)."""
+
+        try:
+            self._sock.send_multipart([identity, encode_control(message)])
+            return True
+        except zmq.ZMQError as exc:
+            log.error("control message %s to %r not delivered: %s", type(message).__name__, identity, exc)
+            return False
+
+    def send_raw(self, identity: bytes, data: bytes) -> None:
+        """Bytes as they are (fault-injection tests send malformed messages with this)."""
+        self._sock.send_multipart([identity, data])
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+def connect_control_dealer(address: str, keys=None):
+    """The serve's end of the control channel: (context, asyncio DEALER) to the learner's `ControlServer` ROUTER,
+    which addresses replies by this socket's identity (learned from the serve's `Hello`)."""
+
+    return connect_socket(address, zmq.DEALER, keys, {zmq.LINGER: 1000})

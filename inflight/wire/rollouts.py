@@ -1,4 +1,11 @@
-"""The rollout record: one message per finished sample, from a serve's RolloutDriver to the learner's buffer.
+"""The rollout channel: one record per finished sample, from a serve's RolloutDriver to the learner's buffer.
+
+- The record (`Rollout`, `make_rollout`, `encode_rollout`, `decode_rollout`), below.
+- `RolloutStream`: the serve's PUSH (`connect_rollout_push`), with its outbox and the records it keeps until the
+  learner acknowledges them.
+- `RolloutReceiver`: the learner's PULL (synchronous: the training loop is not asyncio); every serve's PUSH connects.
+  `receive()` returns decoded, validated `Rollout`s; a bad message is counted in `rejected` (by reason) and logged,
+  never raised into the training loop.
 
 A `Rollout` is a msgspec Struct encoded as msgpack; its arrays travel as raw little-endian bytes (int32 token ids,
 float32 behaviour logprobs, int32 per-token policy versions) so a record is a few copies from numpy/torch and never
@@ -24,10 +31,20 @@ refuses a routed record by its `schema` field instead of training on it without 
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import logging
 import math
+import time
 
 import msgspec
 import numpy as np
+import zmq
+import zmq.asyncio
+
+from inflight.wire.secure import CurveKeys, bind_socket, connect_socket, secure_server
+
+log = logging.getLogger("inflight.wire")
 
 ROLLOUT_SCHEMA = 2
 ROUTED_SCHEMA = 3  # a RoutedRollout: a schema-2 record plus `routes`
@@ -270,3 +287,133 @@ def _validate_roles(r: Rollout, n: int) -> None:
             "rollout has environment tokens with a version other than -1 or a logprob other than 0.0: "
             "no policy sampled them"
         )
+
+
+class RolloutStream:
+    """The serve's end of the rollouts: finished rollouts leave through one PUSH socket connected to the learner's PULL
+    (`RolloutReceiver`).
+
+    No finished rollout is ever dropped: ZeroMQ PUSH never drops on a live connection, it blocks when the peer's queue
+    is full (high-water mark). Rather than block the event loop, finished records wait in `outbox`, which the driver
+    counts as outstanding work and stops admitting prompts when it is full — so a learner that stops reading stops
+    generation after at most `max_outstanding` rollouts, and every one of them is delivered, once, when it reads again.
+
+    A sent record is not forgotten either: it stays in `retained` (by group) until the learner acknowledges its group
+    (`Progress.acked`: the learner has fsynced it to its journal). A learner killed with records in its socket queue or
+    in memory loses nothing it acknowledged, and when the restarted learner asks this serve to introduce itself,
+    `resend()` puts every unacknowledged record back into the outbox. Retained records count as outstanding work too, so
+    memory stays bounded while the learner is away.
+    """
+
+    def __init__(self, address: str, hwm: int = 4, keys: CurveKeys | None = None):
+        self.address = address
+        self._ctx, self._sock = connect_rollout_push(address, hwm, keys)
+        self.outbox: collections.deque[tuple[bytes, str]] = collections.deque()  # (record, group id)
+        self.retained: dict[str, list[bytes]] = {}  # group id -> sent records not yet acknowledged
+        self.retained_records = 0
+        self.resent = 0
+        self.sent = 0
+        self.bytes_sent = 0
+        self._wake = asyncio.Event()
+        self.drained = asyncio.Event()  # set whenever the outbox becomes empty
+        self.drained.set()
+
+    def offer(self, record: bytes, group_id: str) -> None:
+        self.outbox.append((record, group_id))
+        self.drained.clear()
+        self._wake.set()
+
+    def ack(self, group_ids) -> None:
+        """The learner holds these groups durably: forget their records."""
+        for group_id in group_ids:
+            self.retained_records -= len(self.retained.pop(group_id, ()))
+
+    def resend(self) -> int:
+        """Queue every unacknowledged record again (a restarted learner lost what it had not acknowledged)."""
+        records = [(r, g) for g, rs in self.retained.items() for r in rs]
+        self.retained.clear()
+        self.retained_records = 0
+        self.outbox.extendleft(reversed(records))
+        self.resent += len(records)
+        if records:
+            self.drained.clear()
+            self._wake.set()
+        return len(records)
+
+    async def pump(self, on_sent=None) -> None:
+        """Send outbox records in order, forever; a full peer queue suspends this coroutine, nothing else."""
+        while True:
+            if not self.outbox:
+                self.drained.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            record, group_id = self.outbox[0]
+            await self._sock.send(record, copy=False)
+            self.outbox.popleft()
+            self.retained.setdefault(group_id, []).append(record)
+            self.retained_records += 1
+            self.sent += 1
+            self.bytes_sent += len(record)
+            if on_sent is not None:
+                on_sent()
+
+    def close(self, linger_s: float = 5.0) -> None:
+        self._sock.close(linger=int(linger_s * 1000))
+        self._ctx.term()
+
+
+def connect_rollout_push(address: str, hwm: int = 4, keys=None):
+    """The serve's end of the rollout channel: (context, asyncio PUSH) to the learner's `RolloutReceiver`.
+
+    A small send high-water mark keeps records in the serve's own outbox (counted, retained until acknowledged)
+    rather than in ZeroMQ's queue; a 10-s linger lets a stopping serve deliver what it already handed over."""
+
+    return connect_socket(address, zmq.PUSH, keys, {zmq.SNDHWM: hwm, zmq.LINGER: 10_000})
+
+
+class RolloutReceiver:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        hwm: int = 64,
+        ctx: zmq.Context | None = None,
+        keys: CurveKeys | None = None,
+    ):
+
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        if keys is not None:  # inflight.wire.secure.CurveKeys: only serves with the same secret get through
+            secure_server(self._sock, keys)
+        self._sock.setsockopt(zmq.RCVHWM, hwm)  # bounds what piles up here when training is slow
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = bind_socket(self._sock, host, port)
+        self.received = 0
+        self.rejected: collections.Counter[str] = collections.Counter()
+
+    def receive(self, timeout_s: float | None = None, max_items: int = 1 << 30) -> list[Rollout]:
+        """Everything that arrives within `timeout_s` (at least one record unless it times out), up to `max_items`."""
+        return [rollout for rollout, _ in self.receive_raw(timeout_s, max_items)]
+
+    def receive_raw(self, timeout_s: float | None = None, max_items: int = 1 << 30) -> list[tuple[Rollout, bytes]]:
+        """Like `receive`, each valid rollout with the exact bytes it arrived as (what the learner journals)."""
+
+        out: list[tuple[Rollout, bytes]] = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(out) < max_items:
+            wait_ms = 0 if out else (-1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000)))
+            if not self._sock.poll(wait_ms, zmq.POLLIN):
+                break
+            data = self._sock.recv(copy=True)
+            try:
+                out.append((decode_rollout(data), data))
+                self.received += 1
+            except RolloutError as exc:
+                reason = str(exc).split(":")[0][:80]
+                self.rejected[reason] += 1
+                log.error("rejected rollout #%d (%d bytes): %s", sum(self.rejected.values()), len(data), exc)
+        return out
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

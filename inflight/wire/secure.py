@@ -1,4 +1,8 @@
-"""Optional shared secret for the learner's ZeroMQ sockets (rollouts and control), via ZeroMQ CURVE.
+"""How both channels' ZeroMQ sockets bind (the learner) and connect (the serves), and their optional shared secret.
+
+The learner binds 127.0.0.1 unless told otherwise (`bind_socket`; port 0 picks a free port, read back from the
+address it returns); a serve connects out (`connect_socket`, asyncio), so nothing needs to reach a serve. With a
+secret, every socket on both sides speaks ZeroMQ CURVE:
 
 Both sides read the same secret file (`--secret-file`, at least 16 bytes, e.g. `head -c 32 /dev/urandom > secret`).
 From it each derives two CURVE keypairs with BLAKE2b under distinct personalisations: the learner's (server) and the
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
@@ -94,3 +99,22 @@ def weights_key(secret: bytes) -> bytes:
     """The key the weight updates' tags derive from (inflight/wire/weights.py:update_key): the same secret gives
     learner and serve the same key, and it is independent of the CURVE keys."""
     return hashlib.blake2b(secret, digest_size=32, person=b"inflight-weights").digest()
+
+
+def bind_socket(sock: zmq.Socket, host: str, port: int) -> str:
+    """Bind `sock` on `host` (port 0: a free one) and return the address it got, to read back and hand to serves."""
+    sock.bind(f"tcp://{host}:{port or '*'}")
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+def connect_socket(address: str, kind: int, keys: CurveKeys | None, options: dict[int, int]):
+    """(asyncio context, socket of `kind` connected to `address`) with `options` set before connecting."""
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(kind)
+    for option, value in options.items():
+        sock.setsockopt(option, value)
+    if keys is not None:
+        secure_client(sock, keys)
+    sock.connect(address)
+    return ctx, sock

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from inflight.learn.config import LearnConfig
-from inflight.learn.journal import RolloutJournal
+from inflight.learn.store import RolloutJournal
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "inflight"))
 from test_replay import GROUP, interleaved_records  # noqa: E402  (tests/inflight: the replay tests' records)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_rollouts_helpers import rollout
 
-from inflight.learn.buffer import RolloutBuffer
+from inflight.learn.store import RolloutBuffer
 
 
 def test_groups_complete_in_order_and_are_consumed_once():

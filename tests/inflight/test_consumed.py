@@ -8,8 +8,8 @@ import random
 
 from test_rollouts_helpers import rollout
 
-from inflight.learn.buffer import RolloutBuffer
 from inflight.learn.consumed import ConsumedGroups, split_group_id
+from inflight.learn.store import RolloutBuffer
 
 
 def gid(stream: str, index: int) -> str:

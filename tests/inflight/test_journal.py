@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from inflight.learn.buffer import RolloutBuffer
-from inflight.learn.journal import RolloutJournal
+from inflight.learn.store import RolloutBuffer, RolloutJournal
 from inflight.wire.rollouts import Sampling, Times, decode_rollout, encode_rollout, make_rollout
 
 

@@ -19,7 +19,7 @@ from test_replay import TRAINING, interleaved_records, learner
 from test_serve import free_port
 from transformers import AutoModelForCausalLM
 
-from inflight.learn.journal import RolloutJournal
+from inflight.learn.store import RolloutJournal
 from learner.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSpec, parameter_counts
 from learner.model import load_policy
 

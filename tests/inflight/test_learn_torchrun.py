@@ -86,7 +86,7 @@ def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_and_it_then_
     model_dirs, tmp_path
 ):
     """Issue 16's publish on CPU: `torchrun --nproc-per-node 2 -m inflight.learn` (gloo, FSDP2) trains SmolLM2 on a
-    real serve's rollouts and streams each update from its shards (learner/model.py:iter_full_pieces) into the serve.
+    real serve's rollouts and streams each update from its shards (learner/export.py:iter_full_pieces) into the serve.
     Rank 0's peak extra memory during the second publish (the first also allocates the host snapshot kept for late
     serves) stays within three buckets, as its metrics line says; the serve commits the last version and then
     greedy-decodes exactly what transformers decodes from the learner's exported weights (prompts with a clear greedy

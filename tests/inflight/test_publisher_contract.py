@@ -11,8 +11,7 @@ import zmq
 
 from inflight.learn.publisher import WeightPublisher, open_publisher
 from inflight.wire.contract import RunContract
-from inflight.wire.control import Hello, Progress, Refused, TensorSpec, decode_control, encode_control
-from inflight.wire.endpoints import ControlServer
+from inflight.wire.control import ControlServer, Hello, Progress, Refused, TensorSpec, decode_control, encode_control
 
 STATE = {"w": torch.zeros(3, 4)}
 SPECS = [TensorSpec("w", "float32", [3, 4])]

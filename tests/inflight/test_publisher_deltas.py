@@ -13,9 +13,17 @@ import torch
 import zmq
 
 from inflight.learn.publisher import open_publisher
-from inflight.wire.control import Hello, Joined, JoinGroup, TensorSpec, UpdateDone, UpdateWeights, decode_control
+from inflight.wire.control import (
+    ControlServer,
+    Hello,
+    Joined,
+    JoinGroup,
+    TensorSpec,
+    UpdateDone,
+    UpdateWeights,
+    decode_control,
+)
 from inflight.wire.control import encode_control as encode
-from inflight.wire.endpoints import ControlServer
 from inflight.wire.group import GroupAddress, WeightsGroup
 from inflight.wire.transfer import receive_update
 from inflight.wire.weights import ManifestError, UpdateManifest, unpack_buckets

@@ -17,6 +17,7 @@ import zmq
 
 from inflight.learn.publisher import open_publisher
 from inflight.wire.control import (
+    ControlServer,
     Hello,
     Introduce,
     Joined,
@@ -28,7 +29,6 @@ from inflight.wire.control import (
     decode_control,
     encode_control,
 )
-from inflight.wire.endpoints import ControlServer
 from inflight.wire.group import GroupAddress, WeightsGroup
 from inflight.wire.transfer import receive_update
 from inflight.wire.weights import UpdateManifest, unpack_buckets

@@ -1,5 +1,5 @@
 """WeightPublisher.publish_stream (inflight/learn/publisher.py): a full update streamed piece by piece, as a sharded
-learner gathers it (learner/model.py:iter_full_pieces), arrives bitwise with its checksums in the trailer; the host
+learner gathers it (learner/export.py:iter_full_pieces), arrives bitwise with its checksums in the trailer; the host
 snapshot kept for late serves is written in place, not reallocated per publish.
 
 Real ZeroMQ sockets and a real gloo weights group; the serve's end is test_publisher_deltas.py's ServeEnd thread.
@@ -14,9 +14,9 @@ import torch
 from test_publisher_deltas import ServeEnd, states
 
 from inflight.learn.publisher import StreamedUpdate, open_publisher
-from inflight.wire.endpoints import ControlServer
+from inflight.wire.control import ControlServer
 from inflight.wire.group import WeightsGroupError
-from learner.model import Piece
+from learner.export import Piece
 
 
 def pieces(state: dict[str, torch.Tensor]):

@@ -21,10 +21,9 @@ from serve_support import ServeProcess
 from test_learn import start_pair, wait_exit
 from test_serve import free_port
 
-from inflight.learn.buffer import RolloutBuffer
 from inflight.learn.config import LearnConfig
-from inflight.learn.journal import RolloutJournal
 from inflight.learn.replay import JournalReplay, check_replay, journal_dir
+from inflight.learn.store import RolloutBuffer, RolloutJournal
 from inflight.wire.rollouts import Sampling, Times, decode_rollout, encode_rollout, make_rollout
 
 GROUP, PER_STEP = 4, 2

@@ -120,7 +120,8 @@ GROUP, GROUPS, MAX_TOKENS = 4, 3, 8
 
 @pytest.mark.engine
 def test_two_weighted_rewards_give_the_records_and_progress_means_a_hand_computation_gives(model_dirs, tmp_path):
-    from inflight.wire.endpoints import ControlServer, RolloutReceiver
+    from inflight.wire.control import ControlServer
+    from inflight.wire.rollouts import RolloutReceiver
 
     rx, ctl, metrics = RolloutReceiver(hwm=1), ControlServer(), tmp_path / "serve-metrics.jsonl"
     serve = ServeProcess([

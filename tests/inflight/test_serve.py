@@ -12,8 +12,8 @@ import msgspec
 import pytest
 from serve_support import ServeProcess
 
-from inflight.wire.control import CONTROL_SCHEMA, Hello, Progress, Status
-from inflight.wire.endpoints import ControlServer, RolloutReceiver
+from inflight.wire.control import CONTROL_SCHEMA, ControlServer, Hello, Progress, Status
+from inflight.wire.rollouts import RolloutReceiver
 
 pytestmark = pytest.mark.engine
 GROUP = 4

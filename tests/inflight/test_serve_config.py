@@ -143,3 +143,21 @@ def test_a_cpu_serve_makes_no_gpu_plan_and_keeps_eager_with_the_prepared_swap() 
 
     config = engine_config(parse("--dtype", "bfloat16"), model_dir("smollm2"), "cpu", device_bytes=0)
     assert config.gpu_plan is None and (config.enforce_eager, config.update_memory) == (True, "double")
+
+
+REFUSED_BY_THE_ENGINE = [
+    (("--routing-replay", "on"), "--routing-replay off"),  # tiny-llama is dense: no router to record
+    (("--enforce-eager", "false", "--update-memory", "low"), "--enforce-eager false on a CPU serve"),
+]
+
+
+@pytest.mark.parametrize(("flags", "fix"), REFUSED_BY_THE_ENGINE)
+def test_a_config_the_engine_refuses_ends_the_serve_in_one_line_naming_the_flag_before_vllm_starts(
+    model_dirs, flags, fix
+):
+    from inflight.serve.app import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--model", str(model_dirs["tiny-llama"]), *flags])
+    message = str(exited.value.code)
+    assert message.startswith("inflight.serve: ") and fix in message and "\n" not in message.strip()

@@ -28,9 +28,10 @@ import torch.multiprocessing as mp
 from tolerances import assert_within, check_within, float64_bound, logprob_gradient_bound, policy_loss_bound
 
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.export import full_hf_state, iter_full_pieces
 from learner.fused_loss import aggregation_weights
 from learner.losses import LossConfig
-from learner.model import PolicyModel, full_hf_state, iter_full_pieces, load_policy, shard_policy
+from learner.model import PolicyModel, load_policy, shard_policy
 from learner.step import Sample, TrainConfig, make_batch, make_optimizer, train_step
 
 WORLD = 2
@@ -334,7 +335,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_and_steps_like_one_process(runs
 
 
 def test_rank0_receives_the_full_tensors_piece_by_piece_bitwise_without_gathering_them(runs: Runs) -> None:
-    """learner/model.py:iter_full_pieces, what the streamed publish reads: every tensor of full_hf_state, assembled on
+    """learner/export.py:iter_full_pieces, what the streamed publish reads: every tensor of full_hf_state, assembled on
     rank 0 from its own rows and the other rank's, sent in blocks of at most 4 KiB — bit for bit."""
     pieces = runs.pieces
     assert pieces["assembled"].keys() == pieces["full"].keys()

@@ -29,8 +29,8 @@ from tolerances import (
 )
 
 from learner.fused_loss import _params, _torch_row_pass, aggregation_weights, fused_policy_loss, triton_available
-from learner.logprobs import naive_token_logprobs, token_logprobs
 from learner.losses import LOSS_KINDS, LossConfig, policy_loss
+from learner.model import naive_token_logprobs, token_logprobs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 # (tokens, hidden, vocab, chunk): vocabularies off the kernel's 4096 tile, chunks that split the tokens unevenly

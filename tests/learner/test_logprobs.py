@@ -1,4 +1,4 @@
-"""Chunked token logprobs (learner/logprobs.py) against a float64 per-token reference with analytic gradients."""
+"""Chunked token logprobs (learner/model.py) against a float64 per-token reference with analytic gradients."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from tolerances import abs_products, assert_within, lm_head_logprob_bound, sum_bound
 
-from learner.logprobs import naive_token_logprobs, token_logprobs
+from learner.model import naive_token_logprobs, token_logprobs
 
 T, H, V = 37, 16, 53
 

@@ -30,6 +30,7 @@ from inflight.config import parse_dataclass
 from inflight.learn.adapter import lora_spec
 from inflight.learn.config import LearnConfig
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.export import full_hf_state
 from learner.fused_loss import aggregation_weights
 from learner.lora import (
     ADAPTER_CONFIG,
@@ -41,7 +42,7 @@ from learner.lora import (
     save_adapter,
     save_merged,
 )
-from learner.model import PolicyModel, full_hf_state, load_policy
+from learner.model import PolicyModel, load_policy
 from learner.step import TrainConfig, make_batch, make_optimizer, train_step
 
 MODELS = ("tiny-llama", "tiny-qwen2")  # a tied and an untied LM head

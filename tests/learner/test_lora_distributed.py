@@ -34,10 +34,11 @@ from tolerances import (
 from torch.distributed.tensor import DTensor
 
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.export import checkpoint_tensor_names, full_hf_state
 from learner.fused_loss import aggregation_weights
 from learner.lora import adapter_state
 from learner.losses import LossConfig
-from learner.model import PolicyModel, checkpoint_tensor_names, full_hf_state, shard_policy
+from learner.model import PolicyModel, shard_policy
 from learner.step import TrainConfig, make_batch, make_optimizer, train_step
 
 WORLD = 2

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 from tolerances import assert_within, lm_head_logprob_bound, logprob_gradient_bound
 
-from learner.model import PolicyModel, checkpoint_tensor_names, full_hf_state, load_policy
+from learner.export import checkpoint_tensor_names, full_hf_state
+from learner.model import PolicyModel, load_policy
 
 MODELS = ("tiny-llama", "tiny-qwen2")
 LENGTHS = (11, 4, 8)  # right-padded rows of different lengths

@@ -1,4 +1,4 @@
-"""The learner hands a serve an MoE model's weights under the checkpoint's names (learner/model.py:checkpoint_named):
+"""The learner hands a serve an MoE model's weights under the checkpoint's names (learner/export.py:checkpoint_named):
 transformers 5 fuses the per-expert matrices into one 3D tensor when it loads them, the serve loads the checkpoint."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 from moe_models import FAMILIES, save_tiny_moe
 from safetensors.torch import load_file
 
-from learner.model import checkpoint_tensor_names, full_hf_state, iter_full_pieces, load_policy
+from learner.export import checkpoint_tensor_names, full_hf_state, iter_full_pieces
+from learner.model import load_policy
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -1,5 +1,5 @@
 """The learner's top-k / top-p / min-p rule (learner/truncation.py) against vLLM's own sampler code, and the truncated
-chunked logprobs (learner/logprobs.py) against a float64 autograd reference."""
+chunked logprobs (learner/model.py) against a float64 autograd reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from tolerances import assert_within, lm_head_logprob_bound, sum_bound
 
-from learner.logprobs import naive_token_logprobs, token_logprobs
+from learner.model import naive_token_logprobs, token_logprobs
 from learner.step import TrainConfig
 from learner.truncation import Truncation
 

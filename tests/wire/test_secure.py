@@ -8,9 +8,8 @@ import time
 import pytest
 import zmq
 
-from inflight.wire.control import Hello, Progress, decode_control, encode_control
-from inflight.wire.endpoints import ControlServer, RolloutReceiver
-from inflight.wire.rollouts import Sampling, Times, encode_rollout, make_rollout
+from inflight.wire.control import ControlServer, Hello, Progress, decode_control, encode_control
+from inflight.wire.rollouts import RolloutReceiver, Sampling, Times, encode_rollout, make_rollout
 from inflight.wire.secure import derive_keys, read_secret, secure_client
 
 SECRET = b"correct horse battery staple 42"
