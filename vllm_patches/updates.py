@@ -257,6 +257,6 @@ def inflight_park(self, timeout_s: float) -> bool:
     `execute_model` and barely reads; paused, nothing comes for the whole transfer, and a keep-pause update (under 1 s
     for SmolLM2 on 2 cores) is staged entirely inside that window. Parked in `inflight_wait_staged`, the main thread
     sleeps on the stage's event instead (BENCHMARKS.md "Weight swap" has what it is worth). The staged signal still
-    tells the engine (vllm_patches/updates.py); this only keeps the workers' main threads out of the way."""
+    tells the engine (`StagedSignals`, above); this only keeps the workers' main threads out of the way."""
     self.collective_rpc("inflight_wait_staged", args=(float(timeout_s),))
     return True

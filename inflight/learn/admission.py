@@ -2,8 +2,9 @@
 
 Called by `inflight/learn/membership.py:Membership` on every `Hello` (as its `check`): the serve's tensors (name, dtype,
 shape) against what the learner sends, then its `RunContract` (group size, temperature, top-p/top-k, compute dtype)
-against what the learner trains for. The answer is '' or the first mismatch in words, which the serve receives in
-`Refused` before any bucket moves (docs/ARCHITECTURE.md "Channels").
+against what the learner trains for; on an `Ask` (a serve whose engine has not started yet), the contract alone. The
+answer is '' or the first mismatch in words, which the serve receives in `Refused` before any bucket moves
+(docs/ARCHITECTURE.md "Channels").
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from inflight.wire.contract import ADAPTER_FIELDS, RunContract
-from inflight.wire.control import Hello
+from inflight.wire.control import Ask, Hello
 from inflight.wire.weights import DTYPES
 
 log = logging.getLogger("inflight.learn")
@@ -35,9 +36,12 @@ class ServeCheck:
         self.expected = {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in state.items()}
         self.contract = contract
 
-    def __call__(self, hello: Hello) -> str:
+    def __call__(self, hello: Hello | Ask) -> str:
         """'' if the serve's tensors can take the learner's update and its contract is the learner's, else the first
-        mismatch in words (the model first: a serve of another model is that, whatever its contract says)."""
+        mismatch in words (the model first: a serve of another model is that, whatever its contract says). An `Ask`
+        has no tensors yet: its contract alone."""
+        if isinstance(hello, Ask):
+            return self._contract_mismatch(hello)
         problem = self._contract_mismatch(hello, ADAPTER_FIELDS) or self._tensor_mismatch(hello)
         problem = problem or self._contract_mismatch(hello)
         if not problem and self.contract is not None and hello.contract is not None:
@@ -47,7 +51,7 @@ class ServeCheck:
                 log.warning("%s", warning)
         return problem
 
-    def _contract_mismatch(self, hello: Hello, fields: tuple[str, ...] = ()) -> str:
+    def _contract_mismatch(self, hello: Hello | Ask, fields: tuple[str, ...] = ()) -> str:
         if self.contract is None:
             return ""
         if hello.contract is None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from inflight.learn.membership import Action, BreakGroup, Membership, Send, Serve
 from inflight.learn.rendezvous import GroupRendezvous
-from inflight.wire.control import ControlServer, Hello, Progress, UpdateDone
+from inflight.wire.control import Ask, ControlServer, Hello, Progress, UpdateDone
 from inflight.wire.group import WeightsGroup
 
 log = logging.getLogger("inflight.learn")
@@ -32,7 +32,7 @@ class ControlPlane:
         self,
         control: ControlServer,
         rendezvous: GroupRendezvous,
-        check: Callable[[Hello], str] | None = None,
+        check: Callable[[Hello | Ask], str] | None = None,
         timeout_s: float = 60.0,
         quiet_after_s: float = 3.0,
     ):

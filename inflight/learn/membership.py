@@ -12,6 +12,8 @@ The rules:
   `Introduce` that crossed its first Hello) keeps its record and its membership. The same server id under a new
   identity (the same process on a new connection) replaces its old record. A member saying Hello again breaks the
   group: its old ranks are gone.
+- `Ask` (a serve before its engine starts): its contract checked by the same `check`; answered `Agreed`, or
+  `Refused` as a Hello would be. The asker is not a serve yet: nothing is recorded but a refusal's log line.
 - Anything else from an unknown sender draws an `Introduce`, at most once a second per sender.
 - `Status`, `Joined`, `UpdateDone` from a known serve refresh `last_seen` and record what they say.
 - Forming: `plan` names every accepted serve and its first rank; `settle` marks them members if the group formed and
@@ -26,7 +28,7 @@ import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from inflight.wire.control import Hello, Introduce, Joined, Refused, Status, UpdateDone
+from inflight.wire.control import Agreed, Ask, Hello, Introduce, Joined, Refused, Status, UpdateDone
 
 INTRODUCE_EVERY_S = 1.0  # a healed link delivers a burst of queued heartbeats: one Introduce answers them all
 FORGET_INTRODUCED_S = 60.0  # an unknown sender silent this long is forgotten (bounds `_introduced`)
@@ -107,7 +109,7 @@ class Membership:
     and train with, else the reason to refuse it (inflight/learn/admission.py:ServeCheck); without
     one every Hello is accepted."""
 
-    def __init__(self, check: Callable[[Hello], str] | None = None):
+    def __init__(self, check: Callable[[Hello | Ask], str] | None = None):
         self.check = check or (lambda hello: "")
         self.serves: dict[bytes, Serve] = {}  # ZeroMQ identity -> serve, in acceptance order
         self.refused: dict[str, str] = {}  # server id -> why (the latest reason)
@@ -119,6 +121,9 @@ class Membership:
         """Handle one control message from `identity`, received at `now` (monotonic seconds); the actions to take."""
         if isinstance(message, Hello):
             return self._hello(identity, message, now)
+        if isinstance(message, Ask):
+            problem = self.check(message)
+            return self._refuse(identity, message.server_id, problem) if problem else [Send(identity, Agreed())]
         serve = self.serves.get(identity)
         if serve is None:
             return self._introduce(identity, now)

@@ -32,7 +32,8 @@ from inflight.serve.progress import ProgressReporter
 from inflight.tasks.base import Problem
 from inflight.tasks.loading import load_task
 from inflight.tasks.rewards import Reward, load_rewards
-from inflight.wire.control import TensorSpec
+from inflight.wire.contract import RunContract
+from inflight.wire.control import Ask, TensorSpec
 from inflight.wire.rollouts import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
 from vllm_patches.device_plan import StagingPlan, checkpoint_weight_bytes, cpu_threads_bind, plan_gpu_memory
@@ -87,15 +88,20 @@ async def serve(cfg: ServeConfig) -> int:
     from inflight.serve.driver import RolloutDriver
 
     model_path = resolve_model(cfg.model)
-    # what the learner checks at Hello; before the engine starts, so a bad one costs nothing
+    # what the learner checks at Hello, asked before the engine starts: a refused serve stops before loading its model
     contract = cfg.contract(checkpoint_fingerprint(model_path) if cfg.lora_rank else "")
+    secret = read_secret(cfg.secret_file) if cfg.secret_file else None
+    keys = derive_keys(secret) if secret is not None else None
+    if not await _asked(cfg, contract, keys):
+        return 1
     work = load_work(cfg)
     engine = await start_engine(cfg, model_path)
     try:
         expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
         tensors = [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())]
         http = await _maybe_http(cfg, engine, model_path)
-        keys = await _secure(cfg, engine)
+        if secret is not None:  # the engine verifies updates by keyed tags, not checksums
+            await engine.set_weights_key(weights_key(secret))
     except BaseException:
         engine.shutdown()
         raise
@@ -194,13 +200,19 @@ def served_adapter(cfg: ServeConfig, model_path: Path) -> str | None:
     return cfg.lora_init
 
 
-async def _secure(cfg: ServeConfig, engine: InflightEngine) -> CurveKeys | None:
-    """With --secret-file: the sockets' CURVE keys, and the engine verifies updates by keyed tags, not CRC32."""
-    if not cfg.secret_file:
-        return None
-    secret = read_secret(cfg.secret_file)
-    await engine.set_weights_key(weights_key(secret))
-    return derive_keys(secret)
+async def _asked(cfg: ServeConfig, contract: RunContract, keys: CurveKeys | None) -> bool:
+    """False when the learner refused this serve's run contract (logged with its reason), asked before the engine
+    starts; True when it agreed or did not answer (its Hello is checked after the engine starts all the same)."""
+    from inflight.serve.control import RefusedError, ask_learner  # the driver's module: vLLM, see `serve`
+
+    try:
+        agreed = await ask_learner(cfg.control, Ask(server_id=cfg.resolved_server_id(), contract=contract), keys)
+    except RefusedError as exc:
+        log.error("%s", exc)
+        return False
+    if not agreed:
+        log.info("no learner answered at %s yet: the contract is checked at Hello, once the engine runs", cfg.control)
+    return True
 
 
 async def _maybe_http(cfg: ServeConfig, engine: InflightEngine, model_path: Path) -> asyncio.Task | None:

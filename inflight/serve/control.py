@@ -1,9 +1,11 @@
 """Serve's end of the control channel: a ZeroMQ DEALER connected to the learner's ROUTER.
 
-Sends `Hello` on start (its tensors and its `RunContract`; again whenever the learner asks with `Introduce`), a
-`Status` heartbeat every second, and answers `JoinGroup` / `UpdateWeights` with `Joined` / `UpdateDone`. A malformed or
-unknown-schema message is logged and counted and serve keeps running; a failed update is reported and the engine keeps
-its weights and version; a `Refused` stops the serve with the learner's reason.
+Before the engine starts, `ask_learner` sends the run contract alone (`Ask`): a serve the learner refuses stops then,
+not after loading its model. Once the engine runs, `ControlClient` sends `Hello` on start (its tensors and its
+`RunContract`; again whenever the learner asks with `Introduce`), a `Status` heartbeat every second, and answers
+`JoinGroup` / `UpdateWeights` with `Joined` / `UpdateDone`. A malformed or unknown-schema message is logged and counted
+and serve keeps running; a failed update is reported and the engine keeps its weights and version; a `Refused` stops the
+serve with the learner's reason.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 from inflight.serve.driver import RolloutDriver
 from inflight.wire.contract import RunContract
 from inflight.wire.control import (
+    Agreed,
+    Ask,
     ControlError,
     Hello,
     Introduce,
@@ -25,6 +29,7 @@ from inflight.wire.control import (
     TensorSpec,
     UpdateDone,
     UpdateWeights,
+    connect_control_dealer,
     decode_control,
     encode_control,
 )
@@ -38,6 +43,34 @@ class RefusedError(RuntimeError):
     """The learner refused this serve (its model or its contract differs): the serve stops with a non-zero exit code."""
 
 
+ASK_WAIT_S = 2.0  # how long a serve waits for the learner's answer to `Ask` before it starts its engine anyway
+
+
+async def ask_learner(address: str, ask: Ask, keys: CurveKeys | None = None, wait_s: float = ASK_WAIT_S) -> bool:
+    """The learner's answer to this serve's run contract, asked before the engine starts: True once it `Agreed`; False
+    when no learner answered within `wait_s` (not up yet, or of another version: the `Hello` after the engine starts
+    is checked in full all the same); raises RefusedError, naming the learner's reason, when it `Refused`."""
+    ctx, sock = connect_control_dealer(address, keys)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    try:
+        await sock.send(encode_control(ask))
+        while (left := deadline - loop.time()) > 0 and await sock.poll(int(left * 1000)):
+            try:
+                message = decode_control(await sock.recv(), to="serve")
+            except ControlError as exc:
+                log.error("rejected control message while asking the learner: %s", exc)
+                continue
+            if isinstance(message, Refused):
+                raise RefusedError(f"the learner refused this serve: {message.reason}")
+            if isinstance(message, Agreed):
+                return True
+        return False
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 class ControlClient:
     def __init__(
         self,
@@ -48,8 +81,6 @@ class ControlClient:
         keys: CurveKeys | None = None,
         contract: RunContract | None = None,
     ):
-        from inflight.wire.control import connect_control_dealer
-
         self.driver, self.engine, self.cfg = driver, driver.engine, driver.cfg
         self.tensors, self.heartbeat_s, self.contract = tensors, heartbeat_s, contract
         self._ctx, self._sock = connect_control_dealer(address, keys)

@@ -1,8 +1,9 @@
 """Control messages between the learner and its serves: one schema, one file, msgpack tagged unions, never pickle.
 
-Topology: the learner binds a ZeroMQ ROUTER (the control address); every serve connects a DEALER and introduces itself
-with `Hello` (every tensor it serves and its `RunContract`, inflight/wire/contract.py; a serve that differs from the
-learner in either is `Refused`), then sends a `Status` heartbeat every second. The learner answers with `JoinGroup`
+Topology: the learner binds a ZeroMQ ROUTER (the control address); a serve first asks, before its engine starts, whether
+the learner would take its `RunContract` (`Ask`, answered `Agreed` or `Refused`), then connects a DEALER and introduces
+itself with `Hello` (every tensor it serves and its `RunContract`, inflight/wire/contract.py; a serve that differs from
+the learner in either is `Refused`), then sends a `Status` heartbeat every second. The learner answers with `JoinGroup`
 (form the weights group), `UpdateWeights` (a manifest; the buckets follow over the weights group), and `Progress` (how
 many groups it has consumed, which bounds how far generation may run ahead, and which groups it has journaled:
 acknowledged groups the serve may forget; it sends the others again when a restarted learner asks it to introduce
@@ -57,6 +58,15 @@ class Hello(_Message, tag="hello"):
     mode: str = "never-stop"
     tensors: list[TensorSpec] = []
     contract: RunContract | None = None  # what this serve samples with; a learner refuses a Hello without one
+
+
+class Ask(_Message, tag="ask"):
+    """Before its engine starts, a serve asks whether the learner would take its run contract, so that a serve the
+    learner refuses stops in a second instead of after loading its model. The learner answers `Refused` or `Agreed`;
+    the `Hello` after the engine's start is checked in full all the same (the tensors are known only then)."""
+
+    server_id: str = ""
+    contract: RunContract | None = None
 
 
 class Status(_Message, tag="status"):
@@ -116,12 +126,16 @@ class Refused(_Message, tag="refused"):
     reason: str = ""
 
 
+class Agreed(_Message, tag="agreed"):
+    """The learner would take the run contract a serve sent in `Ask`."""
+
+
 class Introduce(_Message, tag="introduce"):
     """The learner does not know this serve (e.g. it restarted): send `Hello` again."""
 
 
-ToLearner = Hello | Status | Joined | UpdateDone
-ToServe = JoinGroup | UpdateWeights | Progress | Introduce | Refused
+ToLearner = Hello | Ask | Status | Joined | UpdateDone
+ToServe = JoinGroup | UpdateWeights | Progress | Introduce | Refused | Agreed
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {"learner": msgspec.msgpack.Decoder(ToLearner), "serve": msgspec.msgpack.Decoder(ToServe)}

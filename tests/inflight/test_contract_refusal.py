@@ -1,7 +1,8 @@
 """Real `python -m inflight.learn` and `python -m inflight.serve` processes on tiny-llama: a serve started with another
-temperature than the learner is refused at Hello naming the field, exits, and nothing is trained
-(inflight/wire/contract.py). Every contract field's refusal (dtype, group size, temperature) over real sockets, without
-an engine, is tests/inflight/test_publisher_contract.py: one real serve proves the path end to end."""
+temperature than the learner is refused naming the field before its engine starts (it asks first:
+inflight/serve/control.py:ask_learner), exits, and nothing is trained (inflight/wire/contract.py). Every contract
+field's refusal (dtype, group size, temperature) over real sockets, without an engine, is
+tests/inflight/test_publisher_contract.py: one real serve proves the path end to end."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ WRONG = {
 }  # fmt: skip
 
 
-def test_a_serve_of_another_temperature_is_refused_at_hello_naming_it_exits_and_nothing_is_trained(
+def test_a_serve_of_another_temperature_is_refused_before_its_engine_starts_naming_it_and_nothing_is_trained(
     model_dirs, tmp_path
 ):
     """The serve starts against a learner of group size 4, temperature 1.0: it must exit 1 with the learner's
-    reason; the learner logs the refusal once, forms no weights group and makes no step."""
+    reason without starting vLLM; the learner logs the refusal once, forms no weights group and makes no step."""
     model, ports = model_dirs["tiny-llama"], [free_port() for _ in range(3)]
     learn = ServeProcess(["--model", str(model), "--group-size", "4", "--groups-per-step", "1", "--run-dir",
                           str(tmp_path), "--rollouts-port", str(ports[0]), "--control-port", str(ports[1]),
@@ -44,10 +45,11 @@ def test_a_serve_of_another_temperature_is_refused_at_hello_naming_it_exits_and_
             serve.stop()
         learn.stop()
     for server_id, (_, named) in WRONG.items():
-        refusals = [line for line in learn.lines if "refused serve" in line and f"serve {server_id}@" in line]
+        refusals = [line for line in learn.lines if "refused serve" in line and f"serve {server_id} " in line]
         assert len(refusals) == 1 and "before any weights were sent" in refusals[0], learn.tail()
         assert named in refusals[0], refusals[0]
         assert any("the learner refused this serve" in line and named in line for line in serves[server_id].lines)
+        assert serves[server_id].count("Initializing a V1 LLM engine") == 0, serves[server_id].tail()
         metrics = tmp_path / f"{server_id}.jsonl"
         events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         assert all(e["groups_admitted"] == 0 for e in events if e["event"] == "progress")

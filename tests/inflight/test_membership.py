@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from inflight.learn.membership import BreakGroup, Log, Membership, Send
-from inflight.wire.control import Hello, Introduce, Joined, Refused, Status, UpdateDone
+from inflight.wire.control import Agreed, Ask, Hello, Introduce, Joined, Refused, Status, UpdateDone
 
 A, B, C = b"identity-a", b"identity-b", b"identity-c"
 
@@ -93,6 +93,16 @@ def test_a_refused_hello_is_answered_refused_every_time_and_logged_once_per_serv
     changed = membership.receive(A, hello(model="old"), now=3.0)
     assert sends(changed) == [(A, Refused(reason=reason["old"]))] and len(logs(changed, logging.ERROR)) == 1
     assert membership.serves == {} and membership.refused == {"serve-a@01": reason["old"]}
+
+
+def test_an_ask_before_the_engine_starts_is_answered_agreed_or_refused_and_records_no_serve():
+    membership = Membership(check=lambda m: "" if m.server_id == "good" else f"serve {m.server_id}: temperature 0.5")
+    assert sends(membership.receive(A, Ask(server_id="good"), now=1.0)) == [(A, Agreed())]
+    first = membership.receive(B, Ask(server_id="bad"), now=1.0)
+    again = membership.receive(B, Ask(server_id="bad"), now=2.0)
+    assert sends(first) == sends(again) == [(B, Refused(reason="serve bad: temperature 0.5"))]
+    assert len(logs(first, logging.ERROR)) == 1 and logs(again, logging.ERROR) == []
+    assert membership.serves == {} and sends(membership.receive(A, Status(), now=3.0)) == [(A, Introduce())]
 
 
 # -- unknown senders --------------------------------------------------------------------------------------------------

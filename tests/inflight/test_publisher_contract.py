@@ -1,8 +1,11 @@
 """The learner's publisher refuses, at Hello, a serve whose run contract differs from its own
-(inflight/learn/admission.py, inflight/wire/contract.py): real ZeroMQ sockets, a plain DEALER as the serve. Real serves
-are refused end to end in tests/inflight/test_contract_refusal.py."""
+(inflight/learn/admission.py, inflight/wire/contract.py): real ZeroMQ sockets, a plain DEALER as the serve; and it
+answers a serve that asks before its engine starts (inflight/serve/control.py:ask_learner). Real serves are refused end
+to end in tests/inflight/test_contract_refusal.py."""
 
 from __future__ import annotations
+
+import asyncio
 
 import msgspec
 import pytest
@@ -10,8 +13,18 @@ import torch
 import zmq
 
 from inflight.learn.publisher import WeightPublisher, open_publisher
+from inflight.serve.control import RefusedError, ask_learner
 from inflight.wire.contract import RunContract
-from inflight.wire.control import ControlServer, Hello, Progress, Refused, TensorSpec, decode_control, encode_control
+from inflight.wire.control import (
+    Ask,
+    ControlServer,
+    Hello,
+    Progress,
+    Refused,
+    TensorSpec,
+    decode_control,
+    encode_control,
+)
 
 STATE = {"w": torch.zeros(3, 4)}
 SPECS = [TensorSpec("w", "float32", [3, 4])]
@@ -74,6 +87,43 @@ def test_a_serve_with_the_learners_contract_is_accepted(publisher):
     assert isinstance(reply, Progress), reply
     assert [s.server_id for s in publisher.plane.serves.values()] == ["infer3@1"]
     assert publisher.plane.membership.refused == {}
+
+
+def ask(publisher: WeightPublisher, contract: RunContract) -> bool:
+    """`ask_learner` against the learner's real control socket, the learner pumping it meanwhile (as it does while it
+    waits for rollouts)."""
+
+    async def both() -> bool:
+        pumping = asyncio.get_running_loop().run_in_executor(None, publisher.plane.pump, 3.0)
+        try:
+            return await ask_learner(publisher.plane.control.address, Ask(server_id="infer3", contract=contract))
+        finally:
+            await pumping
+
+    return asyncio.run(both())
+
+
+@pytest.mark.parametrize("field", DIFFERING)
+def test_a_serve_that_asks_before_its_engine_starts_is_refused_naming_the_differing_field_and_is_not_recorded(
+    publisher, field
+):
+    contract, named = DIFFERING[field]
+    with pytest.raises(RefusedError, match=f"the learner refused this serve: serve infer3: {named}"):
+        ask(publisher, contract)
+    assert publisher.plane.serves == {} and named in publisher.plane.membership.refused["infer3"]
+
+
+def test_a_serve_that_asks_with_the_learners_contract_is_told_agreed_and_is_a_serve_only_after_its_hello(publisher):
+    assert ask(publisher, LEARNER) is True
+    assert publisher.plane.serves == {} and publisher.plane.membership.refused == {}
+    assert isinstance(say_hello(publisher, LEARNER), Progress)
+
+
+def test_a_serve_that_asks_with_no_learner_listening_goes_on_after_its_wait():
+    nobody = ControlServer()
+    address = nobody.address
+    nobody.close()  # the port a learner was bound to, now closed: the Ask waits, unanswered
+    assert asyncio.run(ask_learner(address, Ask(server_id="infer3", contract=LEARNER), wait_s=0.3)) is False
 
 
 ADAPTER = {
