@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from serve_support import ServeProcess
 
-from inflight.wire.control import CONTROL_SCHEMA, ControlServer, Hello, Progress, Status
+from inflight.wire.control import CONTROL_SCHEMA, Agreed, Ask, ControlServer, Hello, Progress, Status
 from inflight.wire.rollouts import RolloutReceiver
 
 pytestmark = pytest.mark.engine
@@ -41,6 +41,8 @@ class LearnerSide:
                     self.acked |= set(fresh)
             for identity, message in self.ctl.poll(0.05):
                 self.control.append(message)
+                if isinstance(message, Ask):
+                    self.ctl.send(identity, Agreed())  # like the real learner, before the serve starts its engine
                 if isinstance(message, Hello):
                     self.identity = identity
                     self.ctl.send(identity, Progress(version=0, published=0))  # what a fresh learner says
