@@ -24,8 +24,8 @@ Files are counted once each, and none is crossed twice: once the path leaves a f
   - into a module of REVISITED, where the honest path must come back: the wire's codecs are the contract both ends
     share (a record is encoded on the serve and decoded on the learner; the weights are packed and sent by the
     learner and received and unpacked by the worker); an update's prepared weights are
-    built on the staging thread and swapped in at the commit by the same module; the rollout store is a store, a
-    rollout put in on receipt and taken out for a step; and learner/step.py both makes the batch and trains on it,
+    built on the staging thread and swapped in at the commit by the same module; the rollout store holds a
+    rollout from its receipt until a step takes it out; and learner/step.py both makes the batch and trains on it,
     inflight/learn/app.py choosing the rank's slice between. Each is named with its reason in REVISITED, and
     REVISITED names no file that the paths do not come back to.
 """

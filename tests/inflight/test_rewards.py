@@ -120,7 +120,7 @@ GROUP, GROUPS, MAX_TOKENS = 4, 3, 8
 
 @pytest.mark.engine
 def test_two_weighted_rewards_give_the_records_and_progress_means_a_hand_computation_gives(model_dirs, tmp_path):
-    from inflight.wire.control import ControlServer
+    from inflight.wire.control import Agreed, Ask, ControlServer
     from inflight.wire.rollouts import RolloutReceiver
 
     rx, ctl, metrics = RolloutReceiver(hwm=1), ControlServer(), tmp_path / "serve-metrics.jsonl"
@@ -135,7 +135,9 @@ def test_two_weighted_rewards_give_the_records_and_progress_means_a_hand_computa
         while len(rollouts) < GROUP * GROUPS:
             assert time.monotonic() < deadline and serve.proc.poll() is None, serve.tail()
             rollouts += rx.receive(timeout_s=0.2)
-            ctl.poll(0)  # heartbeats: this test's learner never answers (--wait-for-learner false)
+            for identity, message in ctl.poll(0):  # heartbeats: this learner answers only the serve's Ask
+                if isinstance(message, Ask):
+                    ctl.send(identity, Agreed())
         # Nothing is consumed, so the learner gate stops admission after GROUPS groups and the serve keeps reporting.
         serve.wait_for("| sent 12 |", timeout_s=30)  # a progress line after every rollout was made
     finally:

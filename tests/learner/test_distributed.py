@@ -1,6 +1,6 @@
 """FSDP2 data parallelism on CPU (gloo): a 2-rank step equals a 1-process step on the whole batch, and a sharded
-checkpoint restores params and optimizer exactly, on 2 ranks and resharded onto 1 (learner/model.py, step.py,
-checkpoint.py).
+checkpoint restores params and optimizer exactly, on 2 ranks and resharded onto 1 (learner/model.py, export.py,
+step.py, checkpoint.py).
 
 One module fixture runs everything once: a 1-process reference in the test process, then one spawn of 2 ranks
 (file:// rendezvous, results through files, see docs/ARCHITECTURE.md "Testing distributed code on CPU") that runs both

@@ -1,4 +1,5 @@
-"""PolicyModel (learner/model.py) against transformers' own full logits in float64; the HF-named state it exports."""
+"""PolicyModel (learner/model.py) against transformers' own full logits in float64; the HF-named state that
+learner/export.py makes of it."""
 
 from __future__ import annotations
 
