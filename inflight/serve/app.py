@@ -86,16 +86,18 @@ async def serve(cfg: ServeConfig) -> int:
 
     from inflight.serve.control import ControlClient
     from inflight.serve.driver import RolloutDriver
+    from vllm_patches.engine import InflightEngine
 
     model_path = resolve_model(cfg.model)
     # what the learner checks at Hello, asked before the engine starts: a refused serve stops before loading its model
     contract = cfg.contract(checkpoint_fingerprint(model_path) if cfg.lora_rank else "")
+    config = served_engine_config(cfg, model_path)
     secret = read_secret(cfg.secret_file) if cfg.secret_file else None
     keys = derive_keys(secret) if secret is not None else None
     if not await _asked(cfg, contract, keys):
         return 1
     work = load_work(cfg)
-    engine = await start_engine(cfg, model_path)
+    engine = await InflightEngine.start(config, version=cfg.version)
     try:
         expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
         tensors = [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())]
@@ -128,9 +130,10 @@ async def serve(cfg: ServeConfig) -> int:
         engine.shutdown()
 
 
-async def start_engine(cfg: ServeConfig, model_path: Path) -> InflightEngine:
-    """The patched vLLM engine (vllm_patches/engine.py:InflightEngine) with the serve's engine knobs."""
-    from vllm_patches.engine import InflightEngine, engine_kwargs  # vLLM: see `serve`
+def served_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
+    """The config the patched vLLM engine (vllm_patches/engine.py:InflightEngine) starts with, checked: a flag the
+    engine refuses ends the serve here, in one line naming it, before anything waits or loads."""
+    from vllm_patches.engine import engine_kwargs  # vLLM: see `serve`
 
     device = serve_device()
     gpu = query_cuda_device() if is_cuda(device) else None  # in a child: this process keeps no CUDA context
@@ -145,7 +148,7 @@ async def start_engine(cfg: ServeConfig, model_path: Path) -> InflightEngine:
         raise SystemExit(f"inflight.serve: {exc}") from None
     if config.gpu_plan is not None:
         log.info("%s", config.gpu_plan.describe())
-    return await InflightEngine.start(config, version=cfg.version)
+    return config
 
 
 def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes: int) -> EngineConfig:
