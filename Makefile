@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.inflight-installed
 MODELS := smollm2 tiny-llama tiny-qwen2 tiny-moe
 
-.PHONY: setup models test test-fast demo demo-generate bench bench-micro ablate lint clean
+.PHONY: setup models test test-fast demo demo-generate bench bench-micro ablate lint docs clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,7 @@ NUMERIC_TESTS := tests/learner/test_step.py tests/learner/test_logprobs.py tests
 
 test: models
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mkdocs build --strict --quiet
 	@echo "== numerically sensitive tests on AVX2 kernels only: $(AVX2_ONLY) =="
 	$(AVX2_ONLY) $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS)
 	@echo "== the whole suite =="
@@ -62,8 +63,13 @@ ablate: models
 	$(PY) -m benchmarks.simulate probe
 	$(PY) -m benchmarks.simulate predict --out benchmarks/results/simulate.md
 
+# The docs site (README.md, docs/, BENCHMARKS.md; mkdocs.yml) into site/. --strict: a broken link or anchor, or a guide
+# left out of the nav, fails the build; `make test` builds it the same way right after ruff.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
+
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks
+	rm -rf $(VENV) .pytest_cache .benchmarks site
