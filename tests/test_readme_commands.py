@@ -1,7 +1,14 @@
-"""Every command line in README.md and BENCHMARKS.md parses with its entry point's own parser (issue 22).
+"""Every command line in README.md, BENCHMARKS.md and the guides (docs/*.md) parses with its entry point's own parser
+(issues 22 and 39).
 
-The command lines come from the fenced code blocks of both docs, and from the inline code spans of their prose that
-start with a command (BENCHMARKS.md names every command that way: "Command: `python -m benchmarks.ablate ...`").
+The command lines come from the fenced code blocks of the docs, and from the inline code spans of their prose that
+start with a command (BENCHMARKS.md names every command that way: "`python -m benchmarks.ablate ...`"). A line of a
+shell block (```bash, sh, shell, console) that is no such command must still be checked some other way or say why
+not: a `pip install` of this package names only extras pyproject.toml has, a script path names an executable file of
+the repository, and anything else (a Ray or cluster tool, a GPU-node step) ends with a comment that starts with one of
+NOT_RUN_HERE, e.g. `ray start --head   # cluster only: Ray's head node`. So no shell line of a guide goes unchecked
+silently. The benchmark history (benchmarks/results/history.md) is a dated record of commands as they were run, and is
+not checked.
 Nothing is run: a child process runs the entry point's `__main__` with argparse patched so that the first complete
 parse raises `_ParsedOK`, so placeholder paths (`my/hf-dir`, `/ckpt/base`, `problems.jsonl`) never matter and no
 engine, learner or benchmark starts. An unknown or renamed flag makes argparse exit 2 and the case fails naming the
@@ -29,7 +36,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "BENCHMARKS.md")
+DOCS = ("README.md", "BENCHMARKS.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")))
+SHELL_FENCE = re.compile(r"\s*(```|~~~)\s*(bash|sh|shell|console)\b")
+# A shell line no test runs says so with a trailing comment starting with one of these.
+NOT_RUN_HERE = ("GPU only", "cluster only")
+PIP_EXTRAS = re.compile(r"""^["']?(?:-e\s+)?["']?(?:\.|inflight)\[([^\]]*)\]["']?$""")
 PYTHONS = {"python", "python3"}
 LAUNCHERS = PYTHONS | {"torchrun", "make"}
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
@@ -115,6 +126,60 @@ def commands_in(name: str, text: str) -> list[DocCommand]:
 
 def documented_commands() -> list[DocCommand]:
     return [c for doc in DOCS for c in commands_in(doc, (REPO / doc).read_text())]
+
+
+def shell_lines(name: str, text: str) -> list[DocCommand]:
+    """The logical lines of the shell blocks that are not commands this test parses (nor blank, nor comments)."""
+    lines = text.splitlines()
+    shell, inside = [], False
+    for line in lines:
+        if FENCE.match(line):
+            inside = not inside and bool(SHELL_FENCE.match(line))
+            shell.append(False)
+        else:
+            shell.append(inside)
+    joined = dict(fenced_lines(lines))
+    return [
+        DocCommand(f"{name}:{n}", joined[n])
+        for n in sorted(joined)
+        if shell[n - 1] and joined[n] and not joined[n].startswith("#") and not is_command(joined[n])
+    ]
+
+
+def unparsed_shell_lines() -> list[DocCommand]:
+    return [c for doc in DOCS for c in shell_lines(doc, (REPO / doc).read_text())]
+
+
+def pyproject_extras() -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+
+
+def shell_line_failure(cmd: DocCommand) -> str | None:
+    """None when a shell line that is no parsed command is checked another way, or says why no test runs it."""
+    code, _, comment = cmd.text.partition(" #")
+    if comment.strip().startswith(NOT_RUN_HERE):
+        return None
+    try:
+        words = without_env_prefix(shlex.split(code))
+    except ValueError as exc:
+        return f"{cmd.where}: `{cmd.text}`\nnot a shell command line: {exc}"
+    if words[:2] == ["pip", "install"]:
+        wanted = [m[1] for w in words[2:] if (m := PIP_EXTRAS.match(w))]
+        unknown = {e.strip() for group in wanted for e in group.split(",")} - pyproject_extras()
+        if wanted and not unknown:
+            return None
+        return (
+            f"{cmd.where}: `{cmd.text}`\nextras {sorted(unknown)} not in pyproject.toml's {sorted(pyproject_extras())}"
+        )
+    script = REPO / words[0] if words else None
+    if script is not None and "/" in words[0] and script.is_file() and os.access(script, os.X_OK):
+        return None
+    return (
+        f"{cmd.where}: `{cmd.text}`\nno test runs this line: make it a command the test parses (python, torchrun, "
+        f"make), or end it with a comment starting with one of {NOT_RUN_HERE}"
+    )
 
 
 def unfold_synopsis(words: list[str]) -> list[str]:
@@ -313,10 +378,21 @@ def test_every_documented_command_line_parses_with_its_entry_points_own_parser(c
         pytest.fail(failure, pytrace=False)
 
 
-def test_the_extractor_finds_the_commands_of_both_docs_in_every_form():
+SHELL_LINES = unparsed_shell_lines()
+
+
+@pytest.mark.parametrize("cmd", SHELL_LINES, ids=[c.where for c in SHELL_LINES])
+def test_every_other_shell_line_of_the_docs_is_checked_or_says_why_no_test_runs_it(cmd: DocCommand):
+    failure = shell_line_failure(cmd)
+    if failure:
+        pytest.fail(failure, pytrace=False)
+
+
+def test_the_extractor_finds_the_commands_of_the_readme_benchmarks_and_guides_in_every_form():
     # An extractor bug must not make the test above pass by finding nothing.
     assert len(COMMANDS) >= 10, [c.where for c in COMMANDS]
-    assert {c.where.split(":")[0] for c in COMMANDS} == set(DOCS)
+    guides = {"docs/quickstart.md", "docs/data-and-rewards.md", "docs/environments.md", "docs/gpus.md"}
+    assert {"README.md", "BENCHMARKS.md", *guides} <= {c.where.split(":")[0] for c in COMMANDS}
     words = [command_words(c) for c in COMMANDS]
     assert any(w[0] == "torchrun" and "-m" in w for w in words)
     assert any(w[0] == "make" for w in words)
@@ -370,6 +446,30 @@ def test_an_abbreviated_flag_fails_since_a_rename_would_keep_it_parsing(tmp_path
 def test_a_command_line_with_broken_quoting_fails(tmp_path: Path):
     failure = parse_failure(DocCommand("x.md:1", "python -m inflight.serve --model 'smollm2"), tmp_path)
     assert failure is not None and "not a shell command line: No closing quotation" in failure
+
+
+def test_a_shell_line_that_is_no_command_passes_only_when_checked_or_marked(tmp_path: Path):
+    doc = "\n".join(
+        [
+            "```bash",
+            "ray start --head --port 6379",
+            "ray start --address head:6379   # cluster only: joins the head node",
+            "nvidia-smi   # GPU only",
+            'pip install -e ".[gpu,learn]"',
+            "pip install 'inflight[no-such-extra]'",
+            "scripts/gpu_check.sh",
+            "python -m inflight.serve --model smollm2",
+            "```",
+            "```text",
+            "not a shell line",
+            "```",
+        ]
+    )
+    lines = shell_lines("doc.md", doc)
+    assert [c.where for c in lines] == [f"doc.md:{n}" for n in (2, 3, 4, 5, 6, 7)]
+    failures = {c.where: shell_line_failure(c) for c in lines}
+    assert [w for w, f in failures.items() if f] == ["doc.md:2", "doc.md:6"]
+    assert "no test runs this line" in failures["doc.md:2"] and "no-such-extra" in failures["doc.md:6"]
 
 
 def test_an_unknown_make_target_fails():

@@ -154,14 +154,14 @@ def test_with_retries_a_wrong_final_answer_is_told_to_try_again_and_a_right_one_
     assert Calculator(retries=1).step(EpisodeState(problem, []), "It is 42.").done
 
 
-def test_the_readme_environment_example_loads_with_env_args_and_runs_an_episode(tmp_path, monkeypatch):
+def test_the_environments_guide_example_loads_with_env_args_and_runs_an_episode(tmp_path, monkeypatch):
     import asyncio
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (code,) = re.findall(r"```python\n(# my_envs\.py\n.*?)```", readme, re.DOTALL)
-    assert len(code.splitlines()) <= 32, "the README promises a complete example of about 30 lines"
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    (code,) = re.findall(r"```python\n(# my_envs\.py\n.*?)```", guide, re.DOTALL)
+    assert len(code.splitlines()) <= 32, "the environments guide promises a complete example of about 30 lines"
     (tmp_path / "my_envs.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     env = load_env("my_envs:Lookup", '{"table": {"Paris": "France"}}')
