@@ -40,13 +40,29 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def declaring_class(cls: type, name: str) -> type:
+    """The class in `cls`'s composition that declares field `name` (its knob section)."""
+    return next(k for k in cls.__mro__ if name in vars(k).get("__annotations__", {}))
+
+
+def section_title(klass: type) -> str:
+    """A knob section's `--help` heading: the class name and its docstring's first sentence."""
+    doc = " ".join((klass.__doc__ or "").strip().split("\n\n")[0].split())
+    return f"{klass.__name__}: {doc.split('. ')[0].rstrip('.:')}" if doc else klass.__name__
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One `--flag` per field, grouped in `--help` by the knob class that declares it (its section)."""
+    groups: dict[type, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(cls):
+        klass = declaring_class(cls, f.name)
+        if klass not in groups:
+            groups[klass] = parser.add_argument_group(section_title(klass))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kind = type(default)
         # A bool flag alone means true (`--resume`); `--resume true|false` still works.
         flag = {"nargs": "?", "const": True} if kind is bool else {}
-        parser.add_argument(
+        groups[klass].add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f.name,
             type=_parse_bool if kind is bool else kind,
