@@ -150,13 +150,18 @@ def compute_summary(run_dir: Path) -> dict:
         summary["evals"] = [
             {"version": e.version, "mean_reward": e.mean_reward, "accuracy": e.accuracy, "n": e.n} for e in evals
         ]
-    last_progress = progress[-1] if progress else None
-    # serves that count episodes (older runs' summaries stay what they were)
-    if last_progress is not None and (last_progress.turns or last_progress.env_errors or last_progress.groups_dropped):
-        summary["episodes"] = episode_summary(last_progress)
+    return summary | _episodes_and_why(steps, progress[-1] if progress else None)
+
+
+def _episodes_and_why(steps: list[StepMetrics], last: ServeProgress | None) -> dict:
+    """`episodes` from serves that count episodes (older runs' summaries stay what they were); `no_step_trained`
+    when no step trained."""
+    out = {}
+    if last is not None and (last.turns or last.env_errors or last.groups_dropped):
+        out["episodes"] = episode_summary(last)
     if not steps:
-        summary["no_step_trained"] = why_no_step(last_progress)
-    return summary
+        out["no_step_trained"] = why_no_step(last)
+    return out
 
 
 def why_no_step(last: ServeProgress | None) -> str:

@@ -47,7 +47,7 @@ log = logging.getLogger("inflight.serve")
 class DriverStats:
     groups_admitted: int = 0
     groups_finished: int = 0  # scored and handed to the stream, or dropped
-    groups_dropped: int = 0  # dropped for an episode with no sampled token (`drop`): never sent, never trained
+    groups_dropped: int = 0  # dropped for an episode with no sampled token (`dropped`): never sent, never trained
     requests_inflight: int = 0  # admitted and not finished generating
     samples_open: int = 0  # admitted and not yet handed to the rollout stream (generating, waiting on a tool, scoring)
     reward_errors: int = 0  # reward calls that failed (their samples scored 0.0): inflight/tasks/rewards.py
@@ -228,13 +228,10 @@ class RolloutDriver:
         n = self.cfg.group_size
         try:
             episodes = await asyncio.gather(*(self.episodes.run(problem, f"{group_id}-{i}") for i in range(n)))
-            self.stats.count_errors(episodes)
-            if drop(self.stats, group_id, episodes):
+            if dropped(self.stats, group_id, episodes):
                 return
-            scores = await score_group(
-                self.rewards, problem, [e.text for e in episodes], [e.last_ids for e in episodes]
-            )
-            self._account(scores)
+            texts, ids = [e.text for e in episodes], [e.last_ids for e in episodes]
+            self._account(scores := await score_group(self.rewards, problem, texts, ids))
             for index, ep in enumerate(episodes):
                 # an episode an environment failure ended scores 0, whatever its last turn said
                 reward = 0.0 if ep.env_error else scores.total[index] + ep.env_reward
@@ -277,10 +274,12 @@ class RolloutDriver:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def drop(stats: DriverStats, group_id: str, episodes: list[Episode]) -> bool:
-    """True, counted and logged, when an episode of the group ended with no sampled token (its environment failed
-    before the model's first turn): such a record has nothing to train, and the learner trains whole groups of the
-    agreed size (inflight/wire/contract.py), so the group is dropped, not sent short."""
+def dropped(stats: DriverStats, group_id: str, episodes: list[Episode]) -> bool:
+    """The group's environment errors counted; True, counted and logged, when an episode of the group ended with no
+    sampled token (its environment failed before the model's first turn): such a record has nothing to train, and the
+    learner trains whole groups of the agreed size (inflight/wire/contract.py), so the group is dropped, not sent
+    short."""
+    stats.count_errors(episodes)
     empty = [i for i, ep in enumerate(episodes) if all(ep.env)]  # no token, or environment tokens only
     if not empty:
         return False
@@ -288,10 +287,8 @@ def drop(stats: DriverStats, group_id: str, episodes: list[Episode]) -> bool:
     stats.groups_finished += 1
     stats.untrained_episodes += len(empty)
     why = "; ".join(sorted({episodes[i].env_error or "no error recorded" for i in empty}))
-    log.warning(
-        "group %s dropped: %d of its %d episodes ended with no sampled token (nothing to train): %s",
-        group_id, len(empty), len(episodes), why,
-    )  # fmt: skip
+    what = f"{len(empty)} of its {len(episodes)} episodes ended with no sampled token (nothing to train)"
+    log.warning("group %s dropped: %s: %s", group_id, what, why)
     return True
 
 

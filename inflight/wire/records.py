@@ -140,7 +140,7 @@ class ServeProgress(
     rollouts_made: int = 0
     env_error_kinds: dict[str, int] = {}  # env_errors by kind ("timeout before the first model call", ...)
     # Groups never sent because an episode ended with no sampled token (nothing to train:
-    # inflight/serve/driver.py:drop), and those episodes
+    # inflight/serve/driver.py:dropped), and those episodes
     groups_dropped: int = 0
     untrained_episodes: int = 0
 
