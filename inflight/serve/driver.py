@@ -116,6 +116,12 @@ class Admission:
             and self._admitted_under_it >= cfg.groups_per_step
         )
 
+    def dropped(self) -> None:
+        """A group admitted under the current version was dropped: blocking mode admits another in its place (the
+        learner will not train on it, so no update would ever free its slot)."""
+        if self._version_admitted == self.engine.version:
+            self._admitted_under_it = max(0, self._admitted_under_it - 1)
+
     def admitted(self) -> None:
         """A group was admitted now: counted against the engine's current version."""
         version = self.engine.version
@@ -228,7 +234,7 @@ class RolloutDriver:
         n = self.cfg.group_size
         try:
             episodes = await asyncio.gather(*(self.episodes.run(problem, f"{group_id}-{i}") for i in range(n)))
-            if dropped(self.stats, group_id, episodes):
+            if dropped(self.stats, group_id, episodes, self.admission):
                 return
             texts, ids = [e.text for e in episodes], [e.last_ids for e in episodes]
             self._account(scores := await score_group(self.rewards, problem, texts, ids))
@@ -274,7 +280,7 @@ class RolloutDriver:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def dropped(stats: DriverStats, group_id: str, episodes: list[Episode]) -> bool:
+def dropped(stats: DriverStats, group_id: str, episodes: list[Episode], admission: Admission) -> bool:
     """The group's environment errors counted; True, counted and logged, when an episode of the group ended with no
     sampled token (its environment failed before the model's first turn): such a record has nothing to train, and the
     learner trains whole groups of the agreed size (inflight/wire/contract.py), so the group is dropped, not sent
@@ -285,6 +291,7 @@ def dropped(stats: DriverStats, group_id: str, episodes: list[Episode]) -> bool:
         return False
     stats.groups_dropped += 1
     stats.groups_finished += 1
+    admission.dropped()
     stats.untrained_episodes += len(empty)
     why = "; ".join(sorted({episodes[i].env_error or "no error recorded" for i in empty}))
     what = f"{len(empty)} of its {len(episodes)} episodes ended with no sampled token (nothing to train)"
