@@ -20,9 +20,8 @@ def test_a_dropped_group_frees_its_admission_slot_in_both_modes_and_is_counted()
         stats.groups_admitted += 1
         gate.admitted()
         assert not gate.can_admit(0, False), mode  # one group ahead of the learner / one per version
-        failed = Episode(
-            env_error="RuntimeError: no such task", env_error_kind="RuntimeError before the first model call"
-        )
+        kind = "RuntimeError before the first model call"
+        failed = Episode(env_error="RuntimeError: no such task", env_error_kind=kind)
         assert dropped(stats, "g0", [failed, Episode(token_ids=[5], env=[False])], gate)
         assert gate.can_admit(0, False), f"{mode}: the dropped group no longer holds its slot"
         assert (stats.groups_dropped, stats.untrained_episodes, stats.groups_finished) == (1, 1, 1)
