@@ -84,7 +84,7 @@ async def prepare_program(name: str, harness_config: Any) -> None:
         tail = " | ".join(line.strip() for line in str(exc).strip().splitlines()[-3:] if line.strip())
         raise RuntimeError(
             f"env verifiers:{name}: harness {harness_config.id!r} could not prepare its program ({tail}); uv resolves "
-            "its dependencies from the package index this host's pip uses: check that it is reachable"
+            "its dependencies from its index (PyPI, or UV_DEFAULT_INDEX): point that at this host's package index"
         ) from exc
     finally:
         await runtime.stop()

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -89,6 +90,31 @@ def test_a_harness_that_prepares_a_uv_script_is_refused_at_load_when_no_uv_is_fo
     assert load_env(ONLY, NULL).harness_config.id == "null", "the uv beside the interpreter is found"
     assert os.environ["PATH"].split(os.pathsep)[0] == str(tmp_path), "and put on PATH for the harness's programs"
     assert load_env(ENV).harness_config.id == "vf_counting", "a harness of the environment's own needs no uv"
+
+
+def test_a_harness_program_that_cannot_be_prepared_ends_the_serve_at_start_in_one_line_naming_harness_and_fix(
+    monkeypatch, tmp_path
+):
+    from verifiers.v1.runtimes import SubprocessRuntime
+
+    from inflight.envs.verifiers_harness import prepare_program
+    from inflight.serve.app import _start_episodes
+
+    env = load_env(ONLY, NULL)
+    monkeypatch.setattr(SubprocessRuntime, "_interpreters", {})  # nothing prepared yet in this process
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "cache"))  # nor in uv's cache
+    (tmp_path / "index").mkdir()
+    monkeypatch.setenv("UV_DEFAULT_INDEX", (tmp_path / "index").as_uri())  # an index without the program's packages
+
+    class Runner:  # the runner's start as VerifiersRunner's prepares (inflight/serve/verifiers_runner.py:_serve)
+        async def start(self):
+            await prepare_program(env.name, env.harness_config)
+
+    with pytest.raises(SystemExit) as ended:
+        asyncio.run(_start_episodes(SimpleNamespace(episodes=Runner())))
+    message = str(ended.value.code)
+    assert message.startswith("inflight.serve: env verifiers:vf_taskset_only: harness 'null' could not prepare")
+    assert "No solution found" in message and "UV_DEFAULT_INDEX" in message and "\n" not in message
 
 
 @pytest.mark.parametrize(("failure", "error", "kind"), [
