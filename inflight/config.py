@@ -82,10 +82,22 @@ def refuse_renamed(parser: argparse.ArgumentParser, argv: list[str], renamed: di
             parser.error(f"{old} was renamed: {renamed[old]}")
 
 
-def parse_dataclass(cls: type[T], argv: list[str] | None, prog: str, description: str) -> T:
+class _OneLineErrors(argparse.ArgumentParser):
+    """A parser whose error is its one line, without the usage text: for flags forwarded by another command
+    (`inflight.run --serve-args`), whose user did not type this parser's command and would look for the error under
+    a usage text not theirs."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_dataclass(
+    cls: type[T], argv: list[str] | None, prog: str, description: str, one_line_errors: bool = False
+) -> T:
     """Parse `argv` into `cls`; a `validate()` method on the config turns its ValueError into a usage error, and a
-    `RENAMED_FLAGS` dict on it refuses old flag names with their new spelling."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    `RENAMED_FLAGS` dict on it refuses old flag names with their new spelling. `one_line_errors`: an error prints only
+    `prog: error: ...` (`prog` names the forwarding flag), not the usage text."""
+    parser = (_OneLineErrors if one_line_errors else argparse.ArgumentParser)(prog=prog, description=description)
     add_dataclass_args(parser, cls)
     argv = sys.argv[1:] if argv is None else list(argv)
     refuse_renamed(parser, argv, getattr(cls, "RENAMED_FLAGS", {}))

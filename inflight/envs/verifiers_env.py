@@ -13,7 +13,8 @@ here, at start, by name:
 - a role whose runtime is not the local subprocess (prime sandboxes, docker, modal, e2b, ...) is refused; a role left
   on verifiers' default (a prime sandbox, which needs an account and the network) runs in a subprocess instead;
 - a harness that needs a container (claude_code, codex, mini_swe_agent, ...) is refused; one that executes
-  model-written code on this host (bash) is warned about;
+  model-written code on this host is warned about; one that offers the model tools (bash) or needs a uv it cannot
+  find is refused (inflight/envs/verifiers_harness.py, which also prepares its program once per serve);
 - an env with more than one role is refused: the serve makes one rollout record per episode;
 - a role with its own client is refused (its calls would not reach the serve's engine); a judge (`vf.JudgeConfig`
   anywhere in the taskset's config) calls a model that is not the policy: warned about by name, with its endpoint.
@@ -27,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from inflight.envs.verifiers_harness import check_harness
 from inflight.tasks.base import Problem
 
 log = logging.getLogger("inflight.serve")
@@ -57,8 +59,9 @@ class VerifiersEnv:
     stop: tuple[str, ...] = ()
     run_inline = False
 
-    def __init__(self, name: str, env: Any):
+    def __init__(self, name: str, env: Any, harness_config: Any = None):
         self.name, self.env = name, env
+        self.harness_config = harness_config  # its role's harness (inflight/envs/verifiers_harness.py:prepare_program)
         self._tasks: OrderedDict[str, Any] = OrderedDict()
 
     def problems(self) -> Iterator[Problem]:
@@ -130,7 +133,7 @@ def load_verifiers_env(name: str, env_args: dict[str, Any]) -> VerifiersEnv:
         raise ValueError(f"env verifiers:{name}: its taskset failed to load: {type(exc).__name__}: {exc}") from exc
     if first is None:
         raise ValueError(f"env verifiers:{name}: its taskset has no tasks (env_args taskset: {taskset})")
-    return VerifiersEnv(name, env)
+    return VerifiersEnv(name, env, next(iter(config.agent_harnesses().values())))
 
 
 def _local_runtimes(vf, name: str, config, env_args: dict[str, Any]):
@@ -167,6 +170,7 @@ def _local_runtimes(vf, name: str, config, env_args: dict[str, Any]):
             f"env verifiers:{name}: {role}'s harness {harness.id!r} needs a container runtime, which the serve "
             "cannot provide; pick a harness that runs locally (null, or the taskset's own)"
         )
+    check_harness(name, role, harness.id, cls)
     if cls.EXECUTES_CODE:
         log.warning(
             "env verifiers:%s: %s's harness %r executes model-written code on this host (subprocess runtime)",

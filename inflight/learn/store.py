@@ -7,9 +7,10 @@ buffer; the journal is what a restarted learner and `--replay` read back.
 
 Called by the learner's rank 0. Records arrive one per sample from any number of serves; a group becomes trainable
 when all `group_size` samples are in. Anything inconsistent (a duplicate rollout id, a sample whose group disagrees on
-its size or prompt, a record for another model, a group id already trained) is rejected, counted by reason and logged
-— never silently dropped, never trained twice. `consumed` (the groups already trained, inflight/learn/consumed.py) goes
-into every checkpoint so a resumed learner refuses replays; a group leaves `completed` when it is trained.
+its size or prompt, a record for another model, a group id already trained, a record with no policy token) is
+rejected, counted by reason and logged — never silently dropped, never trained twice, never raised into a step.
+`consumed` (the groups already trained, inflight/learn/consumed.py) goes into every checkpoint so a resumed learner
+refuses replays; a group leaves `completed` when it is trained.
 
 ## RolloutJournal: the write-ahead log of accepted rollouts; a killed learner loses nothing it acknowledged.
 
@@ -44,6 +45,9 @@ from inflight.wire.rollouts import Rollout
 
 log = logging.getLogger("inflight.learn")
 _LEN = struct.Struct("<I")
+# A serve drops such an episode's group itself (inflight/serve/driver.py); one from an older serve stops here, before a
+# step, whose learner/step.py:make_batch would refuse a sample with no completion token.
+NO_POLICY_TOKEN = "it has no policy token (its episode ended before the model's first turn): nothing to train"
 
 
 class RolloutBuffer:
@@ -71,6 +75,9 @@ class RolloutBuffer:
         learner's own journal after a restart), skipped quietly because its group was already trained or it is
         already here."""
         if replay and (self.holds(rollout.group_id) or rollout.index in self.pending.get(rollout.group_id, {})):
+            return False
+        if not rollout.policy_mask.any():  # an episode that ended before its first model call: nothing to train
+            self.reject(NO_POLICY_TOKEN, rollout)
             return False
         if self.model is not None and _model_name(rollout.model) != self.model:
             self.reject(f"model is {rollout.model!r}, this learner trains {self.model!r}", rollout)

@@ -49,7 +49,9 @@ def free_ports(n: int, host: str) -> list[int]:
 def _check_side_args(argv: list[str], side: str, run_dir: Path) -> None:
     """Parse a side's argv with that side's own parser before anything starts: a typo fails here, not in a child."""
     flags = argv[2:]  # drop "-m inflight.<side>"
-    cfg = parse_dataclass(SIDE_CONFIGS[side], flags, f"--{side}-args", f"flags passed to inflight.{side}")
+    cfg = parse_dataclass(
+        SIDE_CONFIGS[side], flags, f"--{side}-args", f"flags passed to inflight.{side}", one_line_errors=True
+    )
     if side == "serve":
         write_resolved(cfg, run_dir / "serve-config.json")
 
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                     code = 1
         for s, handler in old.items():
             signal.signal(s, handler)
-    if cfg.plots and (run_dir / "metrics.jsonl").exists():
+    # a run that trained no step still gets its summary: it says why, from the serve's counts
+    if cfg.plots and any((run_dir / name).exists() for name in ("metrics.jsonl", "serve-metrics.jsonl")):
         try:
             summary = write_report(run_dir)
             print(summarize([summary]), file=sys.stderr)

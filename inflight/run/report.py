@@ -150,9 +150,34 @@ def compute_summary(run_dir: Path) -> dict:
         summary["evals"] = [
             {"version": e.version, "mean_reward": e.mean_reward, "accuracy": e.accuracy, "n": e.n} for e in evals
         ]
-    if progress and progress[-1].turns:  # serves that count episodes (older runs' summaries stay what they were)
-        summary["episodes"] = episode_summary(progress[-1])
-    return summary
+    return summary | _episodes_and_why(steps, progress[-1] if progress else None)
+
+
+def _episodes_and_why(steps: list[StepMetrics], last: ServeProgress | None) -> dict:
+    """`episodes` from serves that count episodes (older runs' summaries stay what they were); `no_step_trained`
+    when no step trained."""
+    out = {}
+    if last is not None and (last.turns or last.env_errors or last.groups_dropped):
+        out["episodes"] = episode_summary(last)
+    if not steps:
+        out["no_step_trained"] = why_no_step(last)
+    return out
+
+
+def why_no_step(last: ServeProgress | None) -> str:
+    """Why a run trained no step, from the serve's last progress line (its counters are cumulative)."""
+    if last is None:
+        return "the serve wrote no progress line (it never started generating: see serve.log)"
+    if last.rollouts_sent:
+        return f"the serve sent {last.rollouts_sent} rollouts, not yet a whole step's groups (see learn.log)"
+    if last.groups_dropped:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(last.env_error_kinds.items(), key=lambda kv: -kv[1]))
+        return (
+            f"the serve sent no rollout: it dropped all {last.groups_dropped} groups it ran, "
+            f"{last.untrained_episodes} episodes ended with no sampled token"
+            + (f" (environment errors: {kinds})" if kinds else "")
+        )
+    return f"the serve sent no rollout ({last.groups_admitted} groups admitted, {last.tokens} tokens generated)"
 
 
 def episode_summary(last) -> dict:
@@ -166,7 +191,10 @@ def episode_summary(last) -> dict:
         "env_token_share": share,
         "env_s_per_episode": last.env_s / made,
         "env_errors": last.env_errors,
+        "env_error_kinds": dict(last.env_error_kinds),
         "tool_errors": last.tool_errors,
+        "groups_dropped": last.groups_dropped,
+        "untrained_episodes": last.untrained_episodes,
     }
 
 
@@ -178,6 +206,9 @@ def summarize(summaries: list[dict]) -> str:
     )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
+        if not s["steps"]:
+            rows.append(f"| {s['mode']} | 0 | no step trained: {s.get('no_step_trained', '?')} |")
+            continue
         rows.append(
             f"| {s['mode']} | {s['steps']} | {s['wall_s']:.0f} | {s['reward_first']:.3f} ± {s['reward_first_se']:.3f} "
             f"| {s['reward_last']:.3f} ± {s['reward_last_se']:.3f} | {s['rise_se']:+.1f} | {s['updates']} "

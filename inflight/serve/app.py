@@ -118,6 +118,7 @@ async def serve(cfg: ServeConfig) -> int:
             engine, cfg, work.held_out, work.rewards, tokenizer, driver.server_id, reporter.eval_result
         )
     try:
+        await _start_episodes(driver)
         return await _run(cfg, driver, stream, control, reporter)
     finally:
         await driver.stop()
@@ -223,6 +224,18 @@ async def _maybe_http(cfg: ServeConfig, engine: InflightEngine, model_path: Path
         return None
     served_name = cfg.model if cfg.model in MODEL_NAMES else model_path.name
     return await start_http(engine, str(model_path), served_name, cfg.http_host, cfg.http_port)
+
+
+async def _start_episodes(driver: RolloutDriver) -> None:
+    """The episode runner's own start-up, where it has one (a verifiers environment: its endpoint, its serving
+    resources, its harness's program): what fails there ends the serve now, in one line, not every episode later."""
+    start = getattr(driver.episodes, "start", None)
+    if start is None:
+        return
+    try:
+        await start()
+    except Exception as exc:
+        raise SystemExit(f"inflight.serve: {exc}") from None
 
 
 async def _run(

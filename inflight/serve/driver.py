@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -45,7 +46,8 @@ log = logging.getLogger("inflight.serve")
 @dataclass
 class DriverStats:
     groups_admitted: int = 0
-    groups_finished: int = 0
+    groups_finished: int = 0  # scored and handed to the stream, or dropped
+    groups_dropped: int = 0  # dropped for an episode with no sampled token (`dropped`): never sent, never trained
     requests_inflight: int = 0  # admitted and not finished generating
     samples_open: int = 0  # admitted and not yet handed to the rollout stream (generating, waiting on a tool, scoring)
     reward_errors: int = 0  # reward calls that failed (their samples scored 0.0): inflight/tasks/rewards.py
@@ -61,16 +63,26 @@ class DriverStats:
     tool_errors: int = 0
     env_tokens: int = 0
     policy_tokens: int = 0
+    # environment errors by kind (`Episode.env_error_kind`: "timeout before the first model call", "harness exited 1",
+    # ...), over every episode, dropped ones included; and the episodes that ended with no sampled token
+    env_error_kinds: Counter[str] = field(default_factory=Counter)
+    untrained_episodes: int = 0
 
     def count(self, ep: Episode) -> None:
         """One finished episode made into a rollout."""
         self.rollouts_made += 1
         self.turns += ep.turns
         self.env_s += ep.env_s
-        self.env_errors += bool(ep.env_error)
         self.tool_errors += ep.tool_errors
         self.env_tokens += sum(ep.env)
         self.policy_tokens += len(ep.env) - sum(ep.env)
+
+    def count_errors(self, episodes: list[Episode]) -> None:
+        """A finished group's environment errors, by kind (its episodes sent or not)."""
+        for ep in episodes:
+            if ep.env_error:
+                self.env_errors += 1
+                self.env_error_kinds[ep.env_error_kind or "other"] += 1
 
 
 class Admission:
@@ -81,6 +93,7 @@ class Admission:
     def __init__(self, cfg: ServeConfig, engine: VersionedEngine, stats: DriverStats):
         self.cfg, self.engine, self.stats = cfg, engine, stats
         self.groups_consumed = 0
+        self.groups_dropped = 0  # never sent, so never consumed: not ahead of the learner either
         # None: waiting for the learner's first Progress (--wait-for-learner); then the version to have committed.
         self.required_version: int | None = None if cfg.wait_for_learner else cfg.version
         self._version_admitted = 0  # the engine version the last group was admitted under: blocking mode's gate
@@ -94,7 +107,7 @@ class Admission:
             return False
         if self.stats.requests_inflight + n > cfg.max_inflight or outstanding + n > cfg.max_outstanding:
             return False
-        ahead = self.stats.groups_admitted - self.groups_consumed
+        ahead = self.stats.groups_admitted - self.stats.groups_dropped - self.groups_consumed
         if cfg.admit_lag >= 0 and ahead >= (cfg.admit_lag + 1) * cfg.groups_per_step:
             return False
         return not (
@@ -102,6 +115,12 @@ class Admission:
             and self._version_admitted == self.engine.version
             and self._admitted_under_it >= cfg.groups_per_step
         )
+
+    def dropped(self) -> None:
+        """A group admitted under the current version was dropped: blocking mode admits another in its place (the
+        learner will not train on it, so no update would ever free its slot)."""
+        if self._version_admitted == self.engine.version:
+            self._admitted_under_it = max(0, self._admitted_under_it - 1)
 
     def admitted(self) -> None:
         """A group was admitted now: counted against the engine's current version."""
@@ -215,10 +234,10 @@ class RolloutDriver:
         n = self.cfg.group_size
         try:
             episodes = await asyncio.gather(*(self.episodes.run(problem, f"{group_id}-{i}") for i in range(n)))
-            scores = await score_group(
-                self.rewards, problem, [e.text for e in episodes], [e.last_ids for e in episodes]
-            )
-            self._account(scores)
+            if dropped(self.stats, group_id, episodes, self.admission):
+                return
+            texts, ids = [e.text for e in episodes], [e.last_ids for e in episodes]
+            self._account(scores := await score_group(self.rewards, problem, texts, ids))
             for index, ep in enumerate(episodes):
                 # an episode an environment failure ended scores 0, whatever its last turn said
                 reward = 0.0 if ep.env_error else scores.total[index] + ep.env_reward
@@ -259,6 +278,25 @@ class RolloutDriver:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def dropped(stats: DriverStats, group_id: str, episodes: list[Episode], admission: Admission) -> bool:
+    """The group's environment errors counted; True, counted and logged, when an episode of the group ended with no
+    sampled token (its environment failed before the model's first turn): such a record has nothing to train, and the
+    learner trains whole groups of the agreed size (inflight/wire/contract.py), so the group is dropped, not sent
+    short."""
+    stats.count_errors(episodes)
+    empty = [i for i, ep in enumerate(episodes) if all(ep.env)]  # no token, or environment tokens only
+    if not empty:
+        return False
+    stats.groups_dropped += 1
+    stats.groups_finished += 1
+    admission.dropped()
+    stats.untrained_episodes += len(empty)
+    why = "; ".join(sorted({episodes[i].env_error or "no error recorded" for i in empty}))
+    what = f"{len(empty)} of its {len(episodes)} episodes ended with no sampled token (nothing to train)"
+    log.warning("group %s dropped: %s: %s", group_id, what, why)
+    return True
 
 
 def prompt_token_ids(tokenizer, problem: Problem) -> list[int]:

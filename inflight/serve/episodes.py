@@ -105,6 +105,7 @@ class Episode:
     env_s: float = 0.0
     tool_errors: int = 0
     env_error: str = ""  # why an environment call failed; the episode then scores 0
+    env_error_kind: str = ""  # its kind, what the serve counts errors by ("TimeoutError in step", "harness exited 1")
     resubmissions: int = 0
     submitted: float = 0.0
     first_token: float = 0.0
@@ -182,6 +183,7 @@ class EpisodeRunner:
             if not getattr(exc, "inflight_env", False):
                 raise  # the engine's failure, not the environment's: the group fails as before
             ep.env_error, ep.finish_reason = str(exc), "env_error"
+            ep.env_error_kind = f"{type(exc).__name__} {'in step' if ep.turns else 'before the first model call'}"
             log.error("environment ended episode %s after %d turns (scored 0): %s", request_id, ep.turns, exc)
             if not ep.prompt_ids:  # reset failed: the rollout keeps the task's own prompt and no tokens
                 ep.prompt_ids = self.turns.prompt_ids(problem.chat())

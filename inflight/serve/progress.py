@@ -64,6 +64,9 @@ class ProgressReporter:
             env_tokens=d.stats.env_tokens,
             policy_tokens=d.stats.policy_tokens,
             rollouts_made=d.stats.rollouts_made,
+            env_error_kinds=dict(d.stats.env_error_kinds),
+            groups_dropped=d.stats.groups_dropped,
+            untrained_episodes=d.stats.untrained_episodes,
         )
 
     def update_event(self, done) -> None:
@@ -112,11 +115,25 @@ def _each(means: dict[str, float]) -> str:
 
 
 def _episodes(s: ServeProgress) -> str:
-    """ " | turns 2.4/episode | env tokens 31% | env errors 1 | tool errors 3" once any episode took a second turn."""
-    if s.turns <= s.rollouts_made:
-        return f" | env errors {s.env_errors}" if s.env_errors else ""
-    share = s.env_tokens / max(s.env_tokens + s.policy_tokens, 1)
-    return (
-        f" | turns {s.turns / max(s.rollouts_made, 1):.2f}/episode | env tokens {share:.0%} | env errors "
-        f"{s.env_errors} | tool errors {s.tool_errors}"
+    """ " | turns 2.4/episode | env tokens 31% | env errors 1 (...) | tool errors 3" once any episode took a second
+    turn; then " | dropped 2 groups (3 episodes with no sampled token)" once a group was dropped."""
+    errors = f" | env errors {s.env_errors}{_kinds(s.env_error_kinds)}" if s.env_errors else ""
+    dropped = (
+        f" | dropped {s.groups_dropped} groups ({s.untrained_episodes} episodes with no sampled token)"
+        if s.groups_dropped
+        else ""
     )
+    if s.turns <= s.rollouts_made:
+        return errors + dropped
+    share = s.env_tokens / max(s.env_tokens + s.policy_tokens, 1)
+    per_episode = s.turns / max(s.rollouts_made, 1)
+    return (
+        f" | turns {per_episode:.2f}/episode | env tokens {share:.0%}{errors or ' | env errors 0'}"
+        f" | tool errors {s.tool_errors}{dropped}"
+    )
+
+
+def _kinds(kinds: dict[str, int]) -> str:
+    """ " (timeout before the first model call 3, harness bash exited 1 2)", most frequent first."""
+    ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
+    return f" ({', '.join(f'{k} {n}' for k, n in ranked)})" if ranked else ""

@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +48,7 @@ import msgspec
 from aiohttp import web
 
 from inflight.envs.verifiers_env import VerifiersEnv
+from inflight.envs.verifiers_harness import prepare_program
 from inflight.models import resolve_model
 from inflight.serve.episodes import Episode, RunnerContext, TurnTokens
 from inflight.tasks.base import Problem
@@ -274,15 +276,16 @@ class VerifiersRunner:
 
     def _failed(self, ep: Episode, problem: Problem, request_id: str, trace, watch: EpisodeWatch, exc) -> Episode:
         """An environment failure: reward 0, the tokens the trace has (if they are the engine's), else the prompt."""
-        log.error("environment ended episode %s after %d turns (scored 0): %s", request_id, len(watch.turns), exc)
         if trace is not None and not ep.token_ids:
             kept = Episode(submitted=ep.submitted)
             with contextlib.suppress(TraceError):
                 trace_into_episode(kept, trace, watch.turns)
                 ep = kept
-        ep.env_error, ep.finish_reason = f"{type(exc).__name__}: {exc}", "env_error"
+        ep.env_error, ep.env_error_kind = describe_failure(exc)
+        ep.finish_reason = "env_error"
         if not ep.prompt_ids:
             ep.prompt_ids = self.turns.prompt_ids(problem.chat())
+        log.error("environment ended episode %s after %d turns (scored 0): %s", request_id, ep.turns, ep.env_error)
         return ep
 
     async def _episode(self, task, watch: EpisodeWatch):
@@ -300,10 +303,7 @@ class VerifiersRunner:
             while not run.done():
                 await asyncio.wait({run}, timeout=WATCH_S)
                 if not run.done() and watch.env_held_s() > self.cfg.env_timeout_s:
-                    raise TimeoutError(
-                        f"the environment held control {watch.env_held_s():.1f} s without calling the model, longer "
-                        f"than --env-timeout-s {self.cfg.env_timeout_s}"
-                    )
+                    raise HeldControl(watch.env_held_s(), self.cfg.env_timeout_s, watch.calls)
             return run.result()
         finally:
             if not run.done():
@@ -329,6 +329,11 @@ class VerifiersRunner:
             self.notify()
         watch.turns.append(ModelTurn(list(body.token_ids), done))
         return done
+
+    async def start(self) -> None:
+        """Bring the endpoint and the environment up and prepare its harness's program before the serve admits a
+        group (inflight/serve/app.py); raises what stops it, which ends the serve at start."""
+        await self._start()
 
     async def _start(self) -> None:
         """The endpoint and the environment's serving resources, brought up by the first episode."""
@@ -357,6 +362,8 @@ class VerifiersRunner:
                     temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_tokens
                 )
                 self._ctx = ModelContext(model=self._model, client=client, sampling=sampling)
+                if self.env.harness_config is not None:  # once, so that no episode prepares it on its own clock
+                    await prepare_program(self.env.name, self.env.harness_config)
                 ready.set_result(None)
                 await self._closing.wait()
         except BaseException as exc:
@@ -394,11 +401,56 @@ def account_rewards(stats, trace) -> None:
     stats.reward_means.add(GroupScores(total=[trace.reward], each=each))
 
 
+class HeldControl(TimeoutError):
+    """The environment held control past --env-timeout-s; before the first model call, that is its harness's setup or
+    program start (verifiers' built-in harnesses prepare a uv script there)."""
+
+    def __init__(self, held_s: float, limit_s: float, calls: int):
+        where = f"after {calls} model call{'s' if calls > 1 else ''}" if calls else "before its first model call"
+        hint = "" if calls else " (in its harness's setup or its program's start)"
+        super().__init__(
+            f"the environment held control {held_s:.1f} s {where}, longer than --env-timeout-s {limit_s}{hint}"
+        )
+        self.kind = "timeout after a model call" if calls else "timeout before the first model call"
+
+
+_HARNESS_EXIT = re.compile(r"harness '([^']*)' exited (-?\d+): (.*)", re.DOTALL)
+STDERR_LINES = 3  # a failed harness program's last stderr lines kept in the episode's error: its traceback's cause
+
+
+def describe_failure(exc: BaseException) -> tuple[str, str]:
+    """An episode's failure as (its error, its kind): a harness program's exit names the harness, its exit code and
+    its last stderr lines; a timeout says whether the model was ever called; any other, its type."""
+    if isinstance(exc, HeldControl):
+        return f"TimeoutError: {exc}", exc.kind
+    text = str(exc)
+    exited = _HARNESS_EXIT.search(text)
+    if exited is not None:
+        harness, code, detail = exited.groups()
+        tail = " | ".join(line.strip() for line in detail.strip().splitlines()[-STDERR_LINES:] if line.strip())
+        return f"harness {harness!r} exited {code}, its last stderr lines: {tail}", f"harness {harness} exited {code}"
+    if "failed to prepare uv script" in text:
+        detail = text.split("failed to prepare uv script", 1)[1].lstrip(": ")
+        tail = " | ".join(line.strip() for line in detail.strip().splitlines()[-STDERR_LINES:] if line.strip())
+        return f"a uv script failed to prepare, its last stderr lines: {tail}", "uv script preparation failed"
+    if isinstance(exc, RecordedFailure):
+        return text, exc.kind
+    return f"{type(exc).__name__}: {text}", type(exc).__name__
+
+
+class RecordedFailure(RuntimeError):
+    """A failure verifiers recorded on the episode or its trace; `kind` is verifiers' error type (HarnessError, ...)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
 def _raise_failure(episode, trace) -> None:
     """The episode's or its trace's recorded failure as an exception (verifiers records failures, never raises)."""
     errors = [*episode.errors, *(trace.errors if trace is not None else [])]
     if errors:
-        raise RuntimeError(f"{errors[-1].type}: {errors[-1].message}")
+        raise RecordedFailure(errors[-1].type, errors[-1].message)
     if trace is None:
         raise TraceError("the episode has no trainable trace")
     if not trace.ok or not episode.ok:

@@ -138,6 +138,11 @@ class ServeProgress(
     env_tokens: int = 0  # completion tokens the environment appended
     policy_tokens: int = 0  # completion tokens the policy sampled
     rollouts_made: int = 0
+    env_error_kinds: dict[str, int] = {}  # env_errors by kind ("timeout before the first model call", ...)
+    # Groups never sent because an episode ended with no sampled token (nothing to train:
+    # inflight/serve/driver.py:dropped), and those episodes
+    groups_dropped: int = 0
+    untrained_episodes: int = 0
 
 
 class UpdateEvent(msgspec.Struct, tag_field="event", tag="update", kw_only=True, forbid_unknown_fields=True):

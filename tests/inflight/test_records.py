@@ -131,7 +131,8 @@ def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
     stream = SimpleNamespace(outbox=[b"r"], retained_records=4, resent=0, sent=12)
     stats = SimpleNamespace(rollouts_made=8, requests_inflight=2, groups_admitted=3, rewards_sum=2.0, reward_errors=1,
                             reward_means=RewardMeans(), turns=11, env_s=2.5, env_errors=1, tool_errors=2,
-                            env_tokens=30, policy_tokens=90)  # fmt: skip
+                            env_tokens=30, policy_tokens=90, groups_dropped=1, untrained_episodes=2,
+                            env_error_kinds={"timeout before the first model call": 3})  # fmt: skip
     driver = SimpleNamespace(engine=engine, server_id="s@1", groups_consumed=2, stream=stream, stats=stats)
     reporter = ProgressReporter(driver, str(tmp_path / "serve.jsonl"), 5.0)
     reporter.write(reporter.snapshot())
@@ -140,6 +141,8 @@ def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
     assert isinstance(progress, ServeProgress) and isinstance(update, UpdateEvent)
     assert progress.tokens == 40 and progress.outbox == 1 and progress.mean_reward == 0.25 and progress.version == 3
     assert (progress.turns, progress.env_tokens, progress.env_errors, progress.tool_errors) == (11, 30, 1, 2)
+    assert (progress.groups_dropped, progress.untrained_episodes) == (1, 2)
+    assert progress.env_error_kinds == {"timeout before the first model call": 3}
     assert update == an_update(time=update.time, server_id="s@1", version=4, receive_s=0.0)
     events = [json.loads(line)["event"] for line in (tmp_path / "serve.jsonl").read_text().splitlines()]
     assert events == ["progress", "update"]  # the tag is the `event` key the lines always had
@@ -236,3 +239,15 @@ def test_a_cut_line_is_skipped_old_nan_tokens_are_read_and_a_wrong_type_is_refus
     path.write_text(encode_line(a_step(1)).replace('"step":1', '"step":"one"'))
     with pytest.raises(RecordError, match=r"metrics.jsonl:1: .*Expected `int`, got `str` - at `\$.step`"):
         read_steps(path)
+
+
+def test_the_serves_progress_line_counts_dropped_groups_and_environment_errors_by_kind():
+    from record_factories import a_progress
+
+    from inflight.serve.progress import _episodes
+
+    kinds = {"harness bash exited 1": 1, "timeout before the first model call": 3}
+    line = _episodes(a_progress(env_errors=4, env_error_kinds=kinds, groups_dropped=2, untrained_episodes=4))
+    assert line == (" | env errors 4 (timeout before the first model call 3, harness bash exited 1 1)"
+                    " | dropped 2 groups (4 episodes with no sampled token)")  # fmt: skip
+    assert _episodes(a_progress()) == ""

@@ -119,6 +119,31 @@ def test_run_with_the_calculator_environment_on_smollm2_trains_on_multi_turn_epi
     assert json.loads((run_dir / "serve-config.json").read_text())["env"] == "calculator"
 
 
+def test_run_with_a_taskset_only_verifiers_environment_on_the_null_harness_trains_with_rewards_and_no_env_error(
+    tmp_path,
+):
+    # tests/inflight/vf_taskset_only.py: a vf.Taskset and one @vf.reward, run by verifiers' own `null` harness (its
+    # chat program prepared by uv once per serve, then one subprocess per episode calling the serve's endpoint)
+    run_dir = tmp_path / "vf"
+    null = """'{"agent": {"harness": {"id": "null"}}}'"""
+    serve_args = f"--progress-s 1 --kv-cache-gib {TEST_KV_GIB} --env-timeout-s 120 --env-args {null}"
+    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", "2", "--model", "tiny-qwen2", "--env",
+                             "verifiers:vf_taskset_only", "--group-size", "2", "--groups-per-step", "1",
+                             "--max-tokens", "8", "--serve-args", serve_args], module="inflight.run")  # fmt: skip
+    try:
+        launcher.proc.wait(600)
+    finally:
+        launcher.stop()
+    assert launcher.proc.returncode == 0, launcher.tail()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and "no_step_trained" not in summary
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [1, 2] and all(s["rejected"] == {} for s in steps)
+    last = [e for e in read_jsonl(run_dir / "serve-metrics.jsonl") if e["event"] == "progress"][-1]
+    assert set(last["reward_means"]) == {"replied"} and last["rollouts_made"] >= 4, "the environment's reward"
+    assert last.get("env_errors", 0) == 0 and last.get("groups_dropped", 0) == 0, last
+
+
 def test_ctrl_c_stops_the_learner_first_then_the_serve_and_keeps_the_run(tmp_path):
     run_dir = tmp_path / "run"
     launcher = ServeProcess(["--run-dir", str(run_dir), *FAST], module="inflight.run")

@@ -207,3 +207,29 @@ def test_a_tri_state_serve_knob_takes_a_toml_bool_or_its_words(tmp_path):
         path = write(tmp_path / "run.toml", f"[serve]\n{line}\nupdate_memory = 'low'\n")
         _, _, _, commands = plan(["--config", str(path), "--run-dir", str(tmp_path / "r")])
         assert side_configs(commands)["serve"]["enforce_eager"] == want, line
+
+
+@pytest.mark.parametrize(("serve_args", "error"), [
+    ("--max-tokenz 3", "--serve-args: error: unrecognized arguments: --max-tokenz 3"),
+    ("--max-inflight 0", "--serve-args: error: --max-inflight is 0, expected"),
+])  # fmt: skip
+def test_a_forwarded_flag_the_serve_refuses_is_one_error_line_naming_it_not_the_serves_usage(
+    tmp_path, capsys, serve_args, error
+):
+    with pytest.raises(SystemExit) as exit_:
+        plan(["--run-dir", str(tmp_path / "r"), "--port-base", "6100", "--serve-args", serve_args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(error) and len(err.strip().splitlines()) == 1, err
+    assert "usage:" not in err
+
+
+def test_a_taskset_only_verifiers_environment_on_the_default_harness_is_refused_by_inflight_run_in_one_line(
+    tmp_path, capsys
+):
+    # tests/inflight/vf_taskset_only.py: no harness of its own, so verifiers' default `bash`, whose tools the serve's
+    # endpoint does not render: refused before anything starts, naming the harness and the fix (the null harness)
+    with pytest.raises(SystemExit) as exit_:
+        plan(["--run-dir", str(tmp_path / "r"), "--port-base", "6100", "--env", "verifiers:vf_taskset_only"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+    assert "harness 'bash' offers the model its bash and edit tools" in err and '"id": "null"' in err

@@ -118,3 +118,33 @@ def test_a_side_on_gpus_is_not_pinned_to_one_core_unless_its_cores_are_given():
     assert cores is None and env["OMP_NUM_THREADS"] == str(max(1, available // 2))  # per torchrun rank
     env, cores = side_env(RunConfig(serve_gpus="0", serve_cores="0"), "serve")
     assert cores == [0] and env["VLLM_CPU_OMP_THREADS_BIND"] == "0"  # given cores still pin
+
+
+def test_a_run_that_trained_no_step_says_so_and_why_from_the_serves_counts_instead_of_a_row_of_nan(tmp_path):
+    kinds = {"timeout before the first model call": 5, "harness bash exited 1": 1}
+    write_run(
+        tmp_path / "r",
+        [],
+        [],
+        [
+            a_progress(time=100.0),
+            a_progress(
+                time=160.0,
+                groups_admitted=3,
+                env_errors=6,
+                env_error_kinds=kinds,
+                groups_dropped=3,
+                untrained_episodes=6,
+            ),
+        ],
+    )
+    s = write_report(tmp_path / "r")
+    why = ("the serve sent no rollout: it dropped all 3 groups it ran, 6 episodes ended with no sampled token "
+           "(environment errors: timeout before the first model call 5, harness bash exited 1 1)")  # fmt: skip
+    assert s["steps"] == 0 and s["no_step_trained"] == why
+    assert s["episodes"]["groups_dropped"] == 3 and s["episodes"]["env_error_kinds"] == kinds
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["no_step_trained"] == why
+    row = summarize([s]).splitlines()[-1]
+    assert row == f"| never-stop | 0 | no step trained: {why} |" and "nan" not in row
+    (tmp_path / "r" / "serve-metrics.jsonl").unlink()
+    assert "the serve wrote no progress line" in compute_summary(tmp_path / "r")["no_step_trained"]

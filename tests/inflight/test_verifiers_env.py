@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -59,6 +61,80 @@ def test_the_taskset_is_the_problem_stream_and_an_unnamed_runtime_is_the_local_s
     own = load_env(ENV, '{"agent": {"max_turns": 5}}')
     own.cap_turns(2)
     assert own.env.config.agent.max_turns == 5, "a role's own max_turns stays"
+
+
+ONLY = "verifiers:vf_taskset_only"  # tests/inflight/vf_taskset_only.py: a taskset and a reward, no harness of its own
+NULL = '{"agent": {"harness": {"id": "null"}}}'
+
+
+def test_a_taskset_only_environment_on_the_default_bash_harness_is_refused_at_load_naming_its_tools_and_the_fix():
+    with pytest.raises(ValueError) as refused:
+        load_env(ONLY)
+    message = str(refused.value)
+    assert "harness 'bash' offers the model its bash and edit tools" in message and NULL in message
+    assert "\n" not in message, "one line"
+    assert isinstance(load_env(ONLY, NULL), VerifiersEnv) and load_env(ONLY, NULL).harness_config.id == "null"
+
+
+def test_a_harness_that_prepares_a_uv_script_is_refused_at_load_when_no_uv_is_found_and_found_beside_python(
+    monkeypatch, tmp_path
+):
+    from inflight.envs import verifiers_harness
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(verifiers_harness.sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(ValueError, match=r"harness 'null' prepares its program with uv .*`make setup` installs it"):
+        load_env(ONLY, NULL)
+    (tmp_path / "uv").write_text("#!/bin/sh\n")
+    (tmp_path / "uv").chmod(0o755)
+    assert load_env(ONLY, NULL).harness_config.id == "null", "the uv beside the interpreter is found"
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(tmp_path), "and put on PATH for the harness's programs"
+    assert load_env(ENV).harness_config.id == "vf_counting", "a harness of the environment's own needs no uv"
+
+
+def test_a_harness_program_that_cannot_be_prepared_ends_the_serve_at_start_in_one_line_naming_harness_and_fix(
+    monkeypatch, tmp_path
+):
+    from verifiers.v1.runtimes import SubprocessRuntime
+
+    from inflight.envs.verifiers_harness import prepare_program
+    from inflight.serve.app import _start_episodes
+
+    env = load_env(ONLY, NULL)
+    monkeypatch.setattr(SubprocessRuntime, "_interpreters", {})  # nothing prepared yet in this process
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "cache"))  # nor in uv's cache
+    (tmp_path / "index").mkdir()
+    monkeypatch.setenv("UV_DEFAULT_INDEX", (tmp_path / "index").as_uri())  # an index without the program's packages
+
+    class Runner:  # the runner's start as VerifiersRunner's prepares (inflight/serve/verifiers_runner.py:_serve)
+        async def start(self):
+            await prepare_program(env.name, env.harness_config)
+
+    with pytest.raises(SystemExit) as ended:
+        asyncio.run(_start_episodes(SimpleNamespace(episodes=Runner())))
+    message = str(ended.value.code)
+    assert message.startswith("inflight.serve: env verifiers:vf_taskset_only: harness 'null' could not prepare")
+    assert "No solution found" in message and "UV_DEFAULT_INDEX" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("failure", "error", "kind"), [
+    ("HarnessError: harness 'null' exited 1: Traceback (most recent call last):\n  File \"x.py\"\n  a\nKeyError: 'k'\n",
+     "harness 'null' exited 1, its last stderr lines: File \"x.py\" | a | KeyError: 'k'", "harness null exited 1"),
+    ("HarnessError: harness setup: RuntimeError: failed to prepare uv script: error: No solution found\n  hint: x",
+     "a uv script failed to prepare, its last stderr lines: error: No solution found | hint: x",
+     "uv script preparation failed"),
+    ("TaskError: task setup: RuntimeError: boom", "TaskError: task setup: RuntimeError: boom", "TaskError"),
+])  # fmt: skip
+def test_an_episodes_failure_names_the_harness_exit_code_and_last_stderr_lines_and_is_counted_by_kind(
+    failure, error, kind
+):
+    from inflight.serve.verifiers_runner import HeldControl, RecordedFailure, describe_failure
+
+    recorded = RecordedFailure(*failure.split(": ", 1))
+    assert describe_failure(recorded) == (error, kind)
+    message, held = describe_failure(HeldControl(31.0, 30.0, 0))
+    assert held == "timeout before the first model call" and "in its harness's setup or its program's start" in message
+    assert describe_failure(HeldControl(31.0, 30.0, 2))[1] == "timeout after a model call"
 
 
 def _trace(ids: list[int], mask: list[bool], branches: int = 1):
@@ -156,19 +232,20 @@ def test_the_endpoint_answers_only_its_key_a_running_episode_and_a_text_generate
 # --- on the real engine ---------------------------------------------------------------------------------------------
 
 
-def run_groups(loop, engine, model_dirs, kinds, during=None, **overrides):
-    """A driver over a verifiers env of `kinds` tasks, run until its groups finished: (driver, records)."""
+def run_groups(loop, engine, model_dirs, kinds, during=None, env=ENV, **overrides):
+    """A driver over a verifiers env of `kinds` tasks (or `env` with `kinds` as its env_args), run until its groups
+    finished: (driver, records)."""
     from transformers import AutoTokenizer
 
     from inflight.serve.driver import RolloutDriver
 
     model = model_dirs["tiny-qwen2"]
-    args = json.dumps({"taskset": {"kinds": kinds}})
-    cfg = ServeConfig(model=str(model), env=ENV, env_args=args, wait_for_learner=False, max_tokens=5,
+    args = json.dumps({"taskset": {"kinds": kinds}}) if env == ENV else kinds
+    cfg = ServeConfig(model=str(model), env=env, env_args=args, wait_for_learner=False, max_tokens=5,
                       **{"admit_lag": -1, "group_size": 2, "max_groups": 1, **overrides})  # fmt: skip
     cfg.validate()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    driver = RolloutDriver(engine, cfg, [], [], Outbox(), tokenizer, env=load_env(ENV, args))
+    driver = RolloutDriver(engine, cfg, [], [], Outbox(), tokenizer, env=load_env(env, args))
 
     async def go():
         run = asyncio.create_task(driver.run())
@@ -261,17 +338,38 @@ def test_a_commit_in_the_middle_of_a_verifiers_episode_versions_each_turn_by_the
 def test_a_reward_harness_or_task_that_raises_or_hangs_ends_its_episode_with_reward_0_counted_and_the_serve_goes_on(
     loop, engine, model_dirs, caplog
 ):
-    kinds = ["reward-raises", "harness-raises", "harness-hangs", "task-raises", "task-hangs", "behaves"]
+    kinds = ["reward-raises", "harness-raises", "harness-hangs", "task-raises", "task-hangs", "harness-exits",
+             "behaves"]  # fmt: skip
     driver, records = run_groups(loop, engine, model_dirs, kinds, group_size=1, max_groups=len(kinds),
-                                 env_timeout_s=3.0, max_inflight=1)  # fmt: skip
+                                 env_timeout_s=8.0, max_inflight=1)  # fmt: skip
     by_kind = {driver.env.task_of(r.problem_id).data.kind: r for r in records}
-    assert set(by_kind) == set(kinds), "every episode, failed or not, is a rollout"
-    for kind in kinds[:-1]:
+    untrained = {"harness-raises", "task-raises", "task-hangs", "harness-exits"}  # failed before the first model call
+    assert set(by_kind) == set(kinds) - untrained, "every episode with a sampled token is a rollout, no other"
+    for kind in ("reward-raises", "harness-hangs"):
         assert by_kind[kind].finish_reason == "env_error" and by_kind[kind].reward == 0.0, kind
-    assert by_kind["reward-raises"].turns == 3, "its tokens are kept, its reward is not"
-    assert by_kind["harness-raises"].completion.size == 0 and by_kind["harness-hangs"].turns == 1
-    assert by_kind["task-raises"].turns == by_kind["task-hangs"].turns == 0
+    assert by_kind["reward-raises"].turns == 3 and by_kind["harness-hangs"].turns == 1, "their tokens are kept"
     assert by_kind["behaves"].finish_reason != "env_error" and by_kind["behaves"].reward == pytest.approx(1.5)
-    assert driver.stats.env_errors == len(kinds) - 1
+    stats = driver.stats
+    assert stats.env_errors == len(kinds) - 1 and stats.groups_finished == len(kinds)
+    assert (stats.groups_dropped, stats.untrained_episodes) == (len(untrained), len(untrained))
+    assert stats.env_error_kinds["timeout before the first model call"] == 1  # task-hangs
+    assert stats.env_error_kinds["timeout after a model call"] == 1  # harness-hangs
+    assert stats.env_error_kinds["harness vf_counting exited 1"] == 1, stats.env_error_kinds
     assert all(f"the {who} crashed" in caplog.text for who in ("reward", "harness", "task's setup"))
-    assert "longer than --env-timeout-s" in caplog.text
+    assert "longer than --env-timeout-s" in caplog.text and "before its first model call" in caplog.text
+    stderr = 'Traceback (most recent call last): | File "chat.py", line 1 | RuntimeError: no tool renderer'
+    assert f"harness 'vf_counting' exited 1, its last stderr lines: {stderr}" in caplog.text
+
+
+@pytest.mark.engine
+def test_a_taskset_only_environment_on_the_null_harness_runs_verifiers_own_program_rewarded_with_no_error(
+    loop, engine, model_dirs
+):
+    """verifiers' built-in `null` harness: its PEP 723 chat program prepared by uv once, before the first episode,
+    then run per episode as a subprocess that calls the serve's token endpoint."""
+    driver, records = run_groups(loop, engine, model_dirs, NULL, env=ONLY, group_size=2, env_timeout_s=60.0)
+    assert len(records) == 2 and driver.stats.env_errors == 0, driver.stats.env_error_kinds
+    for record in records:
+        assert record.turns >= 1 and record.policy_mask.any() and record.finish_reason != "env_error"
+        assert 0.0 <= record.reward <= 1.0
+    assert set(driver.stats.reward_means.means()) == {"replied"}

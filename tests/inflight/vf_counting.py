@@ -2,7 +2,8 @@
 few problems, rewards, and a harness that runs its multi-turn loop in-process (no container, no program to install).
 
 The harness asks the model, answers with a tool-like message, three times. A task's `kind` makes it misbehave: its
-setup raises or hangs, its reward raises, its harness raises or hangs, or (`pause`) its harness waits after the first
+setup raises or hangs, its reward raises, its harness raises or hangs, its harness's program exits 1 before its first
+model call, or (`pause`) its harness waits after the first
 turn until the test sets `GATE["go"]` (a commit in the middle of an episode).
 """
 
@@ -69,6 +70,9 @@ class ToolLoopHarness(vf.Harness[ToolLoopConfig]):
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data) -> ProgramResult:
         if data.kind == "harness-raises":
             raise RuntimeError("the harness crashed")
+        if data.kind == "harness-exits":  # its program failed before the model's first turn, as a program does
+            return ProgramResult(1, "", "Traceback (most recent call last):\n  File \"chat.py\", line 1\n"
+                                        "RuntimeError: no tool renderer\n")  # fmt: skip
         client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
         messages = [{"role": "user", "content": data.prompt}]
         try:
