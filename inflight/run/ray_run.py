@@ -1,0 +1,214 @@
+"""`RayRun`: one `inflight.run --launcher ray` in the driver process — placement, start order, supervision, stop.
+
+Made by inflight/run/ray_launcher.py:main once Ray is connected (the module docstring there says what runs where).
+The driver follows each actor's log in the run directory for the terminal (`LogFollower`: the local launcher's
+progress lines), records placement and restarts in `events.jsonl`, and reads `scale.json` (inflight/run/scale.py)
+for serves to add while the run goes on.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from inflight.run.config import RunConfig
+from inflight.run.ray_actor import ProcessHost, _reason
+from inflight.run.ray_launcher import (
+    LaunchError,
+    env_overrides,
+    learn_bundles,
+    learner_commands,
+    rank_env,
+    serve_argv,
+    serve_bundle,
+    write_event,
+)
+from inflight.run.ray_logs import LogFollower
+from inflight.run.scale import requested_serves
+
+POLL_S = 0.5
+CALL_TIMEOUT_S = 30.0  # an actor method that does not answer in this long counts as the actor not answering
+
+
+class RayRun:
+    """The actors of one run: the learner's ranks and the serves, and their placement groups."""
+
+    def __init__(self, ray, cfg: RunConfig, tables: dict, run_dir: Path, interrupted: list[int]):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray, self.cfg, self.tables, self.run_dir, self.interrupted = ray, cfg, tables, run_dir, interrupted
+        self.strategy = PlacementGroupSchedulingStrategy
+        self.host_cls = ray.remote(ProcessHost)
+        self.learners: list = []
+        self.serves: list[dict] = []  # {"name", "actor", "restarts"}
+        self.groups: list = []
+        self.follower = LogFollower(cfg.echo)
+        self.serve_cmd: list[str] = []
+
+    def _group(self, bundles: list[dict], strategy: str, what: str):
+        pg = self.ray.util.placement_group(bundles, strategy=strategy)
+        self.groups.append(pg)
+        try:
+            self.ray.get(pg.ready(), timeout=self.cfg.start_timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise LaunchError(
+                f"{what}: the Ray cluster could not place {bundles} ({strategy}) in "
+                f"{self.cfg.start_timeout_s:.0f}s (--start-timeout-s): not enough free CPUs/GPUs on fitting nodes "
+                "(`ray status`); ask for fewer"
+            ) from None
+        return pg
+
+    def _actor(self, name: str, pg, index: int, bundle: dict, restarts: int, **init):
+        options = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        actor = self.host_cls.options(
+            name=name,
+            num_cpus=bundle.get("CPU", 1.0),
+            num_gpus=bundle.get("GPU", 0.0),
+            resources=options or None,
+            max_restarts=restarts,
+            scheduling_strategy=self.strategy(placement_group=pg, placement_group_bundle_index=index),
+        ).remote(name, str(self.run_dir / f"{name}.log"), **init)
+        self.follower.add(name, self.run_dir / f"{name}.log")
+        return actor
+
+    def _call(self, actor, method: str, *args):
+        return self.ray.get(getattr(actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
+
+    def start_learner(self) -> dict[str, list[str]]:
+        """Place and start every learner rank; both sides' argv (the serves' carry the learner's addresses)."""
+        bundles = learn_bundles(self.cfg)
+        pg = self._group(bundles, "PACK", "--learn-gpus/--learn-procs")
+        names = ["learn"] + [f"learn-{r}" for r in range(1, len(bundles))]
+        self.learners = [self._actor(n, pg, r, bundles[r], 0) for r, n in enumerate(names)]
+        nodes = [self._call(a, "node") for a in self.learners]
+        for name, node in zip(names, nodes, strict=True):
+            write_event(self.run_dir, "placed", actor=name, node_id=node["node_id"], ip=node["ip"])
+        host = nodes[0]["ip"] if self.cfg.host == "127.0.0.1" else self.cfg.host  # --host given: the user's choice
+        ports = self._call(self.learners[0], "free_ports", 4, host)
+        commands = learner_commands(self.cfg, self.run_dir, host, ports, self.tables)
+        env, cores = env_overrides(self.cfg, "learn")
+        for rank, actor in enumerate(self.learners):
+            same_node = [i for i, n in enumerate(nodes) if n["node_id"] == nodes[rank]["node_id"]]
+            extra = rank_env(rank, len(nodes), same_node.index(rank), len(same_node), (host, ports[3]))
+            self._call(actor, "launch", commands["learn"], env | (extra if len(nodes) > 1 else {}), cores)
+        (self.run_dir / "learn.cmd").write_text(" ".join(["python", *commands["learn"]]) + "\n")
+        return commands
+
+    def add_serves(self, count: int, spread: bool) -> None:
+        """`count` more serves, in one placement group spread over the nodes (or one group each when scaling)."""
+        bundle = serve_bundle(self.cfg)
+        pg = self._group([bundle] * count, "SPREAD", "--serves/--serve-gpus") if spread else None
+        env, cores = env_overrides(self.cfg, "serve")
+        for k in range(count):
+            index = len(self.serves)
+            group = pg or self._group([bundle], "PACK", f"serve {index}")
+            name = "serve" if index == 0 else f"serve-{index}"
+            argv = serve_argv(self.serve_cmd, self.cfg, self.run_dir, index)
+            actor = self._actor(name, group, k if pg else 0, bundle, self.cfg.serve_restarts, argv=argv, env=env,
+                                cores=cores, restart_on_exit=True)  # fmt: skip
+            self.serves.append({"name": name, "actor": actor, "restarts": 0, "ready": False})
+            node = self._call(actor, "node")
+            write_event(self.run_dir, "placed", actor=name, node_id=node["node_id"], ip=node["ip"])
+
+    def wait_ready(self, actor, name: str) -> None:
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.interrupted:
+                raise LaunchError("interrupted before the run was ready")
+            state = self._call(actor, "poll")
+            if state["ready"]:
+                return
+            if state["code"] is not None:
+                raise LaunchError(f"{name} exited with code {_reason(state['code'])} before it was ready; its last "
+                                  f"lines:\n{state['tail']}")  # fmt: skip
+            self._learner_alive()
+            time.sleep(POLL_S)
+        raise LaunchError(f"{name} was not ready after {self.cfg.start_timeout_s:.0f}s (--start-timeout-s)")
+
+    def run(self) -> int:
+        self.follower.start()
+        commands = self.start_learner()
+        self.wait_ready(self.learners[0], "learn")
+        self.serve_cmd = commands["serve"]
+        (self.run_dir / "serve.cmd").write_text(" ".join(["python", *self.serve_cmd]) + "\n")
+        self.add_serves(self.cfg.serves, spread=True)
+        for serve in self.serves:
+            self.wait_ready(serve["actor"], serve["name"])
+        write_event(self.run_dir, "ready")
+        return self.supervise()
+
+    def supervise(self) -> int:
+        started = time.monotonic()
+        while True:
+            if self.interrupted:
+                name = signal.Signals(self.interrupted[0]).name
+                print(f"[run] {name}: stopping the learner, then the serves", file=sys.stderr, flush=True)
+                return 130
+            code = self._learner_alive()
+            if code is not None:
+                return code
+            self._check_serves()
+            wanted = requested_serves(self.run_dir)
+            if wanted > len(self.serves):
+                print(f"[run] scale.json asks for {wanted} serves: adding {wanted - len(self.serves)}", file=sys.stderr)
+                self.add_serves(wanted - len(self.serves), spread=False)
+                write_event(self.run_dir, "scaled", serves=wanted)
+            if self.cfg.duration_s and time.monotonic() - started > self.cfg.duration_s:
+                print(f"[run] {self.cfg.duration_s:.0f}s budget spent: stopping the learner, then the serves",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                rc = self._call(self.learners[0], "stop", self.cfg.stop_timeout_s)
+                return 0 if rc == 0 else 1
+            time.sleep(POLL_S)
+
+    def _learner_alive(self) -> int | None:
+        """None while every learner rank runs; else the run's exit code, the failure said in one report."""
+        for rank, actor in enumerate(self.learners):
+            name = "learn" if rank == 0 else f"learn-{rank}"
+            try:
+                state = self._call(actor, "poll")
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as exc:
+                raise LaunchError(f"the learner's actor {name} died: {exc}") from None
+            if state["code"] is None:
+                continue
+            if state["code"] == 0 and rank == 0:
+                return 0
+            node = self._call(actor, "node")
+            print(f"[run] learner actor {name} (pid {state['pid']}) on node {node['ip']} ({node['node_id'][:12]}) "
+                  f"exited with code {_reason(state['code'])}; its last lines:\n{state['tail']}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            write_event(self.run_dir, "failed", actor=name, node_id=node["node_id"], code=state["code"])
+            return 1
+        return None
+
+    def _check_serves(self) -> None:
+        """A serve whose actor Ray is restarting is reported once per restart; one dead for good fails the run."""
+        from ray._private.state import actors  # the GCS actor table: restarting or dead, and how many restarts
+
+        for serve in self.serves:
+            info = actors(serve["actor"]._actor_id.hex())
+            if info["State"] == "DEAD":
+                raise LaunchError(f"serve actor {serve['name']} is dead after {info['NumRestarts']} restarts "
+                                  f"(--serve-restarts {self.cfg.serve_restarts}): {info['DeathCause']}")  # fmt: skip
+            if info["NumRestarts"] > serve["restarts"]:
+                serve["restarts"] = info["NumRestarts"]
+                print(f"[run] {serve['name']} died; Ray restarts it (restart {serve['restarts']})", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                write_event(self.run_dir, "restarted", actor=serve["name"], restarts=serve["restarts"])
+
+    def stop_all(self) -> None:
+        """The learner first (it checkpoints and exports while the serves still answer), then the serves; then the
+        actors are killed and the placement groups removed, whatever state they are in."""
+        for name, actor in [("learn", a) for a in self.learners] + [(s["name"], s["actor"]) for s in self.serves]:
+            try:
+                rc = self.ray.get(actor.stop.remote(self.cfg.stop_timeout_s), timeout=self.cfg.stop_timeout_s + 30)
+                if rc not in (None, 0, -signal.SIGTERM, 128 + signal.SIGTERM):
+                    print(f"[run] {name} exited with code {_reason(rc)} while stopping", file=sys.stderr)
+            except Exception as exc:  # a dead or restarting actor: nothing of it to stop
+                print(f"[run] {name}: {type(exc).__name__} while stopping", file=sys.stderr)
+        for actor in [*self.learners, *(s["actor"] for s in self.serves)]:
+            self.ray.kill(actor, no_restart=True)
+        for pg in self.groups:
+            self.ray.util.remove_placement_group(pg)
+        self.follower.stop()
