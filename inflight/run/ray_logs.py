@@ -59,5 +59,7 @@ class LogFollower:
                 self._echo(name, line)
 
     def _echo(self, name: str, line: str) -> None:
+        if line.startswith("# "):  # the command line and the actor's own notes: the log keeps them
+            return
         if self.echo == "all" or (self.echo == "progress" and any(m in line for m in _PROGRESS_MARKS)):
             print(f"[{name}] {line}", file=sys.stderr, flush=True)

@@ -198,15 +198,19 @@ class RayRun:
                 write_event(self.run_dir, "restarted", actor=serve["name"], restarts=serve["restarts"])
 
     def stop_all(self) -> None:
-        """The learner first (it checkpoints and exports while the serves still answer), then the serves; then the
-        actors are killed and the placement groups removed, whatever state they are in."""
-        for name, actor in [("learn", a) for a in self.learners] + [(s["name"], s["actor"]) for s in self.serves]:
-            try:
-                rc = self.ray.get(actor.stop.remote(self.cfg.stop_timeout_s), timeout=self.cfg.stop_timeout_s + 30)
-                if rc not in (None, 0, -signal.SIGTERM, 128 + signal.SIGTERM):
+        """The learner first (it checkpoints and exports while the serves still answer), then every serve at once; then
+        the actors are killed and the placement groups removed, whatever state they are in."""
+        learners = [("learn" if r == 0 else f"learn-{r}", a) for r, a in enumerate(self.learners)]
+        for batch in (learners, [(s["name"], s["actor"]) for s in self.serves]):
+            calls = [(name, actor.stop.remote(self.cfg.stop_timeout_s)) for name, actor in batch]
+            for name, ref in calls:
+                try:
+                    rc = self.ray.get(ref, timeout=self.cfg.stop_timeout_s + 30)
+                except Exception as exc:  # a dead or restarting actor: nothing of it to stop
+                    print(f"[run] {name}: {type(exc).__name__} while stopping", file=sys.stderr)
+                    continue
+                if rc not in (None, 0, -signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGKILL):
                     print(f"[run] {name} exited with code {_reason(rc)} while stopping", file=sys.stderr)
-            except Exception as exc:  # a dead or restarting actor: nothing of it to stop
-                print(f"[run] {name}: {type(exc).__name__} while stopping", file=sys.stderr)
         for actor in [*self.learners, *(s["actor"] for s in self.serves)]:
             self.ray.kill(actor, no_restart=True)
         for pg in self.groups:

@@ -178,8 +178,8 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_and_resume
                 break
             assert time.monotonic() < deadline, "the added serve's rollouts were never trained on"
             time.sleep(1)
-        learner = ours("-m inflight.learn")
-        assert len(learner) == 1
+        learner = [p for p in ours("-m inflight.learn") if str(run_dir) in " ".join(p.cmdline())]
+        assert len(learner) == 1, learner
         os.kill(learner[0].pid, signal.SIGKILL)
         died_at = time.monotonic()
         assert run.proc.wait(60) == 1
