@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "BENCHMARKS.md")
+DOCS = ("README.md", "BENCHMARKS.md", "docs/multi-node.md")
 PYTHONS = {"python", "python3"}
 LAUNCHERS = PYTHONS | {"torchrun", "make"}
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")

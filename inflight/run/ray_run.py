@@ -50,14 +50,7 @@ class RayRun:
     def _group(self, bundles: list[dict], strategy: str, what: str):
         pg = self.ray.util.placement_group(bundles, strategy=strategy)
         self.groups.append(pg)
-        try:
-            self.ray.get(pg.ready(), timeout=self.cfg.start_timeout_s)
-        except self.ray.exceptions.GetTimeoutError:
-            raise LaunchError(
-                f"{what}: the Ray cluster could not place {bundles} ({strategy}) in "
-                f"{self.cfg.start_timeout_s:.0f}s (--start-timeout-s): not enough free CPUs/GPUs on fitting nodes "
-                "(`ray status`); ask for fewer"
-            ) from None
+        wait_placed(self.ray, pg, f"{what}: the Ray cluster could not place {bundles} ({strategy})", self.cfg)
         return pg
 
     def _actor(self, name: str, pg, index: int, bundle: dict, restarts: int, **init):
@@ -73,7 +66,7 @@ class RayRun:
         self.follower.add(name, self.run_dir / f"{name}.log")
         return actor
 
-    def _call(self, actor, method: str, *args):
+    def call(self, actor, method: str, *args):
         return self.ray.get(getattr(actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
 
     def start_learner(self) -> dict[str, list[str]]:
@@ -82,17 +75,17 @@ class RayRun:
         pg = self._group(bundles, "PACK", "--learn-gpus/--learn-procs")
         names = ["learn"] + [f"learn-{r}" for r in range(1, len(bundles))]
         self.learners = [self._actor(n, pg, r, bundles[r], 0) for r, n in enumerate(names)]
-        nodes = [self._call(a, "node") for a in self.learners]
+        nodes = [self.call(a, "node") for a in self.learners]
         for name, node in zip(names, nodes, strict=True):
             write_event(self.run_dir, "placed", actor=name, node_id=node["node_id"], ip=node["ip"])
         host = nodes[0]["ip"] if self.cfg.host == "127.0.0.1" else self.cfg.host  # --host given: the user's choice
-        ports = self._call(self.learners[0], "free_ports", 4, host)
+        ports = self.call(self.learners[0], "free_ports", 4, host)
         commands = learner_commands(self.cfg, self.run_dir, host, ports, self.tables)
         env, cores = env_overrides(self.cfg, "learn")
         for rank, actor in enumerate(self.learners):
             same_node = [i for i, n in enumerate(nodes) if n["node_id"] == nodes[rank]["node_id"]]
             extra = rank_env(rank, len(nodes), same_node.index(rank), len(same_node), (host, ports[3]))
-            self._call(actor, "launch", commands["learn"], env | (extra if len(nodes) > 1 else {}), cores)
+            self.call(actor, "launch", commands["learn"], env | (extra if len(nodes) > 1 else {}), cores)
         (self.run_dir / "learn.cmd").write_text(" ".join(["python", *commands["learn"]]) + "\n")
         return commands
 
@@ -106,36 +99,30 @@ class RayRun:
             group = pg or self._group([bundle], "PACK", f"serve {index}")
             name = "serve" if index == 0 else f"serve-{index}"
             argv = serve_argv(self.serve_cmd, self.cfg, self.run_dir, index)
-            actor = self._actor(name, group, k if pg else 0, bundle, self.cfg.serve_restarts, argv=argv, env=env,
-                                cores=cores, restart_on_exit=True)  # fmt: skip
+            actor = self._actor(
+                name,
+                group,
+                k if pg else 0,
+                bundle,
+                self.cfg.serve_restarts,
+                argv=argv,
+                env=env,
+                cores=cores,
+                restart_on_exit=True,
+            )
             self.serves.append({"name": name, "actor": actor, "restarts": 0, "ready": False})
-            node = self._call(actor, "node")
+            node = self.call(actor, "node")
             write_event(self.run_dir, "placed", actor=name, node_id=node["node_id"], ip=node["ip"])
-
-    def wait_ready(self, actor, name: str) -> None:
-        deadline = time.monotonic() + self.cfg.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.interrupted:
-                raise LaunchError("interrupted before the run was ready")
-            state = self._call(actor, "poll")
-            if state["ready"]:
-                return
-            if state["code"] is not None:
-                raise LaunchError(f"{name} exited with code {_reason(state['code'])} before it was ready; its last "
-                                  f"lines:\n{state['tail']}")  # fmt: skip
-            self._learner_alive()
-            time.sleep(POLL_S)
-        raise LaunchError(f"{name} was not ready after {self.cfg.start_timeout_s:.0f}s (--start-timeout-s)")
 
     def run(self) -> int:
         self.follower.start()
         commands = self.start_learner()
-        self.wait_ready(self.learners[0], "learn")
+        wait_ready(self, self.learners[0], "learn")
         self.serve_cmd = commands["serve"]
         (self.run_dir / "serve.cmd").write_text(" ".join(["python", *self.serve_cmd]) + "\n")
         self.add_serves(self.cfg.serves, spread=True)
         for serve in self.serves:
-            self.wait_ready(serve["actor"], serve["name"])
+            wait_ready(self, serve["actor"], serve["name"])
         write_event(self.run_dir, "ready")
         return self.supervise()
 
@@ -146,73 +133,126 @@ class RayRun:
                 name = signal.Signals(self.interrupted[0]).name
                 print(f"[run] {name}: stopping the learner, then the serves", file=sys.stderr, flush=True)
                 return 130
-            code = self._learner_alive()
+            code = self.learner_alive()
             if code is not None:
                 return code
-            self._check_serves()
+            check_serves(self.run_dir, self.serves, self.cfg.serve_restarts)
             wanted = requested_serves(self.run_dir)
             if wanted > len(self.serves):
                 print(f"[run] scale.json asks for {wanted} serves: adding {wanted - len(self.serves)}", file=sys.stderr)
                 self.add_serves(wanted - len(self.serves), spread=False)
                 write_event(self.run_dir, "scaled", serves=wanted)
             if self.cfg.duration_s and time.monotonic() - started > self.cfg.duration_s:
-                print(f"[run] {self.cfg.duration_s:.0f}s budget spent: stopping the learner, then the serves",
-                      file=sys.stderr, flush=True)  # fmt: skip
-                rc = self._call(self.learners[0], "stop", self.cfg.stop_timeout_s)
+                print(
+                    f"[run] {self.cfg.duration_s:.0f}s budget spent: stopping the learner, then the serves",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                rc = self.call(self.learners[0], "stop", self.cfg.stop_timeout_s)
                 return 0 if rc == 0 else 1
             time.sleep(POLL_S)
 
-    def _learner_alive(self) -> int | None:
+    def learner_alive(self) -> int | None:
         """None while every learner rank runs; else the run's exit code, the failure said in one report."""
         for rank, actor in enumerate(self.learners):
             name = "learn" if rank == 0 else f"learn-{rank}"
             try:
-                state = self._call(actor, "poll")
+                state = self.call(actor, "poll")
             except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as exc:
                 raise LaunchError(f"the learner's actor {name} died: {exc}") from None
             if state["code"] is None:
                 continue
             if state["code"] == 0 and rank == 0:
                 return 0
-            node = self._call(actor, "node")
-            print(f"[run] learner actor {name} (pid {state['pid']}) on node {node['ip']} ({node['node_id'][:12]}) "
-                  f"exited with code {_reason(state['code'])}; its last lines:\n{state['tail']}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            write_event(self.run_dir, "failed", actor=name, node_id=node["node_id"], code=state["code"])
+            report_learner(self.run_dir, name, state, self.call(actor, "node"))
             return 1
         return None
-
-    def _check_serves(self) -> None:
-        """A serve whose actor Ray is restarting is reported once per restart; one dead for good fails the run."""
-        from ray._private.state import actors  # the GCS actor table: restarting or dead, and how many restarts
-
-        for serve in self.serves:
-            info = actors(serve["actor"]._actor_id.hex())
-            if info["State"] == "DEAD":
-                raise LaunchError(f"serve actor {serve['name']} is dead after {info['NumRestarts']} restarts "
-                                  f"(--serve-restarts {self.cfg.serve_restarts}): {info['DeathCause']}")  # fmt: skip
-            if info["NumRestarts"] > serve["restarts"]:
-                serve["restarts"] = info["NumRestarts"]
-                print(f"[run] {serve['name']} died; Ray restarts it (restart {serve['restarts']})", file=sys.stderr,
-                      flush=True)  # fmt: skip
-                write_event(self.run_dir, "restarted", actor=serve["name"], restarts=serve["restarts"])
 
     def stop_all(self) -> None:
         """The learner first (it checkpoints and exports while the serves still answer), then every serve at once; then
         the actors are killed and the placement groups removed, whatever state they are in."""
         learners = [("learn" if r == 0 else f"learn-{r}", a) for r, a in enumerate(self.learners)]
         for batch in (learners, [(s["name"], s["actor"]) for s in self.serves]):
-            calls = [(name, actor.stop.remote(self.cfg.stop_timeout_s)) for name, actor in batch]
-            for name, ref in calls:
-                try:
-                    rc = self.ray.get(ref, timeout=self.cfg.stop_timeout_s + 30)
-                except Exception as exc:  # a dead or restarting actor: nothing of it to stop
-                    print(f"[run] {name}: {type(exc).__name__} while stopping", file=sys.stderr)
-                    continue
-                if rc not in (None, 0, -signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGKILL):
-                    print(f"[run] {name} exited with code {_reason(rc)} while stopping", file=sys.stderr)
+            stop_actors(self.ray, batch, self.cfg.stop_timeout_s)
         for actor in [*self.learners, *(s["actor"] for s in self.serves)]:
             self.ray.kill(actor, no_restart=True)
         for pg in self.groups:
             self.ray.util.remove_placement_group(pg)
         self.follower.stop()
+
+
+def check_serves(run_dir: Path, serves: list[dict], limit: int) -> None:
+    """A serve whose actor Ray restarted is said once per restart; one dead for good ends the run (LaunchError)."""
+    for serve in serves:
+        restarts = serve_restarts(serve, limit)
+        if restarts > serve["restarts"]:
+            serve["restarts"] = restarts
+            print(f"[run] {serve['name']} died; Ray restarts it (restart {restarts})", file=sys.stderr, flush=True)
+            write_event(run_dir, "restarted", actor=serve["name"], restarts=restarts)
+
+
+def serve_restarts(serve: dict, limit: int) -> int:
+    """How often Ray restarted this serve's actor (the GCS actor table); LaunchError once it is dead for good."""
+    from ray._private.state import actors  # restarting or dead, and how many restarts: not in the public API
+
+    info = actors(serve["actor"]._actor_id.hex())
+    if info["State"] == "DEAD":
+        raise LaunchError(
+            f"serve actor {serve['name']} is dead after {info['NumRestarts']} restarts (--serve-restarts {limit}): "
+            f"{info['DeathCause']}"
+        )
+    return info["NumRestarts"]
+
+
+def stop_actors(ray, batch: list[tuple[str, object]], timeout_s: float) -> None:
+    """Stop every actor's child at once (SIGTERM, then SIGKILL after `timeout_s`); an odd exit code is said."""
+    calls = [(name, actor.stop.remote(timeout_s)) for name, actor in batch]
+    for name, ref in calls:
+        try:
+            rc = ray.get(ref, timeout=timeout_s + 30)
+        except Exception as exc:  # a dead or restarting actor: nothing of it to stop
+            print(f"[run] {name}: {type(exc).__name__} while stopping", file=sys.stderr)
+            continue
+        if rc not in (None, 0, -signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGKILL):
+            print(f"[run] {name} exited with code {_reason(rc)} while stopping", file=sys.stderr)
+
+
+def wait_placed(ray, pg, what: str, cfg: RunConfig) -> None:
+    try:
+        ray.get(pg.ready(), timeout=cfg.start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise LaunchError(
+            f"{what} in {cfg.start_timeout_s:.0f}s (--start-timeout-s): not enough free CPUs/GPUs on fitting nodes "
+            "(`ray status`); ask for fewer"
+        ) from None
+
+
+def report_learner(run_dir: Path, name: str, state: dict, node: dict) -> None:
+    """A learner rank that ended: which actor, on which node, why, and its last lines (stderr and events.jsonl)."""
+    print(
+        f"[run] learner actor {name} (pid {state['pid']}) on node {node['ip']} ({node['node_id'][:12]}) exited with "
+        f"code {_reason(state['code'])}; its last lines:\n{state['tail']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    write_event(run_dir, "failed", actor=name, node_id=node["node_id"], code=state["code"])
+
+
+def wait_ready(run: RayRun, actor, name: str) -> None:
+    """Until `name` printed its ready line; LaunchError if it exits, the learner ends or time runs out."""
+    deadline = time.monotonic() + run.cfg.start_timeout_s
+    while time.monotonic() < deadline:
+        if run.interrupted:
+            raise LaunchError("interrupted before the run was ready")
+        state = run.call(actor, "poll")
+        if state["ready"]:
+            return
+        if state["code"] is not None:
+            raise LaunchError(
+                f"{name} exited with code {_reason(state['code'])} before it was ready; its last "
+                f"lines:\n{state['tail']}"
+            )
+        if run.learner_alive() is not None:
+            raise LaunchError(f"the learner ended before {name} was ready")
+        time.sleep(POLL_S)
+    raise LaunchError(f"{name} was not ready after {run.cfg.start_timeout_s:.0f}s (--start-timeout-s)")

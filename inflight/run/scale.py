@@ -65,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run_dir}: {args.serves} serves", file=sys.stderr)
             return 0
         time.sleep(0.5)
-    print(f"--run-dir {run_dir}: the run's driver did not take the request in {args.timeout_s:.0f}s (--timeout-s); "
-          "is the run still going?", file=sys.stderr)  # fmt: skip
+    print(
+        f"--run-dir {run_dir}: the run's driver did not take the request in {args.timeout_s:.0f}s (--timeout-s); "
+        "is the run still going?",
+        file=sys.stderr,
+    )
     return 1
 
 
