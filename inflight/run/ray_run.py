@@ -195,7 +195,7 @@ def serve_restarts(serve: dict, limit: int) -> int:
     """How often Ray restarted this serve's actor (the GCS actor table); LaunchError once it is dead for good."""
     from ray._private.state import actors  # restarting or dead, and how many restarts: not in the public API
 
-    info = actors(serve["actor"]._actor_id.hex())
+    info = actors(serve["actor"]._actor_id.hex()) or {"State": "PENDING_CREATION", "NumRestarts": 0}
     if info["State"] == "DEAD":
         raise LaunchError(
             f"serve actor {serve['name']} is dead after {info['NumRestarts']} restarts (--serve-restarts {limit}): "
