@@ -142,11 +142,11 @@ def serve_pid(run_dir: Path) -> int:
 
 
 @pytest.mark.engine
-def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_and_resumes_after_its_learner_dies(
+def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_after_its_learner_dies_and_stops_clean(
     two_nodes, tmp_path
 ):
     run_dir, env = tmp_path / "run", {"RAY_ADDRESS": two_nodes["address"]}
-    flags = [*FAST, "--ray-learn-resource", "learn_node", "--ray-serve-resource", "serve_node", "--steps", "60",
+    flags = [*FAST, "--ray-learn-resource", "learn_node", "--ray-serve-resource", "serve_node", "--steps", "0",
              "--learn-args", f"--checkpoint-every 2 --timeout-s {TIMEOUT_S}"]  # fmt: skip
     sides_before = {p.pid for p in side_processes()}
     run = launcher(run_dir, *flags, env=env)
@@ -204,14 +204,17 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_and_resume
     assert new_steps and all(int(lag) <= 4 for s in new_steps for lag in s["lag_histogram"]), new_steps
 
     last = steps[-1]["step"]
-    try:
-        resumed = launcher(run_dir, *flags[:-2], "--steps", str(last + 2), "--learn-args",
+    try:  # the same command with --resume true goes on from the checkpoint; Ctrl-C then stops every actor and child
+        resumed = launcher(run_dir, *flags[:-2], "--learn-args",
                            f"--checkpoint-every 2 --timeout-s {TIMEOUT_S} --resume true", env=env)  # fmt: skip
-        assert resumed.proc.wait(600) == 0, resumed.tail()
+        resumed.wait_for(f"step {last + 2} v{last + 2}", 400)
+        resumed.proc.send_signal(signal.SIGINT)
+        assert resumed.proc.wait(300) == 130, resumed.tail()
     finally:
         if resumed is not None:
             resumed.stop()
+    assert_nothing_left(sides_before, 60, ray=False)
     after = read_jsonl(run_dir / "metrics.jsonl")[len(steps) :]
     assert after and last - 4 < after[0]["step"] <= last + 1, (last, after[0]["step"])  # from its last checkpoint
-    assert after[-1]["step"] == last + 2
+    assert (run_dir / "hf-final" / "model.safetensors").exists()
     assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 2
