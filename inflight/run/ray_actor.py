@@ -79,7 +79,8 @@ class ProcessHost:
 
         full = dict(os.environ) | env
         gpus = ray.get_gpu_ids()
-        if gpus:  # the indices Ray assigned on this node, not the driver's --*-gpus numbering
+        # the GPUs Ray assigned here (none: a CPU side), not the driver's numbering; the driver's when it gave them
+        if "CUDA_VISIBLE_DEVICES" not in env:
             full["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         self.side = Side(self.name, [sys.executable, *argv], full, cores, self.log_path, "none", die_with_parent=True)
         if self.restart_on_exit:

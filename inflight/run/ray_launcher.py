@@ -190,6 +190,7 @@ def env_overrides(cfg: RunConfig, side: str) -> tuple[dict[str, str], list[int] 
     """What the local launcher would set for `side` (inflight/run/launch.py:side_env), as changes to the actor's own
     environment (the driver's PATH and friends are not the node's), and the side's cores."""
     env, cores = side_env(cfg, side)
+    env.pop("CUDA_VISIBLE_DEVICES")  # --*-gpus count GPUs under Ray; which ones is Ray's (ProcessHost.launch)
     return {k: v for k, v in env.items() if os.environ.get(k) != v}, cores
 
 

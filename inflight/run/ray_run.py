@@ -85,6 +85,8 @@ class RayRun:
         for rank, actor in enumerate(self.learners):
             same_node = [i for i, n in enumerate(nodes) if n["node_id"] == nodes[rank]["node_id"]]
             extra = rank_env(rank, len(nodes), same_node.index(rank), len(same_node), (host, ports[3]))
+            if nodes[rank]["gpus"]:  # cuda:LOCAL_RANK is this rank's GPU: its node's learner GPUs, in rank order
+                extra["CUDA_VISIBLE_DEVICES"] = ",".join(nodes[i]["gpus"][0] for i in same_node)
             self.call(actor, "launch", commands["learn"], env | (extra if len(nodes) > 1 else {}), cores)
         (self.run_dir / "learn.cmd").write_text(" ".join(["python", *commands["learn"]]) + "\n")
         return commands
