@@ -218,3 +218,26 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_af
     assert after and last - 4 < after[0]["step"] <= last + 1, (last, after[0]["step"])  # from its last checkpoint
     assert (run_dir / "hf-final" / "model.safetensors").exists()
     assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 2
+
+
+def test_bundles_ask_a_cpu_per_rank_and_a_serves_gpus_and_a_missing_role_resource_is_refused_by_name():
+    from inflight.run.config import RunConfig
+    from inflight.run.ray_launcher import LaunchError, check_capacity, demand, learn_bundles, serve_bundle
+
+    cfg = RunConfig(learn_gpus="0,1", serve_gpus="2,3", serves=2, ray_serve_resource="serve_node")
+    assert learn_bundles(cfg) == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert serve_bundle(cfg) == {"CPU": 1.0, "GPU": 2.0, "serve_node": 0.001}
+    assert demand(cfg, 2)["GPU"] == 6
+    check_capacity(cfg, {"CPU": 8, "GPU": 6, "serve_node": 1})
+    with pytest.raises(LaunchError, match=r"--ray-serve-resource 'serve_node': no node of the Ray cluster"):
+        check_capacity(cfg, {"CPU": 8, "GPU": 8})
+    with pytest.raises(LaunchError, match=r"ask for 6 GPUs; the Ray cluster has 4"):
+        check_capacity(cfg, {"CPU": 8, "GPU": 4, "serve_node": 1})
+
+
+def test_a_learner_bound_to_every_interface_needs_a_secret():
+    from inflight.learn.config import LearnConfig
+
+    with pytest.raises(ValueError, match=r"--host is '0.0.0.0', expected a specific address"):
+        LearnConfig(host="0.0.0.0").validate()
+    LearnConfig(host="10.0.0.5").validate()  # a node's own address: allowed (docs/multi-node.md, "Bind rules")
