@@ -16,6 +16,7 @@ from inflight.models import checkpoint_fingerprint, resolve_model
 from inflight.wire.contract import RunContract, SecretKnob, SharedKnobs
 from inflight.wire.memory import trim_every_s
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")  # --host values that bind every interface
 ADVANTAGE_KINDS = ("mean", "std", "loo")  # --advantage; group_advantages checks against it too
 
 
@@ -196,6 +197,13 @@ class LearnConfig(
         self.validate_lora()
         self.validate_run_dir()
         self.validate_secret()
+        # A wildcard address listens on every interface, public ones included: only behind CURVE (docs/multi-node.md).
+        require(
+            self.host not in WILDCARD_HOSTS or bool(self.secret_file),
+            "host",
+            self.host,
+            "a specific address (127.0.0.1, or this node's own address), or a wildcard together with --secret-file",
+        )
 
     def contract(self) -> RunContract:
         """What a serve must agree on (inflight/wire/contract.py); after `main` resolved `--autocast auto`. The compute

@@ -75,17 +75,39 @@ def main(argv: list[str] | None = None) -> int:
     cfg, tables, run_dir, commands = plan(argv)
     write_resolved(cfg, run_dir / "run-config.json")
     write_run_toml(cfg, tables, run_dir)
-    launchers = {"learn": learn_launcher(cfg, free_ports(1, "127.0.0.1")[0]), "serve": [sys.executable]}
     print(f"[run] run directory {run_dir}", file=sys.stderr, flush=True)
-    for side in ("learn", "serve"):
-        (run_dir / f"{side}.cmd").write_text(shlex.join([*launchers[side], *commands[side]]) + "\n")
-
     interrupted: list[int] = []
 
     def on_signal(sig, _frame):
         interrupted.append(sig)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if cfg.launcher == "ray":  # Ray is imported there, and only there (inflight/run/ray_launcher.py)
+            from inflight.run.ray_launcher import main as run_on_ray
+
+            code = run_on_ray(cfg, tables, run_dir, interrupted)
+        else:
+            code = _local(cfg, run_dir, commands, interrupted)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    # a run that trained no step still gets its summary: it says why, from the serve's counts
+    if cfg.plots and any((run_dir / name).exists() for name in ("metrics.jsonl", "serve-metrics.jsonl")):
+        try:
+            summary = write_report(run_dir)
+            print(summarize([summary]), file=sys.stderr)
+        except Exception as exc:  # a report must never hide the run's own outcome
+            print(f"[run] could not write the report: {exc!r}", file=sys.stderr)
+    print(f"[run] {run_dir}: exit {code}", file=sys.stderr, flush=True)
+    return code
+
+
+def _local(cfg: RunConfig, run_dir: Path, commands: dict[str, list[str]], interrupted: list[int]) -> int:
+    """The sides as child processes of this one (inflight/run/launch.py), stopped in order whatever happens."""
+    launchers = {"learn": learn_launcher(cfg, free_ports(1, "127.0.0.1")[0]), "serve": [sys.executable]}
+    for side in ("learn", "serve"):
+        (run_dir / f"{side}.cmd").write_text(shlex.join([*launchers[side], *commands[side]]) + "\n")
     sides: dict[str, Side] = {}
     code = 0
     try:
@@ -103,16 +125,6 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                     )
                     code = 1
-        for s, handler in old.items():
-            signal.signal(s, handler)
-    # a run that trained no step still gets its summary: it says why, from the serve's counts
-    if cfg.plots and any((run_dir / name).exists() for name in ("metrics.jsonl", "serve-metrics.jsonl")):
-        try:
-            summary = write_report(run_dir)
-            print(summarize([summary]), file=sys.stderr)
-        except Exception as exc:  # a report must never hide the run's own outcome
-            print(f"[run] could not write the report: {exc!r}", file=sys.stderr)
-    print(f"[run] {run_dir}: exit {code}", file=sys.stderr, flush=True)
     return code
 
 

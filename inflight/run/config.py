@@ -90,6 +90,20 @@ class RunConfig(SharedKnobs):
     )
     plots: bool = knob(True, "write PNG plots and the summary at the end")
     report_to: str = knob_of(RunDirKnobs, "report_to", "the learner's --report-to (metrics.jsonl stays the record)")
+    launcher: str = knob(
+        "local",
+        "where the sides run: local = child processes of this command; ray = Ray actors on the cluster RAY_ADDRESS "
+        "names, or a local Ray started here when it is unset (docs/multi-node.md; pip install 'inflight[ray]')",
+        choices=("local", "ray"),
+    )
+    serves: int = knob(1, "serves to run (several need --launcher ray; raise it later with inflight.run.scale)")
+    serve_restarts: int = knob(3, "--launcher ray: times Ray restarts a serve that died (-1 = no limit)")
+    ray_learn_resource: str = knob(
+        "", "--launcher ray: a custom resource the learner's nodes advertise (`ray start --resources`); '' = any node"
+    )
+    ray_serve_resource: str = knob(
+        "", "--launcher ray: a custom resource the serves' nodes advertise (`ray start --resources`); '' = any node"
+    )
 
     def validate(self) -> None:
         self.validate_shared()
@@ -97,6 +111,9 @@ class RunConfig(SharedKnobs):
         require(self.duration_s >= 0, "duration_s", self.duration_s, ">= 0 seconds")
         require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
         require(self.learn_procs >= 1, "learn_procs", self.learn_procs, ">= 1")
+        require(self.serves >= 1, "serves", self.serves, ">= 1")
+        require(self.serves == 1 or self.launcher == "ray", "serves", self.serves, "1 with --launcher local")
+        require(self.serve_restarts >= -1, "serve_restarts", self.serve_restarts, ">= 0, or -1 = no limit")
         require(0 <= self.port_base < 65534, "port_base", self.port_base, "0 (free ports) or a TCP port below 65534")
         for name in ("serve_cores", "learn_cores"):
             if getattr(self, name):  # empty: the side's default (inflight/run/launch.py:side_cores)

@@ -151,11 +151,25 @@ def side_env(cfg: RunConfig, side: str) -> tuple[dict[str, str], list[int] | Non
     return env, cores
 
 
+def _die_with_parent() -> None:
+    """In a forked child: the kernel sends SIGTERM when the parent thread exits (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 class Side:
     """One running child: its process, its log and the last lines it printed."""
 
     def __init__(
-        self, name: str, argv: list[str], env: dict[str, str], cores: list[int] | None, log_path: Path, echo: str
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        cores: list[int] | None,
+        log_path: Path,
+        echo: str,
+        die_with_parent: bool = False,
     ):
         self.name, self.argv, self.echo = name, argv, echo
         self.log = log_path.open("a", buffering=1)
@@ -165,6 +179,8 @@ class Side:
         self.lock = threading.Lock()
 
         def pin() -> None:
+            if die_with_parent:  # a Ray actor's child: SIGTERM when the actor goes (inflight/run/ray_actor.py)
+                _die_with_parent()
             if cores is not None:
                 os.sched_setaffinity(0, cores)
 

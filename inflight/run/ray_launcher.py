@@ -1,0 +1,199 @@
+"""`python -m inflight.run --launcher ray`: the same run as the local launcher, its sides as Ray actors on a cluster.
+
+Called by inflight/run/app.py:main (the driver process), imported only when `--launcher ray` is asked for, so `--help`
+and the local launcher never import Ray. `ray.init(address=$RAY_ADDRESS)`: the user's cluster when it is set (also
+under `ray job submit`), else a local Ray started here and stopped at the end.
+
+Placement: one placement group for the learner, its ranks packed (`--learn-gpus` / `--learn-procs` bundles, one GPU
+or one CPU each); one for the serves, `--serves` bundles spread over the nodes, each holding one serve's GPUs
+(`--serve-gpus` counts them), and one more group per serve added later (inflight/run/scale.py). `--ray-learn-resource`
+/ `--ray-serve-resource` pin a role to the nodes advertising that custom resource. Each actor
+(inflight/run/ray_actor.py:ProcessHost) runs today's entry point as its child: rank 0's actor picks the learner's ports
+on its node, the learner binds that node's routable address (unless `--host` was given), and every serve is handed
+those addresses. Several learner ranks get torchrun's variables from the driver (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR = rank 0's node, MASTER_PORT = a free port there) instead of torchrun.
+
+Faults: a serve's actor is restarted by Ray (`--serve-restarts`) and its new serve joins the learner's group at the
+current version (the learner catches up a late joiner); the learner ending (or its actor dying) ends the job at once,
+naming the actor, its node and why. Every stop (end, Ctrl-C, `ray job stop`'s SIGTERM, a failure) stops the learner,
+then the serves, then kills the actors and removes the placement groups; a local Ray is shut down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from inflight.run.config import RunConfig, parse_gpus
+from inflight.run.launch import side_commands, side_env
+
+INSTALL = "pip install 'inflight[ray]' (make setup installs it)"
+ROLE_RESOURCE = 0.001  # how much of --ray-*-resource each bundle asks: a marker, however many units a node advertises
+
+
+class LaunchError(Exception):
+    """A run that cannot start or go on under Ray: one line for the user (the flag or variable, and the fix)."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise LaunchError(f"--launcher ray needs Ray, which is not installed: {INSTALL}") from None
+    return ray
+
+
+def learn_bundles(cfg: RunConfig) -> list[dict[str, float]]:
+    """One bundle per learner rank: a GPU each with --learn-gpus, else a CPU each (--learn-procs)."""
+    gpus = parse_gpus(cfg.learn_gpus)
+    ranks = len(gpus) or cfg.learn_procs
+    bundle: dict[str, float] = {"CPU": 1.0} | ({"GPU": 1.0} if gpus else {})
+    if cfg.ray_learn_resource:
+        bundle[cfg.ray_learn_resource] = ROLE_RESOURCE
+    return [dict(bundle) for _ in range(ranks)]
+
+
+def serve_bundle(cfg: RunConfig) -> dict[str, float]:
+    """One serve's bundle: a CPU, and its tensor-parallel GPUs (as many as --serve-gpus names)."""
+    gpus = len(parse_gpus(cfg.serve_gpus))
+    bundle: dict[str, float] = {"CPU": 1.0} | ({"GPU": float(gpus)} if gpus else {})
+    if cfg.ray_serve_resource:
+        bundle[cfg.ray_serve_resource] = ROLE_RESOURCE
+    return bundle
+
+
+def demand(cfg: RunConfig, serves: int) -> dict[str, float]:
+    """Everything the run asks of the cluster, by resource."""
+    total: dict[str, float] = {}
+    for bundle in [*learn_bundles(cfg), *[serve_bundle(cfg)] * serves]:
+        for name, amount in bundle.items():
+            total[name] = total.get(name, 0.0) + amount
+    return total
+
+
+def check_capacity(cfg: RunConfig, have: dict[str, float]) -> None:
+    """LaunchError naming the flags when the cluster cannot hold the run at all (more GPUs than it has, a role
+    resource no node advertises); fragmentation is caught later, by the placement groups' timeout."""
+    need = demand(cfg, cfg.serves)
+    if need.get("GPU", 0) > have.get("GPU", 0):
+        raise LaunchError(
+            f"--learn-gpus {cfg.learn_gpus!r} and --serve-gpus {cfg.serve_gpus!r} (x --serves {cfg.serves}) ask for "
+            f"{need['GPU']:g} GPUs; the Ray cluster has {have.get('GPU', 0):g}: ask for fewer, or add GPU nodes "
+            "(`ray status` lists what the cluster has)"
+        )
+    roles = (("--ray-learn-resource", cfg.ray_learn_resource), ("--ray-serve-resource", cfg.ray_serve_resource))
+    for flag, name in roles:
+        if name and name not in have:
+            raise LaunchError(
+                f"{flag} {name!r}: no node of the Ray cluster advertises it: start those nodes with "
+                f"`ray start --resources '{{\"{name}\": 1}}'`, or drop the flag"
+            )
+    if need["CPU"] > have.get("CPU", 0):
+        raise LaunchError(
+            f"--serves {cfg.serves} and --learn-procs {cfg.learn_procs} ask for {need['CPU']:g} CPUs (one per serve "
+            f"and per learner rank); the Ray cluster has {have.get('CPU', 0):g}: ask for fewer, or add nodes"
+        )
+
+
+def _check_answers(address: str, timeout_s: float = 5.0) -> None:
+    """LaunchError unless something listens at RAY_ADDRESS (ray.init would retry for a minute before saying so)."""
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise LaunchError(
+            f"RAY_ADDRESS={address!r} is not HOST:PORT: set it to the head node's address (e.g. 10.0.0.1:6379), "
+            "or unset it to run on a local Ray"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout_s).close()
+    except OSError as exc:
+        raise LaunchError(
+            f"RAY_ADDRESS={address!r} does not answer ({exc.strerror or exc}): start the cluster there "
+            "(`ray start --head`), fix the address, or unset RAY_ADDRESS to run on a local Ray"
+        ) from None
+
+
+def connect(ray, cfg: RunConfig) -> bool:
+    """`ray.init`: the cluster at RAY_ADDRESS, else a local Ray started here (True: we started it, so we stop it)."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    namespace = f"inflight-{uuid.uuid4().hex[:8]}"
+    common = {"namespace": namespace, "log_to_driver": False, "configure_logging": False}
+    if address and address not in ("auto", "local"):
+        _check_answers(address)
+        try:
+            ray.init(address=address, **common)
+        except Exception as exc:  # a token refused, a version mismatch: Ray's own words, after ours
+            raise LaunchError(f"RAY_ADDRESS={address!r}: Ray refused the connection ({exc})") from None
+        return False
+    cpus = max(os.cpu_count() or 1, int(demand(cfg, cfg.serves)["CPU"]))  # logical CPUs: placement, not pinning
+    ray.init(address=address or None, num_cpus=cpus, include_dashboard=False, **common)
+    return not address
+
+
+def main(cfg: RunConfig, tables: dict[str, dict], run_dir: Path, interrupted: list[int]) -> int:
+    """The run under Ray (inflight/run/app.py:main writes the config before and the report after); the exit code."""
+    try:
+        ray = import_ray()
+        connect(ray, cfg)
+    except LaunchError as exc:
+        print(f"[run] {exc}", file=sys.stderr, flush=True)
+        return 1
+    from inflight.run.ray_run import RayRun  # Ray's own imports: only once Ray is there
+
+    run = None
+    try:
+        check_capacity(cfg, ray.cluster_resources())
+        run = RayRun(ray, cfg, tables, run_dir, interrupted)
+        return run.run()
+    except LaunchError as exc:
+        print(f"[run] {exc}", file=sys.stderr, flush=True)
+        return 130 if interrupted else 1
+    finally:
+        if run is not None:
+            run.stop_all()
+        ray.shutdown()  # a local Ray stops with it (`started_here`); a cluster's driver only disconnects
+
+
+def learner_commands(cfg: RunConfig, run_dir: Path, host: str, ports: list[int], tables) -> dict[str, list[str]]:
+    """Both sides' argv (inflight/run/launch.py:side_commands) with the learner at `host` on `ports`."""
+    return side_commands(dataclasses.replace(cfg, host=host), run_dir, tuple(ports[:3]), tables)  # type: ignore[arg-type]
+
+
+def serve_argv(base: list[str], cfg: RunConfig, run_dir: Path, index: int) -> list[str]:
+    """Serve `index`'s argv: the first is the local launcher's serve exactly; the others get their own metrics file
+    and task/sampling seed (two serves on one seed would generate the same prompts)."""
+    if index == 0:
+        return base
+    seed = str(cfg.seed + index)
+    return [*base, "--metrics", str(run_dir / f"serve-{index}-metrics.jsonl"), "--task-seed", seed, "--seed", seed]
+
+
+def rank_env(rank: int, world: int, local_rank: int, local_world: int, master: tuple[str, int]) -> dict[str, str]:
+    """torchrun's variables for one learner rank (learner/world.py:start_world reads them)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "MASTER_ADDR": master[0],
+        "MASTER_PORT": str(master[1]),
+    }
+
+
+def env_overrides(cfg: RunConfig, side: str) -> tuple[dict[str, str], list[int] | None]:
+    """What the local launcher would set for `side` (inflight/run/launch.py:side_env), as changes to the actor's own
+    environment (the driver's PATH and friends are not the node's), and the side's cores."""
+    env, cores = side_env(cfg, side)
+    env.pop("CUDA_VISIBLE_DEVICES")  # --*-gpus count GPUs under Ray; which ones is Ray's (ProcessHost.launch)
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}, cores
+
+
+def write_event(run_dir: Path, event: str, **fields) -> None:
+    with (run_dir / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")

@@ -1,0 +1,243 @@
+"""`python -m inflight.run --launcher ray`: the run's sides as Ray actors, on a real Ray cluster.
+
+The end-to-end test builds a two-node cluster on this machine (`ray.cluster_utils.Cluster`: two raylets, each node a
+custom resource so the learner lands on one and the serve on the other) and drives a real run on tiny-llama through
+its faults: a serve killed with -9 (Ray restarts its actor, the new serve rejoins at the current version), a serve
+added while the run goes on (`inflight.run.scale`), the learner killed with -9 (the job ends, naming it), and
+`--resume true` going on from the learner's checkpoint. The refusals (no Ray, a RAY_ADDRESS that does not answer,
+more GPUs than the cluster has) are fast tests: one line, exit 1, nothing left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from serve_support import TEST_KV_GIB, ServeProcess
+
+TESTS = Path(__file__).parent
+TIMEOUT_S = 10  # the learner's --timeout-s: how long a weights collective waits on a dead serve
+SERVE_ARGS = f"--progress-s 1 --max-inflight 16 --kv-cache-gib {TEST_KV_GIB} --reward serve_rewards:text_length"
+FAST = ["--model", "tiny-llama", "--group-size", "4", "--groups-per-step", "2", "--max-tokens", "8",
+        "--serve-args", SERVE_ARGS]  # fmt: skip
+RAY_PROCESSES = ("raylet", "gcs_server")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def ours(*marks: str) -> list[psutil.Process]:
+    """Running processes whose command line holds one of `marks` (zombies excluded)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and any(m in cmd for m in marks) and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+def side_processes() -> list[psutil.Process]:
+    return ours("-m inflight.serve", "-m inflight.learn", "EngineCore")
+
+
+def ray_processes() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in RAY_PROCESSES}
+
+
+def assert_nothing_left(before: set[int], timeout_s: float = 30.0, ray: bool = True) -> None:
+    """No side process (serve, learner, engine) and, with `ray`, no Ray process started since `before` still runs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        candidates = side_processes() + (ours(*RAY_PROCESSES) if ray else [])
+        left = [p for p in candidates if p.pid not in before]
+        if not left:
+            return
+        time.sleep(1)
+    raise AssertionError([(p.pid, " ".join(p.cmdline())[:120]) for p in left])
+
+
+def launcher(run_dir: Path, *flags: str, env: dict | None = None) -> ServeProcess:
+    return ServeProcess(["--launcher", "ray", "--run-dir", str(run_dir), *flags], env=env, module="inflight.run")
+
+
+def refused(run_dir: Path, *flags: str, env: dict | None = None) -> str:
+    before = ray_processes()
+    proc = launcher(run_dir, *FAST, *flags, env=env)
+    assert proc.proc.wait(120) == 1, proc.tail()
+    time.sleep(1)
+    assert not (ray_processes() - before), "a Ray process outlived the refused run"
+    return proc.tail()
+
+
+def test_without_ray_the_ray_launcher_refuses_in_one_line_with_the_install_command(tmp_path):
+    code = (
+        "import sys; sys.modules['ray'] = None; from inflight.run.app import main; "
+        f"sys.exit(main(['--launcher', 'ray', '--run-dir', {str(tmp_path)!r}, '--model', 'tiny-llama']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "--launcher ray needs Ray, which is not installed: pip install 'inflight[ray]'" in out.stderr
+
+
+def test_a_ray_address_that_does_not_answer_is_refused_naming_it_and_the_fix(tmp_path):
+    out = refused(tmp_path / "run", env={"RAY_ADDRESS": "127.0.0.1:9"})
+    assert "RAY_ADDRESS='127.0.0.1:9' does not answer" in out and "ray start --head" in out
+
+
+def test_more_gpus_than_the_cluster_has_are_refused_naming_the_flags_and_nothing_is_left_running(tmp_path):
+    pytest.importorskip("ray")
+    before = {p.pid for p in side_processes()}
+    out = refused(tmp_path / "run", "--serve-gpus", "0", "--learn-gpus", "1,2", env={"RAY_ADDRESS": ""})
+    assert "--learn-gpus '1,2' and --serve-gpus '0' (x --serves 1) ask for 3 GPUs; the Ray cluster has 0" in out
+    assert_nothing_left(before)
+
+
+def test_several_serves_need_the_ray_launcher(tmp_path):
+    bad = ServeProcess(["--run-dir", str(tmp_path), "--serves", "2", *FAST], module="inflight.run")
+    assert bad.proc.wait(60) == 2
+    assert "--serves is 2, expected 1 with --launcher local" in bad.tail()
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    """A Ray cluster of two nodes on this machine: the head advertises `learn_node`, the other `serve_node`."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    # the actors' children import the test's reward module (serve_rewards), like the local launcher's do
+    monkeypatch.setenv("PYTHONPATH", f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    before = {p.pid for p in side_processes()} | ray_processes()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"learn_node": 1}, "include_dashboard": False},
+    )
+    try:
+        serve_node = cluster.add_node(num_cpus=3, resources={"serve_node": 1})
+        cluster.wait_for_nodes()
+        yield {"address": cluster.address, "head": cluster.head_node.node_id, "serve": serve_node.node_id}
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+    assert_nothing_left(before)
+
+
+def placed(run_dir: Path) -> dict[str, str]:
+    return {e["actor"]: e["node_id"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "placed"}
+
+
+def serve_pid(run_dir: Path) -> int:
+    """The pid of serve 0's `inflight.serve` process (the actor's child), from the log's newest ready line's id."""
+    ready = [ln for ln in (run_dir / "serve.log").read_text().splitlines() if "inflight.serve ready: server" in ln]
+    server = ready[-1].split("server ", 1)[1].split(",", 1)[0]  # <host>-<pid>@<tag>
+    return int(server.split("@", 1)[0].rsplit("-", 1)[1])
+
+
+@pytest.mark.engine
+def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_after_its_learner_dies_and_stops_clean(
+    two_nodes, tmp_path
+):
+    run_dir, env = tmp_path / "run", {"RAY_ADDRESS": two_nodes["address"]}
+    flags = [*FAST, "--ray-learn-resource", "learn_node", "--ray-serve-resource", "serve_node", "--steps", "0",
+             "--learn-args", f"--checkpoint-every 2 --timeout-s {TIMEOUT_S}"]  # fmt: skip
+    sides_before = {p.pid for p in side_processes()}
+    run = launcher(run_dir, *flags, env=env)
+    resumed = None
+    try:
+        run.wait_for("step 2 v2", 400)
+        # placement: the learner on the head node, the serve on the other one, and rollouts crossed between them
+        assert placed(run_dir) == {"learn": two_nodes["head"], "serve": two_nodes["serve"]}, placed(run_dir)
+        first = serve_pid(run_dir)
+        os.kill(first, signal.SIGKILL)
+        killed_at = len(read_jsonl(run_dir / "metrics.jsonl"))
+        run.wait_for("serve died; Ray restarts it (restart 1)", 60)
+        run.wait_for("inflight.serve ready", 300, count=2)  # the new serve, in the restarted actor
+        assert serve_pid(run_dir) != first
+        steps_before = len(read_jsonl(run_dir / "metrics.jsonl"))
+        run.wait_for(f"step {steps_before + 2} v{steps_before + 2}", 300)  # trained on the new serve's rollouts
+
+        scale = subprocess.run([sys.executable, "-m", "inflight.run.scale", "--run-dir", str(run_dir), "--serves",
+                                "2"], capture_output=True, text=True, timeout=200)  # fmt: skip
+        assert scale.returncode == 0, scale.stderr
+        run.wait_for("[serve-1] inflight.serve ready", 300)
+        assert placed(run_dir)["serve-1"] == two_nodes["serve"]
+        grown = len(read_jsonl(run_dir / "metrics.jsonl"))
+        deadline = time.monotonic() + 300
+        while True:  # until a step trained on a group of the added serve
+            server_ids = {e["server_id"] for e in read_jsonl(run_dir / "serve-1-metrics.jsonl") if "server_id" in e}
+            trained = [g for s in read_jsonl(run_dir / "metrics.jsonl")[grown:] for g in s["groups"]]
+            if server_ids and any(g.rsplit("-g", 1)[0] in server_ids for g in trained):
+                break
+            assert time.monotonic() < deadline, "the added serve's rollouts were never trained on"
+            time.sleep(1)
+        learner = [p for p in ours("-m inflight.learn") if str(run_dir) in " ".join(p.cmdline())]
+        assert len(learner) == 1, learner
+        os.kill(learner[0].pid, signal.SIGKILL)
+        died_at = time.monotonic()
+        assert run.proc.wait(60) == 1
+        assert time.monotonic() - died_at < 30
+    finally:
+        run.stop()
+    out = run.tail(80)
+    assert "learner actor learn" in out and "exited with code -9 (SIGKILL)" in out and "on node" in out, out
+    assert_nothing_left(sides_before, 60, ray=False)  # the serves and their engines went with the job
+
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    groups = [g for s in steps for g in s["groups"]]
+    assert len(groups) == len(set(groups)), "a rollout was trained twice"
+    assert all(s["publish_s"] < TIMEOUT_S + 15 for s in steps if s.get("publish_s") is not None)
+    # the restarted serve joined at the learner's current version, not at the model it loaded
+    updates = [e for e in read_jsonl(run_dir / "serve-metrics.jsonl") if e["event"] == "update" and e["ok"]]
+    servers = list(dict.fromkeys(u["server_id"] for u in updates))
+    assert len(servers) == 2, servers
+    first_of_new = next(u["version"] for u in updates if u["server_id"] == servers[1])
+    assert first_of_new >= killed_at, (first_of_new, killed_at)
+    new_steps = [s for s in steps if s["groups"] and all(g.startswith(servers[1]) for g in s["groups"])]
+    assert new_steps and all(int(lag) <= 4 for s in new_steps for lag in s["lag_histogram"]), new_steps
+
+    last = steps[-1]["step"]
+    try:  # the same command with --resume true goes on from the checkpoint; Ctrl-C then stops every actor and child
+        resumed = launcher(run_dir, *flags[:-2], "--learn-args",
+                           f"--checkpoint-every 2 --timeout-s {TIMEOUT_S} --resume true", env=env)  # fmt: skip
+        resumed.wait_for(f"step {last + 2} v{last + 2}", 400)
+        resumed.proc.send_signal(signal.SIGINT)
+        assert resumed.proc.wait(300) == 130, resumed.tail()
+    finally:
+        if resumed is not None:
+            resumed.stop()
+    assert_nothing_left(sides_before, 60, ray=False)
+    after = read_jsonl(run_dir / "metrics.jsonl")[len(steps) :]
+    assert after and last - 4 < after[0]["step"] <= last + 1, (last, after[0]["step"])  # from its last checkpoint
+    assert (run_dir / "hf-final" / "model.safetensors").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 2
+
+
+def test_bundles_ask_a_cpu_per_rank_and_a_serves_gpus_and_a_missing_role_resource_is_refused_by_name():
+    from inflight.run.config import RunConfig
+    from inflight.run.ray_launcher import LaunchError, check_capacity, demand, learn_bundles, serve_bundle
+
+    cfg = RunConfig(learn_gpus="0,1", serve_gpus="2,3", serves=2, ray_serve_resource="serve_node")
+    assert learn_bundles(cfg) == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert serve_bundle(cfg) == {"CPU": 1.0, "GPU": 2.0, "serve_node": 0.001}
+    assert demand(cfg, 2)["GPU"] == 6
+    check_capacity(cfg, {"CPU": 8, "GPU": 6, "serve_node": 1})
+    with pytest.raises(LaunchError, match=r"--ray-serve-resource 'serve_node': no node of the Ray cluster"):
+        check_capacity(cfg, {"CPU": 8, "GPU": 8})
+    with pytest.raises(LaunchError, match=r"ask for 6 GPUs; the Ray cluster has 4"):
+        check_capacity(cfg, {"CPU": 8, "GPU": 4, "serve_node": 1})
+
+
+def test_a_learner_bound_to_every_interface_needs_a_secret():
+    from inflight.learn.config import LearnConfig
+
+    with pytest.raises(ValueError, match=r"--host is '0.0.0.0', expected a specific address"):
+        LearnConfig(host="0.0.0.0").validate()
+    LearnConfig(host="10.0.0.5").validate()  # a node's own address: allowed (docs/multi-node.md, "Bind rules")
