@@ -184,9 +184,9 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
 
 def count_engine_start(cfg: EngineConfig, seconds: float) -> None:
     """Opt-in (INFLIGHT_COUNT_ENGINE_STARTS=<file>): append one line per engine started — the pytest test that started
-    it (pytest's PYTEST_CURRENT_TEST, which serve subprocesses inherit), the model, the workers and the start's seconds —
-    so the suite's engine starts are counted, not estimated (README: Tests). One write per line: concurrent processes
-    append whole lines."""
+    it (pytest's PYTEST_CURRENT_TEST, which serve subprocesses inherit), the model, the workers and the start's
+    seconds — so the suite's engine starts are counted, not estimated (README: Tests). One write per line: concurrent
+    processes append whole lines."""
     path = os.environ.get("INFLIGHT_COUNT_ENGINE_STARTS")
     if not path:
         return
