@@ -182,19 +182,17 @@ class EnginePool:
         finally:
             self.give_back(pooled, keep)
 
-    def reference(self, engine) -> list:
-        """The fresh engine's greedy completions on `PROMPTS` (support.greedy, 16 tokens) for a pool engine."""
-        return next(p.reference for p in self._known if p.engine is engine)
-
     def checkout(self, key: tuple) -> PooledEngine:
         pooled = self.idle.pop(key, None)
         if pooled is None:
             pooled = self._start(key)
-        else:
-            assert pooled.engine.version == pooled.version, (
+        elif pooled.engine.version != pooled.version:
+            self._stop(pooled)  # a dirty engine is never handed out, nor left running
+            raise AssertionError(
                 f"pool engine {key} was given back at version {pooled.version} and is now at "
                 f"{pooled.engine.version}: something used it while it was idle"
             )
+        else:
             self._check(pooled, "on checkout")
         self._known.append(pooled)
         return pooled
