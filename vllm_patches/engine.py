@@ -12,6 +12,8 @@ This module also turns an `EngineConfig` into vLLM's engine arguments, without i
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -180,6 +182,23 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
     return AsyncEngineArgs(**engine_kwargs(cfg, serve_device()))
 
 
+def count_engine_start(cfg: EngineConfig, seconds: float) -> None:
+    """Opt-in (INFLIGHT_COUNT_ENGINE_STARTS=<file>): append one line per engine started — the pytest test that started
+    it (pytest's PYTEST_CURRENT_TEST, which serve subprocesses inherit), the model, the workers and the start's
+    seconds — so the suite's engine starts are counted, not estimated (README: Tests). One write per line: concurrent
+    processes append whole lines."""
+    path = os.environ.get("INFLIGHT_COUNT_ENGINE_STARTS")
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "-")
+    line = f"{test}\t{cfg.model}\ttp={cfg.tensor_parallel_size}\t{seconds:.1f}s\tpid={os.getpid()}\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 class InflightEngine:
     """AsyncLLM and its collaborators: generation, weight updates, the weights group. One per serve process."""
 
@@ -204,6 +223,7 @@ class InflightEngine:
 
         if cfg.update_memory not in UPDATE_MEMORY:
             raise ValueError(f"update_memory is {cfg.update_memory!r}, expected one of {list(UPDATE_MEMORY)}")
+        began = time.monotonic()
         llm = AsyncLLM.from_engine_args(engine_args(cfg))
         engine = cls(llm, StagedSignals(), version, cfg.lora_dir, cfg.routing_replay)
         try:
@@ -218,6 +238,7 @@ class InflightEngine:
         except BaseException:
             engine.shutdown()
             raise
+        count_engine_start(cfg, time.monotonic() - began)
         return engine
 
     def shutdown(self) -> None:

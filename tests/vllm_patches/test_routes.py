@@ -12,6 +12,7 @@ is exact and a wrong row, layer or request is a failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -31,13 +32,20 @@ MIN_GAP = 1e-4  # the smallest k-th vs (k+1)-th router-logit gap the reference m
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def routed(request, loop, model_dirs, tmp_path_factory):
+def routed(request, loop, model_dirs, tmp_path_factory, engine_pool):
     """(model dir, completions) of greedy requests run concurrently (one batch, rows of several requests per step)."""
-    if request.param == "qwen3_moe":
-        model_dir = model_dirs["tiny-moe"]
-    else:
-        model_dir = save_tiny_moe(request.param, tmp_path_factory.mktemp(request.param), model_dirs["smollm2"])
-    engine = start_engine(loop, model_dir, routing_replay=True, dtype="float32")
+    with contextlib.ExitStack() as stack:
+        if request.param == "qwen3_moe":  # the pool's: test_routes_update.py's engine too
+            model_dir = model_dirs["tiny-moe"]
+            engine = stack.enter_context(engine_pool.engine(model_dir, routing_replay=True, dtype="float32"))
+        else:
+            model_dir = save_tiny_moe(request.param, tmp_path_factory.mktemp(request.param), model_dirs["smollm2"])
+            engine = start_engine(loop, model_dir, routing_replay=True, dtype="float32")
+            stack.callback(stop_engine, loop, engine)
+        yield model_dir, generate_together(loop, engine, model_dir)
+
+
+def generate_together(loop, engine, model_dir) -> list:
     tok = AutoTokenizer.from_pretrained(model_dir)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = [chat_ids(tok, p) for p in PROMPTS]
@@ -47,9 +55,7 @@ def routed(request, loop, model_dirs, tmp_path_factory):
             *(engine.generation.generate(ids, params, f"routes-{k}") for k, ids in enumerate(prompts))
         )
 
-    done = loop.run_until_complete(together())
-    yield model_dir, done
-    stop_engine(loop, engine)
+    return loop.run_until_complete(together())
 
 
 def reference_routes(model, ids: list[int]) -> tuple[np.ndarray, float]:
