@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,8 +217,9 @@ class AdapterSlot:
         self._manager._create_merged_loras_inplace(lora)  # q/k/v → qkv_proj, gate/up → gate_up_proj; scaling into B
         return lora
 
-    def commit(self, prepared: PreparedAdapter, version: int) -> CommitApplied:
-        """Copy `prepared` into the adapter's slot, if it is active, and register it; all-or-nothing."""
+    def commit(self, prepared: PreparedAdapter, version: int) -> tuple[CommitApplied, Callable[[], None]]:
+        """Copy `prepared` into the adapter's slot, if it is active, and register it; all-or-nothing. Returns what was
+        applied and what puts the previous adapter back (another tensor-parallel rank may fail its commit)."""
         start = time.perf_counter()
         manager = self._manager
         previous = manager._registered_adapters.get(ADAPTER_ID)
@@ -228,7 +230,13 @@ class AdapterSlot:
                 self._into_slot(previous)
             raise
         manager._registered_adapters[ADAPTER_ID] = prepared.lora  # replaces in place: no eviction callback runs
-        return CommitApplied(version, time.perf_counter() - start)  # 0 swapped layers: copied in place
+
+        def roll_back() -> None:
+            if previous is not None:
+                self._into_slot(previous)
+                manager._registered_adapters[ADAPTER_ID] = previous
+
+        return CommitApplied(version, time.perf_counter() - start), roll_back  # 0 swapped layers: copied in place
 
     def _into_slot(self, lora: Any) -> int:
         """Every LoRA layer's A and B into the slot `ADAPTER_ID` occupies (nothing when it is not active yet: the first

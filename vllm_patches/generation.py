@@ -7,7 +7,7 @@ It owns what the raw AsyncLLM leaves to the caller:
 - every request carries `cache_salt=<version at submission>`, so no prefix-cache hit crosses weight versions;
 - a request aborted by an abort-resume update is resubmitted (prompt + partial tokens, remaining budget) and stitched.
 
-`RunningRequests` is what an update's choreography (vllm_patches/updates.py) needs to know of generation: which
+`RunningRequests` is what an update's choreography (vllm_patches/update_frontend.py) needs to know of generation: which
 requests run, which one it aborted, and when generation may go on; `ServedVersion` is the version each commit sets.
 """
 

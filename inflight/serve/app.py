@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inflight.config import parse_dataclass, setup_logging
-from inflight.machine import is_cuda, query_cuda_device, resolve_precision, serve_device
+from inflight.machine import front_end_process_env, is_cuda, query_cuda_device, resolve_precision, serve_device
 from inflight.models import MODEL_NAMES, checkpoint_fingerprint, resolve_model
 from inflight.serve.config import ServeConfig
 from inflight.serve.eval import Evaluation, load_eval_problems
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_dataclass(ServeConfig, argv, "python -m inflight.serve", about)
     setup_logging()
     device = serve_device()
+    os.environ.update(front_end_process_env(device, os.environ))  # before vLLM is imported: `serve` imports it
     precision = resolve_precision(cfg.dtype, device)
     log.info("serve precision: %s (%s)", precision.dtype, precision.reason)
     log.info("serve device: %s; memory sized by %s", device, cfg.memory_sizing(device))

@@ -22,7 +22,7 @@ from vllm import SamplingParams
 from inflight.wire.weights import AdapterSpec, plan_manifest
 from vllm_patches.adapter import ServedAdapter
 from vllm_patches.device_plan import checkpoint_weight_bytes
-from vllm_patches.updates import UpdateError
+from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
 
