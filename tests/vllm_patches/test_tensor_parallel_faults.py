@@ -20,6 +20,7 @@ from vllm_patches.update_frontend import UpdateError
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two workers need two cores"),
+    pytest.mark.usefixtures("one_core_per_worker"),
 ]
 TP = 2
 
@@ -38,7 +39,6 @@ def test_a_commit_that_fails_on_one_rank_leaves_both_ranks_on_the_previous_weigh
     model_dirs,
     tmp_path,
     monkeypatch,
-    one_core_per_worker,
     name,
     update_memory,
     planned,  # noqa: F811
@@ -71,7 +71,6 @@ def test_a_rollback_that_fails_stops_the_engine_with_an_error_naming_the_split(
     loop,
     model_dirs,
     monkeypatch,
-    one_core_per_worker,  # noqa: F811
 ):
     monkeypatch.setenv("INFLIGHT_FAULT_UPDATE", "swap@1:1,rollback@1:0")
     a_dir = model_dirs["tiny-llama"]
