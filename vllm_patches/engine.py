@@ -13,6 +13,7 @@ This module also turns an `EngineConfig` into vLLM's engine arguments, without i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from inflight.wire.weights import UPDATE_MEMORY
 from vllm_patches.adapter import engine_lora_rank, lora_request
 from vllm_patches.device_plan import GpuMemoryPlan
 from vllm_patches.generation import RunningRequests, ServedVersion, VersionedGeneration
-from vllm_patches.routes import check_routed_checkpoint
+from vllm_patches.routes import check_routed_checkpoint, route_capture
 from vllm_patches.rpc import GroupJoined, rpc_result
 from vllm_patches.update_frontend import StagedSignals, UpdateError, UpdateReport, WeightUpdates
 
@@ -149,6 +150,7 @@ def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
     step whose output is processed is the step that ran (vLLM's async scheduling overlaps the next step with it).
     """
     check_engine_config(cfg)
+    route_capture(device, cfg.routing_replay, cfg.enforce_eager, {})  # refuses graphs that would record no route
     return {
         "hf_overrides": {"head_dtype": cfg.head_dtype},
         "model": cfg.model,
@@ -205,6 +207,8 @@ class InflightEngine:
 
         if cfg.update_memory not in UPDATE_MEMORY:
             raise ValueError(f"update_memory is {cfg.update_memory!r}, expected one of {list(UPDATE_MEMORY)}")
+        # The route capture's runner choice (VLLM_USE_V2_MODEL_RUNNER=0 on CUDA) is read by vLLM's config: set first.
+        os.environ.update(route_capture(serve_device(), cfg.routing_replay, cfg.enforce_eager, os.environ).env)
         llm = AsyncLLM.from_engine_args(engine_args(cfg))
         engine = cls(llm, StagedSignals(), version, cfg.lora_dir, cfg.routing_replay)
         try:
