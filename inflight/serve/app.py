@@ -34,9 +34,10 @@ from inflight.tasks.loading import load_task
 from inflight.tasks.rewards import Reward, load_rewards
 from inflight.wire.contract import RunContract
 from inflight.wire.control import Ask, TensorSpec
+from inflight.wire.group import WEIGHTS_MAX_CTAS
 from inflight.wire.rollouts import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
-from vllm_patches.device_plan import StagingPlan, checkpoint_weight_bytes, cpu_threads_bind, plan_gpu_memory
+from vllm_patches.device_plan import checkpoint_sizes, cpu_threads_bind, plan_gpu_memory, staging_plan
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when a serve starts (see `serve`)
     from inflight.serve.control import ControlClient
@@ -160,9 +161,11 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
     mode = cfg.engine_mode(device)
     plan = None
     if is_cuda(device):
-        # The serve cannot know whether the learner will send deltas (--full-every is the learner's): the plan
-        # counts none, and `low`'s held copy of the last update is the same size as a delta base would be.
-        staging = StagingPlan(checkpoint_weight_bytes(model_path, cfg.dtype), mode.update_memory, delta=False)
+        # The plan is made before the serve asks the learner, so it cannot know whether deltas will come (the
+        # learner's --full-every): it counts none (issue 40, point 4: to be learnt through Ask), and `low`'s held
+        # copy of the last update is the same size as a delta base would be.
+        sizes = checkpoint_sizes(model_path, cfg.dtype)
+        staging = staging_plan(sizes, mode.update_memory, delta=False, max_ctas=WEIGHTS_MAX_CTAS)
         plan = plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization)
     return EngineConfig(
         model=str(model_path),
