@@ -132,7 +132,7 @@ def test_a_host_arena_holds_one_version_in_exactly_its_planned_bytes_and_refuses
     cost 2x rounded up to powers of two."""
     import torch
 
-    from vllm_patches.host_arena import ArenaFull, HostArena, arena_offsets, caching_allocator_bytes
+    from vllm_patches.arenas import ArenaFull, HostArena, arena_offsets, caching_allocator_bytes
 
     tensors = {"a": torch.arange(6, dtype=torch.bfloat16).view(2, 3), "b": torch.ones(5, dtype=torch.float32)}
     sizes = [t.numel() * t.element_size() for t in tensors.values()]
@@ -146,5 +146,8 @@ def test_a_host_arena_holds_one_version_in_exactly_its_planned_bytes_and_refuses
     assert torch.equal(held["a"], tensors["a"] + 9) and torch.equal(held["b"], tensors["b"] + 9)
     with pytest.raises(ArenaFull, match="need 192 bytes of host arena, the plan sized 128"):
         arena.views({**tensors, "c": torch.zeros(1)})
+    assert arena.empty(128).numel() == 128
+    with pytest.raises(ArenaFull, match="need 192 bytes of host arena"):
+        arena.empty(129)
     assert caching_allocator_bytes([12, 20]) == 2 * (16 + 32)
     assert caching_allocator_bytes([3 << 30]) == 2 * (4 << 30)  # a 3 GiB expert block pins 8 GiB the old way
