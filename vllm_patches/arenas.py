@@ -8,9 +8,10 @@ Runs in the serve's worker process (vllm_patches/staging.py). Two kinds:
 - `HostArena`: the one page-locked host buffer a GPU worker keeps its live version's whole tensors in (the `low`
   path's rollback source, a delta's base).
 
-Why not `torch.empty(..., pin_memory=True)` per update for the host copy: torch's CachingHostAllocator rounds every block up to a power of two and never gives a block back to the system, and
-the copy of update v+1 is made while v's still lives, so a worker pinned 2x the weights rounded up (a 7B model's
-291 tensors: 30-45 GB per worker) while the plan said 1x. The arena is one allocation of exactly its bytes,
+Why not `torch.empty(..., pin_memory=True)` per update for the host copy: torch's CachingHostAllocator rounds every
+block up to a power of two and never gives a block back to the system, and the copy of update v+1 is made while v's
+still lives, so a worker pinned 2x the weights rounded up (a 7B model's 291 tensors: 30-45 GB per worker) while the
+plan said 1x. The arena is one allocation of exactly its bytes,
 page-locked with `cudaHostRegister` (no rounding, no cache), into which each update's tensors are copied at aligned
 offsets; nothing else is pinned, so the figure the plan prints is the figure the worker holds.
 
