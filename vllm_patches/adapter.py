@@ -188,6 +188,23 @@ class AdapterSlot:
 
     def __init__(self, runner: Any, served: ServedAdapter):
         self.runner, self.served = runner, served
+        self.current: Any = None  # the LoRAModel last committed; None: the adapter directory the serve started with
+        self._serve_the_live_adapter()
+
+    def _serve_the_live_adapter(self) -> None:
+        """Make vLLM's worker LoRA manager load the live adapter, not the start directory's, whenever it (re)loads
+        `ADAPTER_ID`: vLLM's `reset_lora_state` (after any `reload_weights`) and an LRU eviction drop the registered
+        adapter, and the next request would bring the serve's *initial* adapter back from disk, silently serving a
+        version the tokens are not tagged with."""
+        workers = self.runner.lora_manager
+        load_from_disk = workers._load_adapter
+
+        def load_live(request: Any) -> Any:
+            if request.lora_int_id == ADAPTER_ID and self.current is not None:
+                return self.current
+            return load_from_disk(request)
+
+        workers._load_adapter = load_live
 
     @property
     def _manager(self) -> Any:
@@ -230,8 +247,10 @@ class AdapterSlot:
                 self._into_slot(previous)
             raise
         manager._registered_adapters[ADAPTER_ID] = prepared.lora  # replaces in place: no eviction callback runs
+        before, self.current = self.current, prepared.lora
 
         def roll_back() -> None:
+            self.current = before
             if previous is not None:
                 self._into_slot(previous)
                 manager._registered_adapters[ADAPTER_ID] = previous

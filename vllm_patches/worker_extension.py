@@ -232,6 +232,11 @@ class InflightWorkerExtension:
         self._inflight_state().adapter = AdapterSlot(self.model_runner, ServedAdapter.read(path))
         return True
 
+    def inflight_reset_lora_state(self) -> bool:
+        """Run vLLM's own `reset_lora_state` (what its `reload_weights` ends with); tests: the live adapter survives."""
+        self.model_runner.reset_lora_state()
+        return True
+
     def inflight_record_routes(self) -> int:
         """Record every fed token's top-k experts in every MoE layer from now on (vllm_patches/routes.py); refused
         for a model without MoE layers. Returns the number of MoE layers; idempotent."""
