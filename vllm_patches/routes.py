@@ -232,6 +232,18 @@ def _nbytes(chunks: list[tuple[np.ndarray, np.ndarray]]) -> int:
     return sum(p.nbytes + i.nbytes for p, i in chunks)
 
 
+def check_route_coverage(routes: RoutedExperts | None, fed: int, request_id: str) -> None:
+    """Raise when a request whose `fed` positions went through the model came back with fewer routes: a capture that
+    did not run (a CUDA graph replayed, a runner that never calls it) must fail the request, never send a rollout
+    whose routes are silently missing. `fed` is prompt + completion − 1 (the last token is never fed)."""
+    got = 0 if routes is None else routes.positions
+    if fed > 0 and got < fed:
+        raise RuntimeError(
+            f"routing replay is on but request {request_id} has routes for {got} of its {fed} fed positions: the "
+            "route capture did not run for every forward pass (serve eagerly on the V1 runner: route_capture)"
+        )
+
+
 def stitch(before: RoutedExperts | None, after: RoutedExperts | None) -> RoutedExperts | None:
     """One sequence's routes from two requests over it, the second's prompt being the first's whole sequence (a
     resubmission after an abort-resume update, an episode's next turn): the first's rows, then the second's rows for

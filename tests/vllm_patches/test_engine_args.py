@@ -141,3 +141,18 @@ def test_the_recorder_refuses_a_runner_that_replays_cuda_graphs():
     check_eager_runner(runner(CUDAGraphMode.NONE))
     with pytest.raises(ValueError, match="FULL_AND_PIECEWISE.*--enforce-eager true"):
         check_eager_runner(runner(CUDAGraphMode.FULL_AND_PIECEWISE))
+
+
+def test_a_request_whose_routes_miss_fed_positions_fails_instead_of_sending_a_rollout_without_them():
+    """Issue 40, point 2: no configuration records nothing silently, whatever the reason the capture did not run."""
+    from vllm_patches.routes import RoutedExperts, check_route_coverage
+
+    def routes(positions: int) -> RoutedExperts:
+        return RoutedExperts(bytes(positions * 2 * 4), positions, layers=2, top_k=4, dtype="uint8")
+
+    check_route_coverage(routes(9), fed=9, request_id="r")
+    check_route_coverage(None, fed=0, request_id="r")  # nothing was fed: nothing to record
+    with pytest.raises(RuntimeError, match="request r has routes for 0 of its 9 fed positions"):
+        check_route_coverage(None, fed=9, request_id="r")
+    with pytest.raises(RuntimeError, match="routes for 5 of its 9"):
+        check_route_coverage(routes(5), fed=9, request_id="r")
