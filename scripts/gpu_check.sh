@@ -2,7 +2,10 @@
 # Every GPU test and benchmark in one call, then one table. Run from the repository root on a CUDA machine:
 #   scripts/gpu_check.sh [out_dir]          (default: $OUT if set, else ./gpu-check)
 # Needs torch with CUDA, Triton, pytest, msgspec, pyzmq, transformers. Without CUDA the tests skip and the benchmarks
-# refuse.
+# refuse. tests/wire/test_cuda_serve_checks.py is issue 40's torch-only proof of the serve's GPU path (no vLLM needed):
+# a forked child initialises CUDA after the front end's device checks (1), staging that overflows its arena is refused
+# while the engine stream's cached blocks survive (4), pinned host bytes stay at the arena's figure over ten updates
+# (5), a broadcast stalled by a sleeping peer leaves another stream's kernels alone (6, two GPUs).
 #
 # The learner on CUDA (benchmarks/gpu_learner.py) trains from a recorded journal: INFLIGHT_GPU_JOURNAL names the run
 # directory of a live run recorded with --keep-journal (`python -m benchmarks.gpu_learner record` makes one on any
@@ -23,7 +26,8 @@ $py -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 $py -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$out/pytest.xml" \
   tests/learner/test_fused_loss.py tests/wire/test_cuda_staging.py tests/wire/test_cuda_stream_order.py tests/wire/test_group.py \
   tests/wire/test_checksum.py tests/learner/test_logprobs.py \
-  tests/learner/test_losses.py tests/wire/test_transfer.py tests/inflight/test_publisher_stream.py 2>&1 \
+  tests/learner/test_losses.py tests/wire/test_transfer.py tests/inflight/test_publisher_stream.py \
+  tests/wire/test_cuda_serve_checks.py 2>&1 \
   | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 $py -m benchmarks.fused_loss --json "$out/fused_loss.json" 2>&1 | tee "$out/fused_loss.txt"

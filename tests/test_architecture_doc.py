@@ -48,8 +48,9 @@ PATH_SECTIONS = ("The token path", "The weight path")
 # advantages, trainer loop, batch and step, model, logprobs, loss; weights: step, loop, gather, publisher, layout,
 # transfer, group, staging, prepared weights, update choreography, EngineCore utility, worker RPC, commit) and no hop
 # is a pass-through any more: fewer means merging two of those concepts into one file. The bound is each path's
-# honest count, a ratchet: a longer path fails, a shorter one lowers it.
-MAX_FILES_PER_PATH = {"The token path": 12, "The weight path": 12}
+# honest count, a ratchet: a longer path fails, a shorter one lowers it. The weight path's 13th file is the update's
+# EngineCore half, split from its front-end half so that a file's name says which process runs it (issue 39).
+MAX_FILES_PER_PATH = {"The token path": 12, "The weight path": 13}
 REVISITED = {
     "inflight/wire/rollouts.py": "the rollout channel: its record encoded on the serve, decoded on the learner",
     "inflight/wire/weights.py": "the update's layout: planned and checksummed by the learner, unpacked by the worker",
@@ -97,8 +98,8 @@ LANDMARKS = {
         "inflight/wire/group.py:WeightsGroup.broadcast",
         "inflight/wire/transfer.py:receive_update",
         "vllm_patches/staging.py:StagedUpdate._run",
-        "vllm_patches/updates.py:StagedSignals.wait",
-        "vllm_patches/updates.py:inflight_commit",
+        "vllm_patches/update_frontend.py:StagedSignals.wait",
+        "vllm_patches/update_enginecore.py:inflight_commit",
         "vllm_patches/worker_extension.py:InflightWorkerExtension.inflight_commit_staged",
         "vllm_patches/commit.py:LiveWeights.commit",
         "vllm_patches/prepared.py:PreparedWeights.swap_in",

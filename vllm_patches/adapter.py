@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,23 @@ class AdapterSlot:
 
     def __init__(self, runner: Any, served: ServedAdapter):
         self.runner, self.served = runner, served
+        self.current: Any = None  # the LoRAModel last committed; None: the adapter directory the serve started with
+        self._serve_the_live_adapter()
+
+    def _serve_the_live_adapter(self) -> None:
+        """Make vLLM's worker LoRA manager load the live adapter, not the start directory's, whenever it (re)loads
+        `ADAPTER_ID`: vLLM's `reset_lora_state` (after any `reload_weights`) and an LRU eviction drop the registered
+        adapter, and the next request would bring the serve's *initial* adapter back from disk, silently serving a
+        version the tokens are not tagged with."""
+        workers = self.runner.lora_manager
+        load_from_disk = workers._load_adapter
+
+        def load_live(request: Any) -> Any:
+            if request.lora_int_id == ADAPTER_ID and self.current is not None:
+                return self.current
+            return load_from_disk(request)
+
+        workers._load_adapter = load_live
 
     @property
     def _manager(self) -> Any:
@@ -216,8 +234,9 @@ class AdapterSlot:
         self._manager._create_merged_loras_inplace(lora)  # q/k/v → qkv_proj, gate/up → gate_up_proj; scaling into B
         return lora
 
-    def commit(self, prepared: PreparedAdapter, version: int) -> CommitApplied:
-        """Copy `prepared` into the adapter's slot, if it is active, and register it; all-or-nothing."""
+    def commit(self, prepared: PreparedAdapter, version: int) -> tuple[CommitApplied, Callable[[], None]]:
+        """Copy `prepared` into the adapter's slot, if it is active, and register it; all-or-nothing. Returns what was
+        applied and what puts the previous adapter back (another tensor-parallel rank may fail its commit)."""
         start = time.perf_counter()
         manager = self._manager
         previous = manager._registered_adapters.get(ADAPTER_ID)
@@ -228,7 +247,15 @@ class AdapterSlot:
                 self._into_slot(previous)
             raise
         manager._registered_adapters[ADAPTER_ID] = prepared.lora  # replaces in place: no eviction callback runs
-        return CommitApplied(version, time.perf_counter() - start)  # 0 swapped layers: copied in place
+        before, self.current = self.current, prepared.lora
+
+        def roll_back() -> None:
+            self.current = before
+            if previous is not None:
+                self._into_slot(previous)
+                manager._registered_adapters[ADAPTER_ID] = previous
+
+        return CommitApplied(version, time.perf_counter() - start), roll_back  # 0 swapped layers: copied in place
 
     def _into_slot(self, lora: Any) -> int:
         """Every LoRA layer's A and B into the slot `ADAPTER_ID` occupies (nothing when it is not active yet: the first

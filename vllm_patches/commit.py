@@ -1,7 +1,8 @@
 """LiveWeights: puts a staged update into a worker's live model, all-or-nothing, between two engine steps.
 
 Called by the worker extension's `inflight_commit_staged` (itself reached from the EngineCore utility
-`vllm_patches/updates.py:inflight_commit`). Two commit paths, chosen once per engine (the serve's `--update-memory`):
+`vllm_patches/update_enginecore.py:inflight_commit`).
+Two commit paths, chosen once per engine (the serve's `--update-memory`):
 - `double` (default): the staging thread already loaded and processed the update into a shadow copy of the changed
   layers (vllm_patches/prepared.py); the commit swaps references, O(layers), whatever the model size.
 - `low`: the commit runs vLLM's layerwise reload into the live storage on the engine thread, O(bytes); every
@@ -18,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -48,8 +50,26 @@ class ServingWorker(Protocol):
 
     model_runner: ModelRunner
     model_config: Any  # vLLM's ModelConfig: `hf_config` is read
+    rank: int  # the tensor-parallel rank (fault injection names one)
 
     def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]], is_checkpoint_format: bool): ...
+
+
+class RollbackFailed(RuntimeError):
+    """Undoing a commit failed: this worker's weights are neither the old version nor the new one. The engine must
+    stop (vllm_patches/update_enginecore.py), never serve on."""
+
+
+@dataclass
+class PendingCommit:
+    """A commit applied on this worker and not yet settled: every tensor-parallel rank applies, then EngineCore tells
+    each to keep it or to roll it back (vllm_patches/update_enginecore.py:inflight_commit)."""
+
+    version: int
+    previous_version: int
+    previous_held: HeldTensors | None
+    keep: Callable[[], None]
+    roll_back: Callable[[], None]
 
 
 class LiveWeights:
@@ -58,8 +78,10 @@ class LiveWeights:
     def __init__(self, worker: ServingWorker, checkpoint: ServedCheckpoint):
         self.worker, self.checkpoint = worker, checkpoint
         self.memory = "double"  # the commit path, one of UPDATE_MEMORY: chosen before the first update
+        self.version = 0  # the version of the live weights (0: the served checkpoint)
         # The whole tensors of what is live: the in-place path's rollback source and the next delta's base.
         self.held: HeldTensors | None = None
+        self.pending: PendingCommit | None = None  # applied, not yet settled (kept or rolled back)
         self._log_filter: _ExpectedReloadWarnings | None = None
 
     def choose_memory(self, mode: str, updated: bool) -> str:
@@ -84,11 +106,19 @@ class LiveWeights:
 
     def commit(self, stage: StagedUpdate | None, version: int, ordinal: int) -> CommitApplied:
         """Put `stage` (the worker's `ordinal`-th update) into the live model: swap in its prepared layers or reload it
-        in place. All-or-nothing; raises ManifestError naming what is staged unless it is `version`, verified."""
+        in place, keeping what undoes it until `settle`. All-or-nothing on this worker (a failure part-way restores
+        the previous weights, or raises RollbackFailed when that fails too); raises ManifestError naming what is
+        staged unless it is `version`, verified."""
         stage = check_committable(stage, version)
+        if self.pending is not None:  # EngineCore settles every commit; one it could not reach is kept
+            self.settle(self.pending.version, keep=True)
         start = time.perf_counter()
+        previous = self.held
         try:
-            swapped = self._swap(stage, ordinal) if stage.prepared is not None else self._in_place(stage, ordinal)
+            if stage.prepared is not None:
+                swapped, keep, roll_back = self._swap(stage, ordinal)
+            else:
+                swapped, keep, roll_back = self._in_place(stage, ordinal, previous)
         except Exception:
             stage.state = StageState.FAILED
             raise
@@ -97,27 +127,65 @@ class LiveWeights:
         # (on CUDA in host memory: StagedUpdate.kept); the device buffers go now, not at the next update.
         self.held = HeldTensors(version, stage.kept()) if stage.keeps_tensors else None
         stage.release()
-        applied = time.perf_counter() - start
-        # Freed weights and buckets go back to the OS every 30 s (INFLIGHT_TRIM_EVERY_S), off the engine's critical
-        # path: a trim after every commit added ~20 ms to each stall (inflight.wire.memory).
-        trim_after_update()
-        return CommitApplied(version, applied, swapped)
+        self.hold_pending(version, previous, keep, roll_back)
+        return CommitApplied(version, time.perf_counter() - start, swapped)
 
-    def _swap(self, stage: StagedUpdate, ordinal: int) -> int:
+    def hold_pending(
+        self, version: int, previous: HeldTensors | None, keep: Callable[[], None], roll_back: Callable[[], None]
+    ) -> None:
+        """`version` is live on this worker until `settle`; `roll_back` undoes it (the adapter's commit too)."""
+        self.pending = PendingCommit(version, self.version, previous, keep, roll_back)
+        self.version = version
+
+    def settle(self, version: int, keep: bool, ordinal: int = 0) -> str:
+        """Keep or roll back the commit of `version` applied on this worker; what was done ("kept", "rolled back", or
+        "nothing" when this worker has no such commit: it failed its own and restored itself). Raises RollbackFailed
+        when the rollback fails: this worker's weights are then neither version."""
+        pending = self.pending
+        if pending is None or pending.version != version:
+            return "nothing"
+        self.pending = None
+        if keep:
+            pending.keep()
+            # Freed weights and buckets go back to the OS every 30 s (INFLIGHT_TRIM_EVERY_S), off the engine's
+            # critical path: a trim after every commit added ~20 ms to each stall (inflight.wire.memory).
+            trim_after_update()
+            return "kept"
+        try:
+            if faults.fails("rollback", ordinal, self.worker.rank):
+                raise faults.InjectedFault(f"injected fault: update {ordinal} failed to roll back")
+            pending.roll_back()
+        except Exception as exc:
+            raise RollbackFailed(f"rank {self.worker.rank} could not roll back v{version}: {exc}") from exc
+        self.held, self.version = pending.previous_held, pending.previous_version
+        return "rolled back"
+
+    def _swap(self, stage: StagedUpdate, ordinal: int) -> tuple[int, Callable[[], None], Callable[[], None]]:
         stage.ready_on_current_stream()  # CUDA: the next step's kernels queue behind the preparation's
-        layers = faults.half_way(stage.prepared.layers, "swap", ordinal)
-        swapped = stage.prepared.swap_in(layers)  # all-or-nothing by itself; the old weights go on return
+        prepared = stage.prepared
+        layers = faults.half_way(prepared.layers, "swap", ordinal, self.worker.rank)
+        swapped = prepared.swap_in(layers)  # all-or-nothing by itself; the old layers are kept until settled
         self.worker.model_runner.reset_encoder_cache()  # what reload_weights also invalidates (multimodal caches)
-        return swapped
 
-    def _in_place(self, stage: StagedUpdate, ordinal: int) -> int:
+        def roll_back() -> None:
+            prepared.settle(keep=False)
+            self.worker.model_runner.reset_encoder_cache()
+
+        return swapped, lambda: prepared.settle(keep=True), roll_back
+
+    def _in_place(
+        self, stage: StagedUpdate, ordinal: int, previous: HeldTensors | None
+    ) -> tuple[int, Callable[[], None], Callable[[], None]]:
         stage.ready_on_current_stream()  # CUDA: the copies below queue behind the side stream's transfer
         try:
-            self._apply(faults.half_way(list(stage.tensors.items()), "apply", ordinal))
-        except Exception:
-            self._apply(self._rollback_source())
+            self._apply(faults.half_way(list(stage.tensors.items()), "apply", ordinal, self.worker.rank))
+        except Exception as failure:
+            try:
+                self._apply(self._rollback_source(previous))
+            except Exception as exc:
+                raise RollbackFailed(f"rank {self.worker.rank} could not restore its weights: {exc}") from failure
             raise
-        return 0
+        return 0, lambda: None, lambda: self._apply(self._rollback_source(previous))
 
     def _apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         model = self.worker.model_runner.get_model()
@@ -143,9 +211,10 @@ class LiveWeights:
             self._log_filter = _ExpectedReloadWarnings(expected)
             logging.getLogger(_LAYERWISE_LOGGER).addFilter(self._log_filter)
 
-    def _rollback_source(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.held is not None:
-            return iter(self.held.tensors.items())
+    def _rollback_source(self, held: HeldTensors | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole tensors of the version before the commit: kept ones, or the served checkpoint's."""
+        if held is not None:
+            return iter(held.tensors.items())
         return self.checkpoint.tensors()
 
 

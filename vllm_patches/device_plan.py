@@ -10,7 +10,12 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
 - `--update-memory double`: the processed copy built beside the live weights and swapped in (another 1x) — the
   buckets are released only once it is built, so the peak is 2x;
 - delta updates (the learner's `--full-every N > 1`): the whole tensors decoded from the delta payloads, beside the
-  payload buckets (another 1x at most).
+  payload buckets (another 1x at most);
+- while verifying, `sum31`'s padded copy of the largest tensor not a multiple of its row and its int64 workspace
+  (inflight/wire/checksum.py);
+- `low`: the largest layer vLLM's layerwise reload materialises at the commit, on the engine's stream;
+- the weights group's NCCL buffers, for as long as the group lives (`comm_bytes`, bounded by its `max_ctas`).
+`WeightSizes` (from the checkpoint's headers) gives the largest tensor and layer; `staging_plan` adds it all up.
 Nothing stays on the device between two updates: what a worker keeps of the live version — `low`'s rollback source
 of a failed in-place commit, a delta's base — the staging thread copies into pinned host memory before the update is
 staged (vllm_patches/staging.py:StagedUpdate.kept; 1x of host memory, `host_bytes`), and the device buffers go at the
@@ -20,9 +25,12 @@ commit.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from inflight.wire.checksum import SUM31_WORKSPACE_BYTES, sum31_pad_bytes
 
 GIB = 1 << 30
 # Bytes per element of the dtypes a serve computes in.
@@ -30,15 +38,45 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 # Of the fraction vLLM keeps after the reservation, at least this multiple of the weights: the weights themselves
 # plus room for activations and a KV cache worth serving with. Below it vLLM would fail later and less clearly.
 MIN_ENGINE_WEIGHTS_MULTIPLE = 1.25
+# NCCL device buffers per channel of one communicator, send and receive, all three protocols at their defaults
+# (Simple NCCL_BUFFSIZE 4 MiB, LL128 ~4.6 MiB, LL 256 KiB, each twice): an upper bound; the weights group's
+# broadcast uses at most `max_ctas` channels (inflight/wire/group.py:WEIGHTS_MAX_CTAS).
+NCCL_BYTES_PER_CHANNEL = 20 << 20
+# A tensor's layer: the name up to its block index ("model.layers.7.mlp.up_proj.weight" -> "model.layers.7").
+_LAYER = re.compile(r"^(.*?\.(?:layers|h|blocks|block)\.\d+)\.")
+
+
+@dataclass(frozen=True)
+class WeightSizes:
+    """A checkpoint's bytes in the serve's dtype: all of them, its largest tensor, its largest layer."""
+
+    total: int
+    largest_tensor: int
+    largest_layer: int
+
+
+def weight_sizes(tensor_bytes: dict[str, int]) -> WeightSizes:
+    """`WeightSizes` of tensors given as name -> bytes; a tensor outside any numbered block is a layer of its own."""
+    layers: dict[str, int] = {}
+    for name, nbytes in tensor_bytes.items():
+        match = _LAYER.match(name)
+        key = match.group(1) if match else name
+        layers[key] = layers.get(key, 0) + nbytes
+    values = list(tensor_bytes.values())
+    return WeightSizes(sum(values), max(values, default=0), max(layers.values(), default=0))
 
 
 @dataclass(frozen=True)
 class StagingPlan:
-    """What one update holds on the device, beyond the live weights."""
+    """What one update holds on the device, beyond the live weights. The three last fields default to 0 for a plan
+    of the weights alone; `staging_plan` fills them."""
 
     weight_bytes: int
     update_memory: str
     delta: bool
+    checksum_bytes: int = 0  # sum31's padded copy of the largest tensor and its workspace
+    layer_bytes: int = 0  # `low`: the largest layer the in-place reload materialises
+    comm_bytes: int = 0  # the weights group's NCCL buffers
 
     @property
     def host_bytes(self) -> int:
@@ -52,7 +90,8 @@ class StagingPlan:
         the decoded tensors beside their payloads."""
         prepared = self.weight_bytes if self.update_memory == "double" else 0
         decoded = self.weight_bytes if self.delta else 0
-        return self.weight_bytes + prepared + decoded
+        layer = self.layer_bytes if self.update_memory == "low" else 0
+        return self.weight_bytes + prepared + decoded + self.checksum_bytes + layer + self.comm_bytes
 
     def describe(self) -> str:
         held = (
@@ -62,6 +101,15 @@ class StagingPlan:
             f"staging plan: weights {self.weight_bytes / GIB:.2f} GiB, --update-memory {self.update_memory}: "
             f"an update needs {self.peak_bytes / GIB:.2f} GiB on the device at its peak{held}"
         )
+
+
+def staging_plan(sizes: WeightSizes, update_memory: str, delta: bool, max_ctas: int) -> StagingPlan:
+    """The staging plan of a checkpoint of `sizes` on CUDA: every device byte an update may hold (the module's list),
+    `delta` when the learner may send deltas (its --full-every > 1), `max_ctas` the weights group's channel cap."""
+    checksum = sum31_pad_bytes(sizes.largest_tensor) + SUM31_WORKSPACE_BYTES
+    return StagingPlan(
+        sizes.total, update_memory, delta, checksum, sizes.largest_layer, max_ctas * NCCL_BYTES_PER_CHANNEL
+    )
 
 
 @dataclass(frozen=True)
@@ -108,13 +156,22 @@ def plan_gpu_memory(staging: StagingPlan, device_bytes: int, utilization: float)
 def checkpoint_weight_bytes(model_dir: str | Path, dtype: str) -> int:
     """The bytes of every tensor in `model_dir`'s safetensors files once cast to `dtype`, from the files' JSON headers
     (never their data, never pickle)."""
+    return checkpoint_sizes(model_dir, dtype).total
+
+
+def checkpoint_sizes(model_dir: str | Path, dtype: str) -> WeightSizes:
+    """`WeightSizes` of `model_dir`'s safetensors tensors once cast to `dtype`, from the files' JSON headers."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype is {dtype!r}, expected one of {sorted(DTYPE_BYTES)} (resolve 'auto' first)")
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors file in {model_dir}: the staging plan reads the weights' shapes there")
-    elements = sum(_elements(path) for path in files)
-    return elements * DTYPE_BYTES[dtype]
+    per_tensor = {
+        name: _count(entry["shape"]) * DTYPE_BYTES[dtype]
+        for path in files
+        for name, entry in safetensors_header(path).items()
+    }
+    return weight_sizes(per_tensor)
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:
@@ -127,14 +184,11 @@ def safetensors_header(path: Path) -> dict[str, dict]:
     return header
 
 
-def _elements(path: Path) -> int:
-    total = 0
-    for entry in safetensors_header(path).values():
-        count = 1
-        for dim in entry["shape"]:
-            count *= int(dim)
-        total += count
-    return total
+def _count(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Called by `inflight.serve` (and the demo, the tests and the benchmarks). The eng
 per job, each created once in `start`:
 - `generate()`: `vllm_patches/generation.py:VersionedGeneration` — one behaviour logprob and one policy version per
   token, a cache salt per version, resubmission of requests an abort-resume update aborted;
-- `update()`: `vllm_patches/updates.py:WeightUpdates` — one weight update in the chosen mode (never-stop, keep-pause,
-  drain, abort-resume, blocking), the workers' staged signals awaited on `vllm_patches/updates.py:StagedSignals`;
+- `update()`: `vllm_patches/update_frontend.py:WeightUpdates` — one weight update in the chosen mode (never-stop,
+  keep-pause, drain, abort-resume, blocking), the workers' staged signals awaited on
+  `vllm_patches/update_frontend.py:StagedSignals`;
 - `set_weights_key()` and `join_weights_group()`: the workers' membership of the weights group, here.
 This module also turns an `EngineConfig` into vLLM's engine arguments, without importing vLLM (`engine_kwargs`).
 """
@@ -22,9 +23,9 @@ from inflight.wire.weights import UPDATE_MEMORY
 from vllm_patches.adapter import engine_lora_rank, lora_request
 from vllm_patches.device_plan import GpuMemoryPlan
 from vllm_patches.generation import RunningRequests, ServedVersion, VersionedGeneration
-from vllm_patches.routes import check_routed_checkpoint
+from vllm_patches.routes import check_routed_checkpoint, route_capture
 from vllm_patches.rpc import GroupJoined, rpc_result
-from vllm_patches.updates import StagedSignals, UpdateError, UpdateReport, WeightUpdates
+from vllm_patches.update_frontend import StagedSignals, UpdateError, UpdateReport, WeightUpdates
 
 if TYPE_CHECKING:  # vLLM is imported by `start`: this module's config checks run where no engine starts
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -150,6 +151,7 @@ def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
     step whose output is processed is the step that ran (vLLM's async scheduling overlaps the next step with it).
     """
     check_engine_config(cfg)
+    route_capture(device, cfg.routing_replay, cfg.enforce_eager, {})  # refuses graphs that would record no route
     return {
         "hf_overrides": {"head_dtype": cfg.head_dtype},
         "model": cfg.model,
@@ -223,6 +225,8 @@ class InflightEngine:
 
         if cfg.update_memory not in UPDATE_MEMORY:
             raise ValueError(f"update_memory is {cfg.update_memory!r}, expected one of {list(UPDATE_MEMORY)}")
+        # The route capture's runner choice (VLLM_USE_V2_MODEL_RUNNER=0 on CUDA) is read by vLLM's config: set first.
+        os.environ.update(route_capture(serve_device(), cfg.routing_replay, cfg.enforce_eager, os.environ).env)
         began = time.monotonic()
         llm = AsyncLLM.from_engine_args(engine_args(cfg))
         engine = cls(llm, StagedSignals(), version, cfg.lora_dir, cfg.routing_replay)
@@ -257,7 +261,8 @@ class InflightEngine:
     async def update(
         self, manifest_bytes: bytes, mode: str = "never-stop", kv: str = "keep", timeout_s: float = 120.0
     ) -> UpdateReport:
-        """Receive and commit one update in `mode` (vllm_patches/updates.py:WeightUpdates.run). Raises `UpdateError`
+        """Receive and commit one update in `mode` (vllm_patches/update_frontend.py:WeightUpdates.run).
+        Raises `UpdateError`
         with weights and version unchanged."""
         return await self.updates.run(manifest_bytes, mode, kv, timeout_s)
 

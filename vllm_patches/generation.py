@@ -7,7 +7,7 @@ It owns what the raw AsyncLLM leaves to the caller:
 - every request carries `cache_salt=<version at submission>`, so no prefix-cache hit crosses weight versions;
 - a request aborted by an abort-resume update is resubmitted (prompt + partial tokens, remaining budget) and stitched.
 
-`RunningRequests` is what an update's choreography (vllm_patches/updates.py) needs to know of generation: which
+`RunningRequests` is what an update's choreography (vllm_patches/update_frontend.py) needs to know of generation: which
 requests run, which one it aborted, and when generation may go on; `ServedVersion` is the version each commit sets.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm_patches.kv_age import kv_ages
-from vllm_patches.routes import RoutedExperts, stitch
+from vllm_patches.routes import RoutedExperts, check_route_coverage, stitch
 from vllm_patches.rpc import rpc_result
 
 if TYPE_CHECKING:  # vLLM is imported when a request is submitted: this module is imported for the config checks too
@@ -154,6 +154,8 @@ class VersionedGeneration:
             if self.record_routes:
                 done.routes = stitch(done.routes, await self._routes(rid))
             if not self.requests.take_aborted(rid):
+                if self.record_routes:
+                    check_route_coverage(done.routes, len(done.prompt_ids) + len(done.token_ids) - 1, request_id)
                 return done
             await self.requests.resumed.wait()
             done.resubmissions += 1

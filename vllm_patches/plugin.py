@@ -3,8 +3,9 @@
 scheduler (vllm_patches/kv_age.py).
 
 vLLM loads general plugins in every process; `register` is idempotent and only adds a method. The two utilities of a
-weight update, `inflight_commit` and `inflight_park`, are the EngineCore half of its choreography and live beside
-the front-end half (vllm_patches/updates.py); the others, which read a finished request's KV ages and routes, are here.
+weight update, `inflight_commit` and `inflight_park`, are the EngineCore half of its choreography and live in
+vllm_patches/update_enginecore.py (the front-end half is
+vllm_patches/update_frontend.py); the others, which read a finished request's KV ages and routes, are here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import time
 
 from vllm_patches.kv_age import KvAgeTracker, install
-from vllm_patches.updates import inflight_commit, inflight_park
+from vllm_patches.update_enginecore import inflight_commit, inflight_park
 
 
 def inflight_track_kv(self, version: int) -> int:

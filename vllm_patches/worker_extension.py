@@ -11,7 +11,9 @@ call. Flow for one update, one way:
    buckets while `execute_model` keeps running on the engine thread, and when done pushes a `StagedSignal` under the
    engine's `ticket` (`StagedNotifier`): the engine waits for that, it never asks.
 3. `inflight_commit_staged(version)` — called by the EngineCore utility `inflight_commit` between two steps — puts
-   the update into the live model (vllm_patches/commit.py). All-or-nothing: a failure restores the previous weights.
+   the update into the live model (vllm_patches/commit.py), keeping what undoes it, and answers whether it could;
+   then `inflight_settle_commit(version, keep)` keeps it on every rank, or rolls it back on every rank when any rank
+   failed (vllm_patches/update_enginecore.py): all-or-nothing across tensor-parallel ranks.
 
 A delta update (the manifest's `base_version`, inflight/wire/delta.py) is applied by the staging thread to the whole
 tensors this worker kept of its live version (`LiveWeights.held`: kept by the in-place path always, as its rollback
@@ -25,6 +27,7 @@ engine with `inflight_set_update_memory` (the serve's `--update-memory`; vllm_pa
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +38,14 @@ from inflight.wire.group import GroupAddress, WeightsGroup, member_rank
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
 from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
 from vllm_patches.checkpoint import ServedCheckpoint
-from vllm_patches.commit import LiveWeights, ModelRunner
+from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed
 from vllm_patches.cores import on_spare_cores
 from vllm_patches.prepared import ShadowPreparer
 from vllm_patches.routes import RoutedExperts, RouteRecorder
-from vllm_patches.rpc import CommitApplied, GroupJoined, HeldWeights, StageStatus
+from vllm_patches.rpc import GroupJoined, HeldWeights, RankCommit, RankSettled, StageStatus
 from vllm_patches.staging import PrepareUpdate, StagedNotifier, StagedUpdate, StageState, check_committable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,15 +89,32 @@ class WorkerUpdateState:
             return ShadowPreparer(model, manifest.version, self.updates, vllm_config)
         return None
 
-    def commit(self, version: int) -> CommitApplied:
-        """The staged update into the live adapter or model, between two engine steps."""
-        if self.adapter is not None:
+    def commit(self, version: int, rank: int) -> RankCommit:
+        """Phase one: the staged update into the live adapter or model, between two engine steps, undoable until
+        `settle`. Never raises: the outcome names this rank's failure, if any."""
+        try:
+            if self.adapter is None:
+                return RankCommit(rank, applied=self.live.commit(self.stage, version, self.updates))
             stage = check_committable(self.stage, version)
-            applied = self.adapter.commit(stage.prepared, version)
+            applied, roll_back = self.adapter.commit(stage.prepared, version)
             stage.state = StageState.COMMITTED
             stage.release()
-            return applied
-        return self.live.commit(self.stage, version, self.updates)
+            self.live.hold_pending(version, None, lambda: None, roll_back)
+            return RankCommit(rank, applied=applied)
+        except RollbackFailed as exc:
+            log.critical("rank %d: v%d failed and its rollback failed too: %s", rank, version, exc)
+            return RankCommit(rank, error=f"{exc} (after: {exc.__cause__})", restored=False)
+        except Exception as exc:
+            log.exception("rank %d could not commit v%d (its previous weights are restored)", rank, version)
+            return RankCommit(rank, error=str(exc))
+
+    def settle(self, version: int, keep: bool, rank: int) -> RankSettled:
+        """Phase two: keep the commit of `version` or roll it back, as EngineCore decided for every rank."""
+        try:
+            return RankSettled(rank, self.live.settle(version, keep, self.updates))
+        except RollbackFailed as exc:
+            log.critical("%s: this rank's weights are neither version", exc)
+            return RankSettled(rank, "failed", str(exc))
 
 
 class InflightWorkerExtension:
@@ -185,19 +207,34 @@ class InflightWorkerExtension:
 
     def inflight_wait_staged(self, timeout_s: float) -> bool:
         """Block until the current update has finished staging or `timeout_s` passed (EngineCore parks in this
-        while paused: vllm_patches/updates.py:inflight_park); whether it finished. Nothing begun: True at once."""
+        while paused: vllm_patches/update_enginecore.py:inflight_park); whether it finished. Nothing begun: True
+        at once."""
         stage = self._inflight_state().stage
         return stage is None or stage.wait(timeout_s)
 
-    def inflight_commit_staged(self, version: int) -> CommitApplied:
-        """Put the verified staged update into the live model: swap in its prepared layers (`double`) or reload it in
-        place (`low`); an adapter update into the adapter's slot. All-or-nothing; raises if nothing valid is staged."""
-        return self._inflight_state().commit(version)
+    def inflight_commit_staged(self, version: int) -> RankCommit:
+        """Phase one of a commit: put the verified staged update into the live model — swap in its prepared layers
+        (`double`) or reload it in place (`low`); an adapter update into the adapter's slot — keeping what undoes it.
+        All-or-nothing on this rank; a failure is returned, not raised (`RankCommit` says why)."""
+        return self._inflight_state().commit(version, self.rank)
+
+    def inflight_settle_commit(self, version: int, keep: bool) -> RankSettled:
+        """Phase two: keep the commit of `version` (every rank applied it) or roll it back (one did not)."""
+        return self._inflight_state().settle(version, bool(keep), self.rank)
+
+    def inflight_live_version(self) -> int:
+        """The version of this rank's live weights (0: the served checkpoint); tests check every rank agrees."""
+        return self._inflight_state().live.version
 
     def inflight_use_adapter(self, path: str) -> bool:
         """Serve the PEFT adapter at `path` (loaded by the engine under vllm_patches/adapter.py:ADAPTER_ID): from now on
         every update must be an update of it. Returns True."""
         self._inflight_state().adapter = AdapterSlot(self.model_runner, ServedAdapter.read(path))
+        return True
+
+    def inflight_reset_lora_state(self) -> bool:
+        """Run vLLM's own `reset_lora_state` (what its `reload_weights` ends with); tests: the live adapter survives."""
+        self.model_runner.reset_lora_state()
         return True
 
     def inflight_record_routes(self) -> int:

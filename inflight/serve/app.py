@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inflight.config import parse_dataclass, setup_logging
-from inflight.machine import is_cuda, query_cuda_device, resolve_precision, serve_device
+from inflight.machine import front_end_process_env, is_cuda, query_cuda_device, resolve_precision, serve_device
 from inflight.models import MODEL_NAMES, checkpoint_fingerprint, resolve_model
 from inflight.serve.config import ServeConfig
 from inflight.serve.eval import Evaluation, load_eval_problems
@@ -34,9 +34,10 @@ from inflight.tasks.loading import load_task
 from inflight.tasks.rewards import Reward, load_rewards
 from inflight.wire.contract import RunContract
 from inflight.wire.control import Ask, TensorSpec
+from inflight.wire.group import WEIGHTS_MAX_CTAS
 from inflight.wire.rollouts import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
-from vllm_patches.device_plan import StagingPlan, checkpoint_weight_bytes, cpu_threads_bind, plan_gpu_memory
+from vllm_patches.device_plan import checkpoint_sizes, cpu_threads_bind, plan_gpu_memory, staging_plan
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when a serve starts (see `serve`)
     from inflight.serve.control import ControlClient
@@ -161,9 +162,11 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
     mode = cfg.engine_mode(device)
     plan = None
     if is_cuda(device):
-        # The serve cannot know whether the learner will send deltas (--full-every is the learner's): the plan
-        # counts none, and `low`'s held copy of the last update is the same size as a delta base would be.
-        staging = StagingPlan(checkpoint_weight_bytes(model_path, cfg.dtype), mode.update_memory, delta=False)
+        # The plan is made before the serve asks the learner, so it cannot know whether deltas will come (the
+        # learner's --full-every): it counts none (issue 40, point 4: to be learnt through Ask), and `low`'s held
+        # copy of the last update is the same size as a delta base would be.
+        sizes = checkpoint_sizes(model_path, cfg.dtype)
+        staging = staging_plan(sizes, mode.update_memory, delta=False, max_ctas=WEIGHTS_MAX_CTAS)
         plan = plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization)
     return EngineConfig(
         model=str(model_path),
@@ -289,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_dataclass(ServeConfig, argv, "python -m inflight.serve", about)
     setup_logging()
     device = serve_device()
+    os.environ.update(front_end_process_env(device, os.environ))  # before vLLM is imported: `serve` imports it
     precision = resolve_precision(cfg.dtype, device)
     log.info("serve precision: %s (%s)", precision.dtype, precision.reason)
     log.info("serve device: %s; memory sized by %s", device, cfg.memory_sizing(device))

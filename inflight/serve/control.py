@@ -34,7 +34,7 @@ from inflight.wire.control import (
     encode_control,
 )
 from inflight.wire.secure import CurveKeys
-from vllm_patches.updates import UpdateError
+from vllm_patches.update_frontend import UpdateError
 
 log = logging.getLogger("inflight.serve")
 

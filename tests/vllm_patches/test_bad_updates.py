@@ -17,7 +17,7 @@ from support import Sender, greedy, load_state
 from transformers import AutoTokenizer
 
 from inflight.wire.weights import UpdateManifest, pack_bucket
-from vllm_patches.updates import UpdateError
+from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
 TIMEOUT_S = 4.0

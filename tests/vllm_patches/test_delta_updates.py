@@ -14,7 +14,7 @@ from inflight.run.demo import DEMO_FLAGS
 from inflight.wire.checksum import tensor_checksum
 from inflight.wire.weights import plan_update
 from vllm_patches.rpc import HeldWeights, rpc_result
-from vllm_patches.updates import UpdateError
+from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
 

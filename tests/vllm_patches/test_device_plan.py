@@ -94,3 +94,60 @@ def test_more_cpu_workers_than_cores_is_refused_naming_the_flag():
 
     with pytest.raises(ValueError, match="--tensor-parallel-size 3 on a CPU serve"):
         cpu_threads_bind([0, 1], 3)
+
+
+def test_a_layers_bytes_group_its_block_and_the_largest_tensor_and_layer_are_found():
+    from vllm_patches.device_plan import weight_sizes
+
+    sizes = weight_sizes(
+        {
+            "model.embed_tokens.weight": 100,
+            "model.layers.0.mlp.up_proj.weight": 30,
+            "model.layers.0.mlp.down_proj.weight": 30,
+            "model.layers.1.mlp.experts.w13": 70,
+            "model.layers.10.self_attn.q_proj.weight": 5,
+        }
+    )
+    assert (sizes.total, sizes.largest_tensor, sizes.largest_layer) == (235, 100, 100)  # the embedding is a layer
+    assert weight_sizes({"model.layers.1.a": 70, "model.layers.1.b": 40, "lm_head.weight": 90}).largest_layer == 110
+
+
+def test_the_staging_plan_counts_checksum_padding_the_reloaded_layer_and_the_weights_groups_buffers():
+    """Issue 40, point 4: memory outside the old plan — sum31's padded copy and workspace, `low`'s materialised layer,
+    the communicator's buffers, deltas — is in the peak the engine's fraction is lowered by."""
+    from inflight.wire.checksum import SUM31_WORKSPACE_BYTES, sum31_pad_bytes
+    from vllm_patches.device_plan import NCCL_BYTES_PER_CHANNEL, WeightSizes, staging_plan
+
+    sizes = WeightSizes(total=TWO_B_BF16, largest_tensor=(1 << 20) + 3, largest_layer=300 << 20)
+    low = staging_plan(sizes, "low", delta=False, max_ctas=4)
+    extra = sum31_pad_bytes((1 << 20) + 3) + SUM31_WORKSPACE_BYTES + (300 << 20) + 4 * NCCL_BYTES_PER_CHANNEL
+    assert low.peak_bytes == TWO_B_BF16 + extra
+    double = staging_plan(sizes, "double", delta=True, max_ctas=4)
+    assert double.peak_bytes == 3 * TWO_B_BF16 + extra - (300 << 20)  # no in-place reload in double
+    assert sum31_pad_bytes(1 << 17) == 0 and sum31_pad_bytes(1) == 1 << 17
+
+
+def test_a_host_arena_holds_one_version_in_exactly_its_planned_bytes_and_refuses_more():
+    """Issue 40, point 5: one buffer reused by every update, never a second copy; the old per-update pinned copies
+    cost 2x rounded up to powers of two."""
+    import torch
+
+    from vllm_patches.arenas import ArenaFull, HostArena, arena_offsets, caching_allocator_bytes
+
+    tensors = {"a": torch.arange(6, dtype=torch.bfloat16).view(2, 3), "b": torch.ones(5, dtype=torch.float32)}
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    offsets, planned = arena_offsets(sizes)
+    assert offsets == [0, 64] and planned == 128
+    arena = HostArena(planned, pin=False)
+    buffer = arena.buffer.data_ptr()
+    for step in range(10):
+        held = arena.copy_in({name: t + step for name, t in tensors.items()})
+        assert arena.buffer.data_ptr() == buffer and arena.nbytes == planned
+    assert torch.equal(held["a"], tensors["a"] + 9) and torch.equal(held["b"], tensors["b"] + 9)
+    with pytest.raises(ArenaFull, match="need 192 bytes of host arena, the plan sized 128"):
+        arena.views({**tensors, "c": torch.zeros(1)})
+    assert arena.empty(128).numel() == 128
+    with pytest.raises(ArenaFull, match="need 192 bytes of host arena"):
+        arena.empty(129)
+    assert caching_allocator_bytes([12, 20]) == 2 * (16 + 32)
+    assert caching_allocator_bytes([3 << 30]) == 2 * (4 << 30)  # a 3 GiB expert block pins 8 GiB the old way

@@ -92,3 +92,67 @@ def test_every_argument_is_a_field_of_vllms_async_engine_args() -> None:
 def test_routing_replay_turns_prefix_caching_off_since_a_cached_block_has_no_route() -> None:
     assert engine_kwargs(EngineConfig(model="m"), "cpu")["enable_prefix_caching"] is True
     assert engine_kwargs(EngineConfig(model="m", routing_replay=True), "cpu")["enable_prefix_caching"] is False
+
+
+@pytest.mark.parametrize(
+    ("device", "eager", "environ", "mechanism", "env"),
+    [
+        ("cpu", True, {}, "recorder", {}),
+        ("cuda", True, {}, "recorder", {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        ("cuda:1", True, {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "recorder", {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+    ],
+)
+def test_routing_replay_records_on_the_v1_runner_eager_on_every_device(device, eager, environ, mechanism, env):
+    """Issue 40, point 2: the capture is a pure function of the engine config; on CUDA it pins the V1 runner."""
+    from vllm_patches.routes import route_capture
+
+    capture = route_capture(device, True, eager, environ)
+    assert (capture.mechanism, capture.env) == (mechanism, env)
+    assert route_capture(device, False, False, {"VLLM_USE_V2_MODEL_RUNNER": "1"}).mechanism == "none"
+
+
+@pytest.mark.parametrize(
+    ("eager", "environ", "names"),
+    [(False, {}, "--enforce-eager false"), (True, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "VLLM_USE_V2_MODEL_RUNNER=1")],
+)
+def test_a_cuda_config_under_which_routes_would_go_unrecorded_is_refused_naming_it(eager, environ, names):
+    """CUDA graphs replay the MoE layers without the Python capture; Model Runner V2 is refused by the recorder."""
+    from vllm_patches.routes import route_capture
+
+    with pytest.raises(ValueError, match=f"--routing-replay on with {names}"):
+        route_capture("cuda", True, eager, environ)
+    if not eager:
+        cfg = planned(EngineConfig(model="m", routing_replay=True, enforce_eager=False, update_memory="low"))
+        with pytest.raises(ValueError, match="no route would be recorded"):
+            engine_kwargs(cfg, "cuda")
+
+
+def test_the_recorder_refuses_a_runner_that_replays_cuda_graphs():
+    """The worker's own guard, on vLLM's real CompilationConfig: graphs on means no capture runs on replay."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from vllm_patches.routes import check_eager_runner
+
+    def runner(mode):
+        return SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=CompilationConfig(cudagraph_mode=mode)))
+
+    check_eager_runner(runner(CUDAGraphMode.NONE))
+    with pytest.raises(ValueError, match="FULL_AND_PIECEWISE.*--enforce-eager true"):
+        check_eager_runner(runner(CUDAGraphMode.FULL_AND_PIECEWISE))
+
+
+def test_a_request_whose_routes_miss_fed_positions_fails_instead_of_sending_a_rollout_without_them():
+    """Issue 40, point 2: no configuration records nothing silently, whatever the reason the capture did not run."""
+    from vllm_patches.routes import RoutedExperts, check_route_coverage
+
+    def routes(positions: int) -> RoutedExperts:
+        return RoutedExperts(bytes(positions * 2 * 4), positions, layers=2, top_k=4, dtype="uint8")
+
+    check_route_coverage(routes(9), fed=9, request_id="r")
+    check_route_coverage(None, fed=0, request_id="r")  # nothing was fed: nothing to record
+    with pytest.raises(RuntimeError, match="request r has routes for 0 of its 9 fed positions"):
+        check_route_coverage(None, fed=9, request_id="r")
+    with pytest.raises(RuntimeError, match="routes for 5 of its 9"):
+        check_route_coverage(routes(5), fed=9, request_id="r")

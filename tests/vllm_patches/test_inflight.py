@@ -12,7 +12,7 @@ from support import PROMPTS, Sender, chat_ids, greedy, load_state, perturbed_che
 from transformers import AutoTokenizer
 from vllm import SamplingParams
 
-from vllm_patches.updates import UpdateError
+from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
 LONG = 320

@@ -22,7 +22,7 @@ from vllm import SamplingParams
 from inflight.wire.weights import AdapterSpec, plan_manifest
 from vllm_patches.adapter import ServedAdapter
 from vllm_patches.device_plan import checkpoint_weight_bytes
-from vllm_patches.updates import UpdateError
+from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
 
@@ -106,6 +106,20 @@ def test_an_adapter_committed_in_flight_answers_exactly_like_a_fresh_engine_with
     loop.run_until_complete(push_adapter(env["sender"], engine, env["a"], engine.version + 1, env["spec"]))
     back = loop.run_until_complete(greedy(engine, env["tok"], tag="a2"))
     assert_same_outputs(back, env["before"], "adapter B -> A vs A before any update")
+
+
+def test_a_committed_adapter_survives_vllms_reset_of_its_lora_state(lora_env, loop):
+    """Issue 40, point 7: vLLM's `reset_lora_state` drops every registered adapter, and the next request reloaded the
+    serve's *initial* adapter from its start directory, answering with A while tagging tokens with B's version."""
+    env, engine = lora_env, lora_env["engine"]
+    if env["base"].name != "tiny-qwen2":
+        pytest.skip("the LoRA manager's reload does not depend on the model: run once, on the fastest")
+    report = loop.run_until_complete(push_adapter(env["sender"], engine, env["b"], engine.version + 1, env["spec"]))
+    assert loop.run_until_complete(engine.llm.collective_rpc("inflight_reset_lora_state")) == [True]
+    after = loop.run_until_complete(greedy(engine, env["tok"], tag="b-after-reset"))
+    assert_same_outputs(after, env["fresh_b"], "adapter B after vLLM's reset_lora_state vs a fresh engine with B")
+    assert all(set(g.versions) == {report.version} for g in after)
+    loop.run_until_complete(push_adapter(env["sender"], engine, env["a"], engine.version + 1, env["spec"]))
 
 
 def test_an_adapter_of_another_rank_or_a_full_update_is_refused_before_any_bucket_moves(lora_env, loop):

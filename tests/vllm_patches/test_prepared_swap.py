@@ -70,15 +70,15 @@ def test_a_changed_attribute_set_marks_what_the_live_module_had_and_the_shadow_d
     assert changed["extra"] is _MISSING and "_modules" not in changed
 
 
-@pytest.mark.parametrize("spec", ["prepare", "swap@0", "load@1", "prepare@x"])
+@pytest.mark.parametrize("spec", ["prepare", "swap@0", "load@1", "prepare@x", "swap@1:x"])
 def test_a_malformed_fault_plan_is_refused_naming_the_item_and_the_form(spec):
-    with pytest.raises(ValueError, match=r"INFLIGHT_FAULT_UPDATE has .*expected <phase>@<n>"):
+    with pytest.raises(ValueError, match=r"INFLIGHT_FAULT_UPDATE has .*expected <phase>@<n>\[:<rank>\]"):
         faults._parse(spec)
 
 
 def test_a_fault_plan_fails_exactly_the_planned_updates_half_way():
-    plan = faults._parse("prepare@1,swap@2, swap@3")
-    assert plan == {"prepare": frozenset({1}), "swap": frozenset({2, 3})}
+    plan = faults._parse("prepare@1,swap@2, swap@3:1")
+    assert plan == {"prepare": frozenset({(1, None)}), "swap": frozenset({(2, None), (3, 1)})}
     items = list(range(10))
     assert list(faults.half_way(items, "prepare", 2)) == items  # not planned (PLANNED is empty here): all of them
 
@@ -136,3 +136,20 @@ def test_the_staging_thread_prepares_under_the_workers_vllm_config_which_loaders
     assert not errors and model.seen == [config]
     with pytest.raises(AssertionError, match="Current vLLM config is not set"):
         ShadowPreparer(model, 1, 1)({"w": torch.zeros(2)})
+
+
+def test_a_swap_settled_as_not_kept_puts_every_old_attribute_back():
+    """Tensor parallelism: this rank swapped, another failed, so this one is rolled back (the undo kept by swap_in)."""
+    model = two_layers()
+    live = model[0]
+    old_weight, live.kernel = live.weight, "old packed handle"
+    shadow = shadow_tree(live)[0]
+    shadow._parameters["weight"] = torch.nn.Parameter(torch.ones(3, 3))
+    shadow.kernel = "new packed handle"
+    shadow.added = 1
+    prepared = PreparedWeights(1, [(live, _changed(live, shadow))])
+    prepared.swap_in()
+    assert live.kernel == "new packed handle" and live.added == 1
+    prepared.settle(keep=False)
+    assert live.weight is old_weight and live.kernel == "old packed handle" and not hasattr(live, "added")
+    assert prepared.replaced == []

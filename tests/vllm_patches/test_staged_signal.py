@@ -1,5 +1,6 @@
 """The staged signal over its real ZeroMQ ipc channel, without an engine: a worker's staging thread pushes
-(vllm_patches/staging.py:StagedNotifier), the engine's event loop awaits (vllm_patches/updates.py:StagedSignals). The
+(vllm_patches/staging.py:StagedNotifier), the engine's event loop awaits
+(vllm_patches/update_frontend.py:StagedSignals). The
 engine tests (test_inflight.py, test_bad_updates.py) run it between real processes."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from inflight.wire.weights import plan_manifest
 from vllm_patches.rpc import StageStatus
 from vllm_patches.staging import StagedNotifier, StagedUpdate
-from vllm_patches.updates import StagedSignals
+from vllm_patches.update_frontend import StagedSignals
 
 
 def a_status(state: str = "staged", version: int = 7, error: str | None = None) -> StageStatus:

@@ -10,7 +10,7 @@ import pytest
 from support import PROMPTS, Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
 from transformers import AutoTokenizer
 
-from vllm_patches.updates import UpdateError
+from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
 

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -18,15 +19,32 @@ from inflight.wire.group import NCCL_SURVIVE_PEERS, GroupAddress, WeightsGroup, 
 
 
 class _RecordingNCCL:
-    """Stands in for torch's ProcessGroupNCCL: keeps the environment its constructor saw."""
+    """Stands in for torch's ProcessGroupNCCL: keeps the environment and the NCCL config its constructor saw."""
 
     seen: list[dict[str, str | None]] = []
+    max_ctas: list[int] = []
 
     class Options:
         _timeout = None
 
+        def __init__(self):
+            self.config = types.SimpleNamespace(max_ctas=-(2**31), min_ctas=-(2**31))  # NCCL_CONFIG_UNDEF_INT
+
     def __init__(self, store, rank, world_size, opts):
         _RecordingNCCL.seen.append({name: os.environ.get(name) for name in NCCL_SURVIVE_PEERS})
+        _RecordingNCCL.max_ctas.append(opts.config.max_ctas)
+
+
+def test_an_nccl_weights_group_may_occupy_at_most_its_cap_of_ctas(monkeypatch):
+    """Issue 40, point 6: a broadcast waiting on a slow learner must not hold the SMs the engine's kernels need."""
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _RecordingNCCL, raising=False)
+    _RecordingNCCL.max_ctas.clear()
+    for address in (
+        GroupAddress("127.0.0.1", 0, 2, backend="nccl"),
+        GroupAddress("h", 0, 2, backend="nccl", max_ctas=8),
+    ):
+        group_mod._make_process_group(store=None, rank=1, address=address, timeout=None)
+    assert _RecordingNCCL.max_ctas == [group_mod.WEIGHTS_MAX_CTAS, 8]
 
 
 def test_an_nccl_weights_group_is_built_under_error_handling_that_aborts_the_communicator_not_the_process(
@@ -77,15 +95,18 @@ def _nccl_member(pg) -> WeightsGroup:
     return member
 
 
-def test_closing_an_nccl_group_aborts_it_on_a_thread_of_its_own_and_returns_within_the_wait(monkeypatch):
-    monkeypatch.setattr(group_mod, "ABORT_WAIT_S", 0.2)
+def test_closing_an_nccl_group_aborts_it_on_a_thread_of_its_own_and_never_waits_for_it():
+    """Issue 40, point 6: a worker closes on the engine's thread (a rejoin); it used to wait up to 10 s there."""
     pg = _HangingPG()
     member = _nccl_member(pg)
     start = time.monotonic()
     member.close()
     took = time.monotonic() - start
+    deadline = time.monotonic() + 5
+    while pg.aborted_on is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     pg.release.set()
-    assert took < 2.0, f"close() waited {took:.1f}s on a hanging abort"
+    assert took < 0.1, f"close() waited {took:.2f}s on a hanging abort"
     assert pg.aborted_on == "inflight-nccl-abort" and not pg.shutdown_called
     assert member.broken and member._pg is None
 
@@ -151,3 +172,49 @@ def test_both_workers_of_a_two_worker_serve_join_at_consecutive_ranks_and_receiv
     got = [torch.load(out) for out in outs]
     assert [g["rank"] for g in got] == [1, 2]
     assert all(g["sum"] == float(torch.arange(1024).sum()) for g in got)
+
+
+def test_closing_a_real_group_whose_broadcast_waits_on_a_sleeping_peer_returns_at_once_and_a_new_one_forms():
+    """Real gloo groups in one process: the learner (rank 0) sleeps instead of sending; the serve's staging thread
+    waits in the broadcast; the engine's thread closes the group (a rejoin) without waiting, and the next group of
+    the same members forms and carries a bucket."""
+    store = group_mod.open_store(GroupAddress("127.0.0.1", 0, world_size=2, timeout_s=5.0), is_host=True)
+
+    def pair(name: str) -> tuple[WeightsGroup, WeightsGroup]:
+        address = GroupAddress("127.0.0.1", store.port, world_size=2, group_name=name, timeout_s=5.0)
+        made: dict[int, WeightsGroup] = {}
+        joiner = threading.Thread(target=lambda: made.__setitem__(1, WeightsGroup(address, 1)))
+        joiner.start()
+        made[0] = WeightsGroup(address, 0, store)
+        joiner.join(30)
+        return made[0], made[1]
+
+    learner, serve = pair("sleeping-peer")
+    failed: list[BaseException] = []
+
+    def staging() -> None:
+        try:
+            serve.broadcast(torch.zeros(256))
+        except group_mod.WeightsGroupError as exc:
+            failed.append(exc)
+
+    receiving = threading.Thread(target=staging)
+    receiving.start()
+    time.sleep(0.3)  # the staging thread is inside the broadcast, waiting for rank 0
+    start = time.monotonic()
+    serve.close()
+    took = time.monotonic() - start
+    receiving.join(30)
+    assert took < 0.1, f"close() on the engine's thread waited {took:.2f}s"
+    assert not receiving.is_alive() and len(failed) == 1, "the waiting broadcast must fail, not hang"
+    learner.close()
+
+    learner, serve = pair("after-rejoin")
+    got = torch.zeros(8)
+    receiving = threading.Thread(target=serve.broadcast, args=(got,))
+    receiving.start()
+    learner.broadcast(torch.arange(8, dtype=torch.float32))
+    receiving.join(30)
+    assert torch.equal(got, torch.arange(8, dtype=torch.float32))
+    learner.close()
+    serve.close()

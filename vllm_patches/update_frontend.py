@@ -21,12 +21,9 @@ worker's staging thread pushes one `vllm_patches/rpc.py:StagedSignal` when it fi
 directory (mode 0700: only this user can connect), awaited with `zmq.asyncio`: nothing polls, and EngineCore and the
 worker never wait for it. Messages are msgpack-encoded `StagedSignal` records, validated on decode.
 
-The update's two EngineCore utilities are here too, the half of the choreography that runs in EngineCore (the plugin,
-vllm_patches/plugin.py, adds them to it). EngineCore runs utility calls in `_process_input_queue`, strictly between two
-`step()` calls, and on the synchronous step path (the CPU default, `--no-async-scheduling` on GPU) each step's outputs
-are stamped with `_weight_version` as the step finishes. Applying the staged weights and setting the version in the one
-call `inflight_commit` is therefore what makes per-token versions exact: every token sampled after the commit carries
-the new version, every token before it the old one.
+Runs in the front-end process (the serve's, or a test's), on the engine's asyncio loop. The update's EngineCore half,
+the utilities `inflight_commit` and `inflight_park`, is vllm_patches/update_enginecore.py; the workers' half is
+vllm_patches/worker_extension.py.
 """
 
 from __future__ import annotations
@@ -47,6 +44,7 @@ import zmq.asyncio
 
 from vllm_patches.generation import RunningRequests, ServedVersion
 from vllm_patches.rpc import CommitApplied, CommitResult, StagedSignal, StageStatus, rpc_result
+from vllm_patches.update_enginecore import RANKS_SPLIT
 
 if TYPE_CHECKING:  # see vllm_patches/generation.py: vLLM is imported by whoever starts the engine
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -54,7 +52,6 @@ if TYPE_CHECKING:  # see vllm_patches/generation.py: vLLM is imported by whoever
 log = logging.getLogger(__name__)
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
-KV_MODES = ("keep", "recompute")
 
 
 @dataclass
@@ -217,46 +214,12 @@ class WeightUpdates:
         try:
             result = await self.llm.engine_core.call_utility_async("inflight_commit", report.version, kv)
         except Exception as exc:
-            raise UpdateError(f"commit of v{report.version} failed, previous weights restored: {exc}") from exc
+            if RANKS_SPLIT in str(exc):
+                # A rank could not roll back: its weights are neither version. Serving on would mix them; stop.
+                log.critical("stopping the engine: %s", exc)
+                self.llm.shutdown()
+                raise UpdateError(f"commit of v{report.version} failed and the engine was stopped: {exc}") from exc
+            raise UpdateError(f"commit of v{report.version} failed: {exc}") from exc
         committed = rpc_result(result, CommitResult, "inflight_commit")
         report.commit_s, report.workers = committed.stall_s, committed.workers
         self.served.number = report.version
-
-
-# The EngineCore half: utilities the plugin adds to EngineCore (`self` is EngineCore).
-
-
-def inflight_commit(self, version: int, kv: str = "keep") -> CommitResult:
-    """EngineCore utility: commit the staged update on every worker and set the weight version, in one engine step gap.
-
-    kv="keep" leaves running requests' KV (computed by the old weights) in place; kv="recompute" preempts every running
-    request so its KV is recomputed by the new weights. A worker failure leaves the version unchanged and re-raises.
-    """
-    if kv not in KV_MODES:
-        raise ValueError(f"kv is {kv!r}, expected one of {KV_MODES}")
-    start = time.perf_counter()
-    workers = self.collective_rpc("inflight_commit_staged", args=(int(version),))
-    self._weight_version = str(int(version))
-    tracker = getattr(self.scheduler, "_inflight_kv", None)
-    if tracker is not None:
-        tracker.version = int(version)  # requests (re)started from the next step on compute KV at the new version
-    if kv == "recompute":
-        self.reset_prefix_cache(reset_running_requests=True)
-        if tracker is not None:
-            tracker.prefix_cache_reset()
-    return CommitResult(int(version), time.perf_counter() - start, workers)  # workers: CommitApplied each
-
-
-def inflight_park(self, timeout_s: float) -> bool:
-    """EngineCore utility for a paused update only: every worker waits in a blocking call until its update is staged
-    (or `timeout_s`); returns True once they all returned.
-
-    Between two RPCs a worker's main thread reads vLLM's shared-memory queue, and for 1 s after each message it reads
-    by busy-looping on `sched_yield` (vllm/distributed/device_communicators/shm_broadcast.py, `busy_loop_s`): each turn
-    takes the GIL back from the staging thread, which lives in the same process. While decoding, the main thread is in
-    `execute_model` and barely reads; paused, nothing comes for the whole transfer, and a keep-pause update (under 1 s
-    for SmolLM2 on 2 cores) is staged entirely inside that window. Parked in `inflight_wait_staged`, the main thread
-    sleeps on the stage's event instead (BENCHMARKS.md "Weight swap" has what it is worth). The staged signal still
-    tells the engine (`StagedSignals`, above); this only keeps the workers' main threads out of the way."""
-    self.collective_rpc("inflight_wait_staged", args=(float(timeout_s),))
-    return True

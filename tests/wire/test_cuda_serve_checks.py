@@ -1,0 +1,180 @@
+"""Issue 40's device checks, torch alone (no vLLM): each skips without CUDA, and scripts/gpu_check.sh runs them on a
+GPU machine. The CPU tests of the same decisions are tests/inflight/test_machine.py (point 1),
+tests/vllm_patches/test_device_plan.py (points 4 and 5) and tests/wire/test_group.py (point 6).
+
+1. a child forked after the serve front end's device checks initialises CUDA (and one forked after the old check,
+   `torch.cuda.is_available()`, does not: the check can fail);
+4. staging that overflows its device arena is refused while a concurrent "engine" stream keeps its cached blocks
+   (a plain allocation that overflows makes the caching allocator free them: `num_alloc_retries`);
+5. pinned host memory after ten updates stays at the arena's planned bytes;
+6. a weights-group broadcast stalled by a sleeping peer does not delay kernels on another stream (two GPUs).
+
+Whether CUDA is there is asked without initialising it here (inflight/machine.py:cuda_device_count): check 1 needs a
+parent that never ran cuInit."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from inflight import machine
+
+GPUS = machine.cuda_device_count()
+pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA")
+
+FORK_AFTER = """
+import os, sys, torch
+{check}
+pid = os.fork()
+if pid == 0:
+    try:
+        torch.ones(4, device="cuda").sum().item()
+        os._exit(0)
+    except Exception as exc:
+        print("child:", exc, file=sys.stderr)
+        os._exit(3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+FRONT_END_CHECKS = """
+from inflight import machine
+device = machine.serve_device()
+precision = machine.resolve_precision("auto", device)
+env = machine.front_end_process_env(device, os.environ)
+assert device == "cuda" and not torch.cuda.is_initialized(), (device, precision)
+"""
+
+
+def fork_after(check: str) -> subprocess.CompletedProcess:
+    script = FORK_AFTER.format(check=textwrap.dedent(check))
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_1_a_child_forked_after_the_front_ends_device_checks_initialises_cuda():
+    done = fork_after(FRONT_END_CHECKS)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_1_the_check_can_fail_a_child_forked_after_a_bare_availability_check_cannot_use_cuda():
+    done = fork_after("torch.cuda.is_available()")
+    assert done.returncode == 3, f"expected the forked child to fail (CUDA initialization error): {done.stderr}"
+
+
+def test_4_staging_that_overflows_its_arena_is_refused_and_the_engines_cached_blocks_survive():
+    from vllm_patches.arenas import ArenaFull, DeviceArena
+
+    engine = torch.cuda.Stream()
+    arena = DeviceArena(64 << 20, "cuda")
+    with torch.cuda.stream(engine):  # the engine's working set, freed into its cache as between two steps
+        blocks = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+        del blocks
+    engine.synchronize()
+    reserved, retries = torch.cuda.memory_reserved(), torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    staged: list[BaseException] = []
+
+    def stage() -> None:
+        try:
+            arena.empty((64 << 20) + 1)  # one byte more than the plan
+        except ArenaFull as exc:
+            staged.append(exc)
+
+    thread = threading.Thread(target=stage)
+    thread.start()
+    with torch.cuda.stream(engine):  # a concurrent prefill reuses its cached blocks
+        again = [torch.empty(256 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    thread.join()
+    engine.synchronize()
+    stats = torch.cuda.memory_stats()
+    assert len(staged) == 1, "the overflowing update must be refused"
+    assert stats.get("num_alloc_retries", 0) == retries, "the engine's cached blocks were freed"
+    assert torch.cuda.memory_reserved() == reserved and len(again) == 4
+
+
+def test_4_the_hazard_a_plain_staging_allocation_that_fails_frees_the_engines_cached_blocks():
+    engine = torch.cuda.Stream()
+    with torch.cuda.stream(engine):
+        block = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        del block
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    free, _ = torch.cuda.mem_get_info()
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(free + (1 << 30), dtype=torch.uint8, device="cuda")
+    assert torch.cuda.memory_stats().get("num_alloc_retries", 0) > retries  # the cache was emptied to retry
+
+
+def test_5_pinned_host_memory_after_ten_updates_stays_at_the_arenas_planned_bytes():
+    from vllm_patches.arenas import HostArena, arena_offsets, caching_allocator_bytes
+
+    shapes = [(1000, 1000), (333, 77), (4096,)]
+    sizes = [2 * int(torch.Size(s).numel()) for s in shapes]
+    _, planned = arena_offsets(sizes)
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
+    before = stats().get("allocated_bytes.current", 0)
+    arena = HostArena(planned, pin=True)
+    try:
+        for step in range(10):
+            update = {f"t{i}": torch.full(s, step, dtype=torch.bfloat16, device="cuda") for i, s in enumerate(shapes)}
+            held = arena.copy_in(update)
+        assert arena.pinned and arena.nbytes == planned
+        assert stats().get("allocated_bytes.current", 0) == before, "something else was pinned"
+        assert all(bool((t == 9).all()) for t in held.values())
+    finally:
+        arena.close()
+    old = [torch.empty(s, dtype=torch.bfloat16, pin_memory=True) for s in shapes for _ in range(2)]
+    if stats():
+        assert stats()["allocated_bytes.current"] - before >= caching_allocator_bytes(sizes) // 2
+    del old
+
+
+def _sleeping_peer(port: int, sleep_s: float) -> None:
+    from inflight.wire.group import GroupAddress, WeightsGroup
+
+    torch.cuda.set_device(1)
+    member = WeightsGroup(GroupAddress("127.0.0.1", port, 2, "stalled", "nccl", 60.0), 0)
+    time.sleep(sleep_s)  # a slow learner: the serve's broadcast waits on it
+    member.broadcast(torch.ones(64 << 20, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+
+
+def _kernels_s(stream: torch.cuda.Stream, a: torch.Tensor) -> float:
+    torch.cuda.synchronize(0)
+    start = time.perf_counter()
+    with torch.cuda.stream(stream):
+        for _ in range(50):
+            a = a @ a
+            a = a / a.norm()
+    stream.synchronize()
+    return time.perf_counter() - start
+
+
+@pytest.mark.skipif(GPUS < 2, reason="a weights group needs two GPUs (NCCL refuses two ranks on one device)")
+def test_6_a_broadcast_stalled_by_a_sleeping_peer_does_not_delay_kernels_on_another_stream():
+    from inflight.wire.group import GroupAddress, WeightsGroup, open_store
+
+    store = open_store(GroupAddress("127.0.0.1", 0, 2, timeout_s=60.0), is_host=True)
+    peer = mp.get_context("spawn").Process(target=_sleeping_peer, args=(store.port, 4.0))
+    peer.start()
+    torch.cuda.set_device(0)
+    member = WeightsGroup(GroupAddress("127.0.0.1", store.port, 2, "stalled", "nccl", 60.0), 1, store)
+    a = torch.randn(4096, 4096, device="cuda")
+    engine = torch.cuda.Stream()
+    alone = min(_kernels_s(engine, a) for _ in range(3))
+    bucket = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    receiving = threading.Thread(target=member.broadcast, args=(bucket,))
+    with torch.cuda.stream(torch.cuda.Stream()):
+        receiving.start()
+        time.sleep(0.5)  # the broadcast's kernel is resident, spinning for the sleeping peer
+        beside = min(_kernels_s(engine, a) for _ in range(3))
+    receiving.join(60)
+    peer.join(60)
+    print(f"\n50 matmuls alone {alone * 1e3:.1f} ms, beside a stalled broadcast {beside * 1e3:.1f} ms")
+    assert beside < 1.5 * alone and peer.exitcode == 0

@@ -1,0 +1,112 @@
+"""Arenas: buffers sized once by the staging plan (vllm_patches/device_plan.py) and reused by every update, so an
+update can hold no more than the plan says and fails alone when it would.
+
+Runs in the serve's worker process (vllm_patches/staging.py). Two kinds:
+- `DeviceArena`: one device buffer staging carves its tensors from. A staging allocation through the caching allocator
+  that fails makes the allocator free every cached block, the engine's included (`num_alloc_retries`), and the
+  engine's next prefill then goes to cudaMalloc and may run out; an arena overflow is refused before any allocation.
+- `HostArena`: the one page-locked host buffer a GPU worker keeps its live version's whole tensors in (the `low`
+  path's rollback source, a delta's base).
+
+Why not `torch.empty(..., pin_memory=True)` per update for the host copy: torch's CachingHostAllocator rounds every
+block up to a power of two and never gives a block back to the system, and the copy of update v+1 is made while v's
+still lives, so a worker pinned 2x the weights rounded up (a 7B model's 291 tensors: 30-45 GB per worker) while the
+plan said 1x. The arena is one allocation of exactly its bytes,
+page-locked with `cudaHostRegister` (no rounding, no cache), into which each update's tensors are copied at aligned
+offsets; nothing else is pinned, so the figure the plan prints is the figure the worker holds.
+
+1x needs the copy of v+1 to land only once v+1 is kept on every rank (vllm_patches/update_enginecore.py's second
+phase): until then the arena still holds v, the rollback source. `caching_allocator_bytes` is the model of the old
+behaviour that the tests and scripts/gpu_check.sh compare against. Staging does not use the arenas yet (issue 40,
+points 4 and 5: docs/gpus.md says what is left); their behaviour is proven on CPU and, torch alone, on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALIGN = 64  # bytes: every tensor starts on a cache line, and any dtype's alignment holds
+
+
+class ArenaFull(RuntimeError):
+    """An update's tensors do not fit the arena its plan sized: the update is refused, decoding goes on."""
+
+
+def arena_offsets(sizes: list[int], align: int = ALIGN) -> tuple[list[int], int]:
+    """Each tensor's offset in the arena, in order, and the arena's bytes: sizes laid end to end, each aligned."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // align) * align
+        offsets.append(start)
+        end = start + size
+    return offsets, -(-end // align) * align
+
+
+def caching_allocator_bytes(sizes: list[int], copies_alive: int = 2) -> int:
+    """Pinned bytes torch's CachingHostAllocator keeps for `copies_alive` per-tensor copies of `sizes`: each block
+    rounded up to a power of two, and never released (the figure the arena replaces)."""
+    return copies_alive * sum(1 << max(size - 1, 0).bit_length() for size in sizes)
+
+
+class Arena:
+    """`nbytes` of one buffer holding one update's (or one version's) tensors at a time, laid out by `arena_offsets`."""
+
+    kind = "arena"
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer, self.nbytes, self.pinned = buffer, buffer.numel(), False
+
+    def views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Views of the arena shaped and typed like `tensors`, laid out by `arena_offsets`; ArenaFull beyond it."""
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        offsets, needed = arena_offsets(sizes)
+        if needed > self.nbytes:
+            raise ArenaFull(
+                f"the update's {len(sizes)} tensors need {needed} bytes of {self.kind}, the plan sized {self.nbytes}: "
+                "the served checkpoint and the update disagree on the weights (refused; the engine serves on)"
+            )
+        return {
+            name: self.buffer[offset : offset + size].view(t.dtype).view(t.shape)
+            for (name, t), offset, size in zip(tensors.items(), offsets, sizes, strict=True)
+        }
+
+    def empty(self, size: int) -> torch.Tensor:
+        """One `size`-byte uint8 buffer (a bucket) from the arena's start; ArenaFull beyond it."""
+        return self.views({"bucket": torch.empty(size, dtype=torch.uint8, device="meta")})["bucket"]
+
+    def copy_in(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy `tensors` (any device) over whatever the arena held, waiting for the copies; returns the views."""
+        views = self.views(tensors)
+        for name, t in tensors.items():
+            views[name].copy_(t.reshape(views[name].shape), non_blocking=self.pinned)
+        if self.pinned:
+            torch.cuda.current_stream().synchronize()
+        return views
+
+
+class DeviceArena(Arena):
+    """`nbytes` on `device`, allocated once (at start, before vLLM sizes its KV cache)."""
+
+    kind = "device arena"
+
+    def __init__(self, nbytes: int, device: str | torch.device):
+        super().__init__(torch.empty(nbytes, dtype=torch.uint8, device=device))
+
+
+class HostArena(Arena):
+    """`nbytes` of host memory, page-locked when `pin` (a CUDA worker) with `cudaHostRegister`: exactly `nbytes`."""
+
+    kind = "host arena"
+
+    def __init__(self, nbytes: int, pin: bool):
+        super().__init__(torch.empty(nbytes, dtype=torch.uint8))
+        if pin and nbytes:
+            code = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
+            if int(code) != 0:
+                raise RuntimeError(f"cudaHostRegister of the {nbytes}-byte host arena failed with CUDA error {code}")
+            self.pinned = True
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
