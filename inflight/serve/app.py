@@ -37,7 +37,14 @@ from inflight.wire.control import Ask, TensorSpec
 from inflight.wire.group import WEIGHTS_MAX_CTAS
 from inflight.wire.rollouts import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
-from vllm_patches.device_plan import checkpoint_sizes, cpu_threads_bind, plan_gpu_memory, staging_plan
+from vllm_patches.device_plan import (
+    StagingPlan,
+    checkpoint_rank_sizes,
+    checkpoint_sizes,
+    cpu_threads_bind,
+    plan_gpu_memory,
+    staging_plan,
+)
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when a serve starts (see `serve`)
     from inflight.serve.control import ControlClient
@@ -152,6 +159,19 @@ def served_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
     return config
 
 
+DEFAULT_BUCKET_BYTES = 64 << 20  # the learner's (inflight/learn/publisher.py)
+
+
+def _staging(cfg: ServeConfig, model_path: Path, update_memory: str) -> StagingPlan:
+    """The staging plan of one worker: a tensor-parallel worker stages only its slices (issue 41) through one bucket
+    buffer, sized at the learner's default bucket (the largest whole tensor, which passes through it, dominates)."""
+    if cfg.tensor_parallel_size == 1:
+        sizes = checkpoint_sizes(model_path, cfg.dtype)
+        return staging_plan(sizes, update_memory, delta=False, max_ctas=WEIGHTS_MAX_CTAS)
+    sizes = checkpoint_rank_sizes(model_path, cfg.dtype, cfg.tensor_parallel_size)
+    return staging_plan(sizes, update_memory, False, WEIGHTS_MAX_CTAS, bucket_bytes=DEFAULT_BUCKET_BYTES)
+
+
 def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes: int) -> EngineConfig:
     """The engine's config on `device`: --enforce-eager and --update-memory resolved for it and, on CUDA, the
     staging plan made from the checkpoint's weight bytes (a ValueError naming the numbers and the flags when the
@@ -164,8 +184,7 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
         # The plan is made before the serve asks the learner, so it cannot know whether deltas will come (the
         # learner's --full-every): it counts none (issue 40, point 4: to be learnt through Ask), and `low`'s held
         # copy of the last update is the same size as a delta base would be.
-        sizes = checkpoint_sizes(model_path, cfg.dtype)
-        staging = staging_plan(sizes, mode.update_memory, delta=False, max_ctas=WEIGHTS_MAX_CTAS)
+        staging = _staging(cfg, model_path, mode.update_memory)
         plan = plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization)
     return EngineConfig(
         model=str(model_path),
