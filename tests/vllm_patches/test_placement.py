@@ -116,3 +116,13 @@ def test_a_tensor_of_unknown_layout_falls_back_to_full_and_is_named(resolved):
 def test_a_checkpoint_tensor_that_contradicts_the_live_parameter_is_refused_by_name(resolved):
     for answer in resolved["refused"]:
         assert isinstance(answer, str) and "q_proj.weight" in answer and "[96, 128]" in answer
+
+
+def test_the_staging_plan_counts_exactly_what_the_live_placements_keep_on_each_rank(resolved, request):
+    from vllm_patches.device_plan import TensorParallel, checkpoint_shapes, rank_sizes
+
+    name = request.node.callspec.params["resolved"]
+    shapes = checkpoint_shapes(request.getfixturevalue("model_dirs")[name])
+    planned = rank_sizes(shapes, 1, TensorParallel(TP, resolved["config"]["num_key_value_heads"])).total
+    for placements in resolved["ranks"]:
+        assert sum(p.kept_numel for n, p in placements.items() if n != UNKNOWN[0]) == planned
