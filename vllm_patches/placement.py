@@ -118,7 +118,7 @@ def _resolve_one(name: str, shape: tuple[int, ...], params: dict, modules: dict,
 def _one_to_one(name: str, shape: tuple[int, ...], param: torch.Tensor, module) -> Placement:
     """vLLM's m2n resolution: a known loader's declared dim, validated against both shapes."""
     tp = getattr(module, "tp_size", 1) or 1
-    declared = _base_loader_shard_dim(param, tp)
+    declared = _base_loader_shard_dim(_unwrapped(param), tp)
     if declared is None:
         loader = getattr(getattr(param, "weight_loader", None), "__qualname__", "none")
         return Placement(name, "full", shape, name, reason=f"loader {loader} is not a known tensor-parallel loader")
@@ -132,6 +132,23 @@ def _one_to_one(name: str, shape: tuple[int, ...], param: torch.Tensor, module) 
         return Placement(name, "replicated", shape, name)
     local = param.shape[dim]
     return Placement(name, "slice", shape, name, dim, module.tp_rank * local, local)
+
+
+def _unwrapped(param: torch.Tensor) -> torch.Tensor:
+    """`param`, or a meta copy of it with its own loader: vLLM's in-place reload wraps the recorded parameters'
+    loaders in `online_process_loader` (and keeps them so), which m2n's fail-closed check would not recognise."""
+    loader = getattr(param, "weight_loader", None)
+    if getattr(loader, "__name__", "") != "online_process_loader":
+        return param
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    probe = param.data.to("meta")
+    probe.__class__, probe.__dict__ = param.__class__, dict(param.__dict__)
+    try:
+        probe.weight_loader = loader
+    except AttributeError:  # a vLLM parameter class keeps it in `_weight_loader`
+        probe.__dict__["_weight_loader"] = loader
+    return probe
 
 
 def _vocab(name: str, shape: tuple[int, ...], param: torch.Tensor, module: VocabParallelEmbedding) -> Placement:
