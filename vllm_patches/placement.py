@@ -119,6 +119,8 @@ def _one_to_one(name: str, shape: tuple[int, ...], param: torch.Tensor, module) 
     """vLLM's m2n resolution: a known loader's declared dim, validated against both shapes."""
     tp = getattr(module, "tp_size", 1) or 1
     declared = _base_loader_shard_dim(_unwrapped(param), tp)
+    if declared is None and tuple(shape) == tuple(param.shape):  # not split here (a norm has no loader): kept whole
+        return Placement(name, "replicated", shape, name)
     if declared is None:
         loader = getattr(getattr(param, "weight_loader", None), "__qualname__", "none")
         return Placement(name, "full", shape, name, reason=f"loader {loader} is not a known tensor-parallel loader")
