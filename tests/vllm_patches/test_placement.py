@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 import os
 
+import msgspec
 import pytest
 from support import start_engine, stop_engine
+
+from vllm_patches.placement import Placement
 
 pytestmark = [
     pytest.mark.engine,
@@ -41,7 +44,13 @@ def resolved(request, loop, model_dirs, one_core_per_worker):
     finally:
         stop_engine(loop, engine)
     config = json.loads((model_dirs[request.param] / "config.json").read_text())
-    return {"config": config, "ranks": [{p.name: p for p in placements} for placements in by_rank], "refused": refused}
+    ranks = [{p.name: p for p in as_placements(placements)} for placements in by_rank]
+    return {"config": config, "ranks": ranks, "refused": refused}
+
+
+def as_placements(value) -> list[Placement]:
+    """A worker's answer as Placements (the RPC may hand them over as msgpack's lists and dicts)."""
+    return msgspec.convert(value, list[Placement])
 
 
 def expected_slice(name: str, shape: list[int], config: dict, rank: int) -> tuple[int, int, int] | None:

@@ -15,6 +15,8 @@ from test_swap_exact import assert_same_outputs
 from transformers import AutoTokenizer
 
 from inflight.wire.checksum import tensor_checksum
+from vllm_patches.placement import Placement
+from vllm_patches.rpc import HeldWeights, rpc_result
 
 pytestmark = [
     pytest.mark.engine,
@@ -64,8 +66,14 @@ def swapped(request, loop, model_dirs, fresh_b):
         loop.run_until_complete(sender.connect(engine))
         report = loop.run_until_complete(sender.push(engine, b_state, engine.version + 1))
         after = loop.run_until_complete(greedy(engine, tok, tag="b"))
-        held = loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))
-        placements = loop.run_until_complete(engine.llm.collective_rpc("inflight_placements"))
+        held = [
+            rpc_result(h, HeldWeights, "inflight_held_weights")
+            for h in loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))
+        ]
+        placements = [
+            rpc_result(p, list[Placement], "inflight_placements")
+            for p in loop.run_until_complete(engine.llm.collective_rpc("inflight_placements"))
+        ]
     finally:
         stop_engine(loop, engine)
     yield {"report": report, "after": after, "want": want, "b": b_state, "held": held, "placements": placements,
