@@ -145,7 +145,9 @@ def served_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
 
     device = serve_device()
     gpu = query_cuda_device() if is_cuda(device) else None  # in a child: this process keeps no CUDA context
-    if not is_cuda(device) and cfg.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    pool = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    one_pool = not pool or set(pool) <= set("0123456789,-")  # unset, or one core list (inflight.run's), not "0|1"
+    if not is_cuda(device) and cfg.tensor_parallel_size > 1 and one_pool:
         bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), cfg.tensor_parallel_size)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # read by the workers vLLM spawns
         log.info("CPU tensor parallelism: worker cores %s (VLLM_CPU_OMP_THREADS_BIND)", bind)
