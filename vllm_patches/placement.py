@@ -30,7 +30,13 @@ import msgspec
 import torch
 from vllm.distributed.weight_transfer.m2n_layout import _base_loader_shard_dim, _validated_shard_dim
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.model_loader.reload import layerwise
 
@@ -104,8 +110,8 @@ def _resolve_one(name: str, shape: tuple[int, ...], params: dict, modules: dict,
         if isinstance(module, VocabParallelEmbedding):
             return _vocab(name, shape, params[name], module)
         return _one_to_one(name, shape, params[name], module)
-    if (match := _EXPERT.match(name)) and isinstance(modules.get(match["layer"]), RoutedExperts):
-        return _expert(name, shape, match, modules[match["layer"]], params)
+    if (match := _EXPERT.match(name)) and (experts := _routed_experts(match["layer"], modules)) is not None:
+        return _expert(name, shape, match, *experts, params)
     for fused, parts in packed.items():
         for index, part in enumerate(parts):
             if prefix.endswith(f".{part}") or prefix == part:
@@ -115,10 +121,25 @@ def _resolve_one(name: str, shape: tuple[int, ...], params: dict, modules: dict,
     return Placement(name, "full", shape, reason="no live parameter of this name or of a known fused layer")
 
 
+def _routed_experts(layer: str, modules: dict) -> tuple[str, RoutedExperts] | None:
+    """The routed-experts module of an MoE layer and its name: `layer` itself, or its MoE runner's `routed_experts`
+    (vLLM's FusedMoEFactory returns a runner holding them)."""
+    module = modules.get(layer)
+    if isinstance(module, RoutedExperts):
+        return layer, module
+    inner = getattr(module, "routed_experts", None)
+    for name in (f"{layer}.routed_experts", layer):
+        if isinstance(inner, RoutedExperts) and modules.get(name) is inner:
+            return name, inner
+    return (layer, inner) if isinstance(inner, RoutedExperts) else None
+
+
 def _one_to_one(name: str, shape: tuple[int, ...], param: torch.Tensor, module) -> Placement:
     """vLLM's m2n resolution: a known loader's declared dim, validated against both shapes."""
     tp = getattr(module, "tp_size", 1) or 1
     declared = _base_loader_shard_dim(_unwrapped(param), tp)
+    if declared is None:
+        declared = _plain_parallel_dim(param, module, tp)
     if declared is None and tuple(shape) == tuple(param.shape):  # not split here (a norm has no loader): kept whole
         return Placement(name, "replicated", shape, name)
     if declared is None:
@@ -134,6 +155,23 @@ def _one_to_one(name: str, shape: tuple[int, ...], param: torch.Tensor, module) 
         return Placement(name, "replicated", shape, name)
     local = param.shape[dim]
     return Placement(name, "slice", shape, name, dim, module.tp_rank * local, local)
+
+
+def _plain_parallel_dim(param: torch.Tensor, module, tp: int) -> int | None:
+    """The split dim of a plain (not fused, not packed) column- or row-parallel linear's parameter, as its
+    `weight_loader`/`weight_loader_v2` narrows it (output_dim / input_dim at tp_rank * local size); None otherwise.
+    For the loaders m2n's identity check does not recognise on this platform."""
+    packed = any(getattr(param, a, None) is not None for a in ("packed_dim", "packed_factor", "marlin_tile_size"))
+    flags = any(bool(getattr(param, a, False)) for a in ("is_sharded_weight", "needs_scalar_to_array", "is_transposed"))
+    if packed or flags or getattr(module, "tp_size", None) != tp:
+        return None
+    if isinstance(module, RowParallelLinear):
+        dim = getattr(param, "input_dim", None)
+    elif isinstance(module, ColumnParallelLinear) and not isinstance(module, MergedColumnParallelLinear):
+        dim = getattr(param, "output_dim", None)
+    else:
+        return None
+    return dim if isinstance(dim, int) and dim >= 0 else None
 
 
 def _unwrapped(param: torch.Tensor) -> torch.Tensor:
@@ -205,16 +243,19 @@ def _qkv_part(module: QKVParallelLinear, index: int) -> tuple[int, int, int, int
     return q + kv, v, kv_rank * v, module.total_num_kv_heads * module.v_head_size
 
 
-def _expert(name: str, shape: tuple[int, ...], match: re.Match, module: RoutedExperts, params: dict) -> Placement:
+def _expert(
+    name: str, shape: tuple[int, ...], match: re.Match, layer: str, module: RoutedExperts, params: dict
+) -> Placement:
     """One expert's projection: FusedMoE._load_w13/_load_w2 on an unquantised layer (w13 [E, 2I, H], w2 [E, H, I])."""
     local = module._map_global_expert_id_to_local_expert_id(int(match["expert"]))
     if local == -1:
         return Placement(name, "absent", shape, reason="an expert another expert-parallel rank holds")
     w13 = match["proj"] in _W13_PART
-    target = f"{match['layer']}.{'w13_weight' if w13 else 'w2_weight'}"
+    target = f"{layer}.{'w13_weight' if w13 else 'w2_weight'}"
     param = params.get(target)
-    method = type(getattr(module, "quant_method", None)).__name__
-    if param is None or method != "UnquantizedFusedMoEMethod" or not module.moe_config.is_act_and_mul:
+    method = getattr(module, "quant_method", None)
+    if param is None or not isinstance(method, UnquantizedFusedMoEMethod) or not module.moe_config.is_act_and_mul:
+        method = type(method).__name__ if param is not None else f"{target} (no such parameter)"
         return Placement(name, "full", shape, target, reason=f"expert layout of {method} is not known")
     parallel = module.moe_config.moe_parallel_config
     dim = 0 if w13 else 1  # the checkpoint's intermediate dim: gate/up [I, H], down [H, I]
