@@ -4,9 +4,10 @@ today's whole tensors, side by side in one run on one engine.
     python -m benchmarks.sliced_staging [--model tiny-moe] [--update-memory low] [--repeats 3]
 
 Runs on the driver; starts one real engine (`tensor_parallel_size=2`, a core per worker) and plays the learner's rank
-0 itself (tests/support.py:Sender, gloo). For each staging mode (`inflight_set_staging`: "sliced" first, then
-"full", so a full update's freed heap cannot hide a sliced one's growth) it pushes `--repeats` never-stop updates,
-alternating checkpoints A and B, and records per update the bytes each worker staged (`UpdateReport.bytes_kept`,
+0 itself (tests/support.py:Sender, gloo). After one warm-up update (a fresh engine's first is the costly one) it
+pushes `--repeats` never-stop updates per staging mode (`inflight_set_staging`), the modes interleaved in alternating
+order, the checkpoints A and B alternating, and records per update the bytes each worker staged
+(`UpdateReport.bytes_kept`,
 exact) and each worker's resident memory peak above its value before the update (`/proc/<pid>/statm`, polled every
 10 ms: benchmarks/weight_swap.py:PeakRss). Medians and their ratios are printed and written to
 benchmarks/results/sliced_staging-<model>-<update memory>.json. Counts are exact; the resident figures are one
@@ -43,10 +44,12 @@ async def _one_update(engine, sender, state, pids: list[int]) -> dict:
 
 async def run(engine, sender, states, repeats: int) -> dict[str, list[dict]]:
     pids = await engine.llm.collective_rpc("inflight_worker_pid")
-    out: dict[str, list[dict]] = {}
-    for mode in ("sliced", "full"):
-        await engine.llm.collective_rpc("inflight_set_staging", args=(mode,))
-        out[mode] = [await _one_update(engine, sender, states[i % 2], pids) for i in range(repeats)]
+    out: dict[str, list[dict]] = {"sliced": [], "full": []}
+    await _one_update(engine, sender, states[1], pids)  # warm-up: a fresh engine's first update is the costly one
+    for i in range(repeats):
+        for mode in ("sliced", "full") if i % 2 == 0 else ("full", "sliced"):
+            await engine.llm.collective_rpc("inflight_set_staging", args=(mode,))
+            out[mode].append(await _one_update(engine, sender, states[len(out[mode]) % 2], pids))
     return out
 
 
