@@ -89,7 +89,7 @@ def checkpoint_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         info = layerwise.LAYERWISE_INFO.get(module)
         recorded = info.restore_metadata[0] if info is not None else {}
         own = dict(module.named_parameters(recurse=False))
-        for name, tensor in (recorded or own).items():
+        for name, tensor in {**own, **recorded}.items():  # vLLM records no bias (never put on meta): the live one
             out[f"{prefix}.{name}" if prefix else name] = tensor
     return out
 
