@@ -125,7 +125,7 @@ class LiveWeights:
         stage.state = StageState.COMMITTED
         # The swap path keeps whole tensors only when the learner may send a delta next (keep_base): a model's copy
         # (on CUDA in host memory: StagedUpdate.kept); the device buffers go now, not at the next update.
-        self.held = HeldTensors(version, stage.kept()) if stage.keeps_tensors else None
+        self.held = HeldTensors(version, stage.kept(), stage.layout) if stage.keeps_tensors else None
         stage.release()
         self.hold_pending(version, previous, keep, roll_back)
         return CommitApplied(version, time.perf_counter() - start, swapped)
@@ -178,7 +178,8 @@ class LiveWeights:
     ) -> tuple[int, Callable[[], None], Callable[[], None]]:
         stage.ready_on_current_stream()  # CUDA: the copies below queue behind the side stream's transfer
         try:
-            self._apply(faults.half_way(list(stage.tensors.items()), "apply", ordinal, self.worker.rank))
+            staged = faults.half_way(list(stage.tensors.items()), "apply", ordinal, self.worker.rank)
+            self._apply(stage.layout.carriers(staged) if stage.layout is not None else staged)
         except Exception as failure:
             try:
                 self._apply(self._rollback_source(previous))
@@ -213,8 +214,8 @@ class LiveWeights:
 
     def _rollback_source(self, held: HeldTensors | None) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole tensors of the version before the commit: kept ones, or the served checkpoint's."""
-        if held is not None:
-            return iter(held.tensors.items())
+        if held is not None:  # a tensor-parallel rank's slices go back into the loaders' shapes
+            return held.layout.carriers(held.tensors.items()) if held.layout is not None else iter(held.tensors.items())
         return self.checkpoint.tensors()
 
 

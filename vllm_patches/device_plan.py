@@ -16,6 +16,9 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
 - `low`: the largest layer vLLM's layerwise reload materialises at the commit, on the engine's stream;
 - the weights group's NCCL buffers, for as long as the group lives (`comm_bytes`, bounded by its `max_ctas`).
 `WeightSizes` (from the checkpoint's headers) gives the largest tensor and layer; `staging_plan` adds it all up.
+With tensor (or expert) parallelism each worker keeps only its slice of an update (issue 41,
+vllm_patches/placement.py): `rank_sizes` counts what one rank holds — its slices, the replicated tensors and any
+tensor of unknown layout whole — and the buckets are one reused buffer (the largest tensor passes through it whole).
 Nothing stays on the device between two updates: what a worker keeps of the live version — `low`'s rollback source
 of a failed in-place commit, a delta's base — the staging thread copies into pinned host memory before the update is
 staged (vllm_patches/staging.py:StagedUpdate.kept; 1x of host memory, `host_bytes`), and the device buffers go at the
@@ -53,6 +56,7 @@ class WeightSizes:
     total: int
     largest_tensor: int
     largest_layer: int
+    largest_carriers: int = 0  # sliced staging: the commit's whole-shaped carriers of one vLLM layer (`rank_sizes`)
 
 
 def weight_sizes(tensor_bytes: dict[str, int]) -> WeightSizes:
@@ -77,6 +81,7 @@ class StagingPlan:
     checksum_bytes: int = 0  # sum31's padded copy of the largest tensor and its workspace
     layer_bytes: int = 0  # `low`: the largest layer the in-place reload materialises
     comm_bytes: int = 0  # the weights group's NCCL buffers
+    bucket_bytes: int = 0  # sliced staging (a tensor-parallel rank): the one reused bucket buffer; 0: whole buckets
 
     @property
     def host_bytes(self) -> int:
@@ -91,7 +96,8 @@ class StagingPlan:
         prepared = self.weight_bytes if self.update_memory == "double" else 0
         decoded = self.weight_bytes if self.delta else 0
         layer = self.layer_bytes if self.update_memory == "low" else 0
-        return self.weight_bytes + prepared + decoded + self.checksum_bytes + layer + self.comm_bytes
+        extras = self.checksum_bytes + layer + self.comm_bytes + self.bucket_bytes
+        return self.weight_bytes + prepared + decoded + extras
 
     def describe(self) -> str:
         held = (
@@ -103,13 +109,18 @@ class StagingPlan:
         )
 
 
-def staging_plan(sizes: WeightSizes, update_memory: str, delta: bool, max_ctas: int) -> StagingPlan:
+def staging_plan(
+    sizes: WeightSizes, update_memory: str, delta: bool, max_ctas: int, bucket_bytes: int | None = None
+) -> StagingPlan:
     """The staging plan of a checkpoint of `sizes` on CUDA: every device byte an update may hold (the module's list),
-    `delta` when the learner may send deltas (its --full-every > 1), `max_ctas` the weights group's channel cap."""
+    `delta` when the learner may send deltas (its --full-every > 1), `max_ctas` the weights group's channel cap.
+    `bucket_bytes`: a tensor-parallel rank's sliced staging (`sizes` from `rank_sizes`) with the learner's bucket
+    size; its one buffer holds a bucket or the largest whole tensor, whichever is bigger, and the commit's carriers
+    of one vLLM layer (on CUDA their untouched bytes are allocated all the same)."""
     checksum = sum31_pad_bytes(sizes.largest_tensor) + SUM31_WORKSPACE_BYTES
-    return StagingPlan(
-        sizes.total, update_memory, delta, checksum, sizes.largest_layer, max_ctas * NCCL_BYTES_PER_CHANNEL
-    )
+    buffer = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor) + sizes.largest_carriers
+    comm = max_ctas * NCCL_BYTES_PER_CHANNEL
+    return StagingPlan(sizes.total, update_memory, delta, checksum, sizes.largest_layer, comm, buffer)
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,11 @@ class GpuMemoryPlan:
     @property
     def engine_utilization(self) -> float:
         return self.requested_utilization - self.staging.peak_bytes / self.device_bytes
+
+    @property
+    def left_bytes(self) -> int:
+        """What vLLM has beyond the live weights (this rank's share): its activations, graphs and KV cache."""
+        return int(self.engine_utilization * self.device_bytes) - self.staging.weight_bytes
 
     def describe(self) -> str:
         return (
@@ -151,6 +167,78 @@ def plan_gpu_memory(staging: StagingPlan, device_bytes: int, utilization: float)
             + ", or serve a smaller model on this GPU"
         )
     return plan
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a serve splits its model: `tp` ranks; the model's kv heads (`num_key_value_heads`: a rank holds at least
+    one whole); `expert_parallel`: each rank holds experts/tp whole experts instead of a slice of every one."""
+
+    tp: int
+    kv_heads: int
+    expert_parallel: bool = False
+
+
+_COLUMN = re.compile(r"\.(q_proj|gate_proj|up_proj|embed_tokens|lm_head|w1|w3)\b|^lm_head\.")
+_ROW = re.compile(r"\.(o_proj|down_proj|w2)\.weight$")
+_KV = re.compile(r"\.(k_proj|v_proj)\.")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def rank_numel(name: str, shape: list[int], split: TensorParallel) -> int:
+    """Elements of one checkpoint tensor a rank keeps (vllm_patches/placement.py's rules, from names alone: the plan
+    is made before the engine exists). Column-parallel rows (q, gate, up, vocabulary rounded up), row-parallel
+    columns (o, down), kv rows (at least one head), experts (whole ones under expert parallelism); anything else,
+    norms, routers, unknown layouts, whole."""
+    count, tp = _count(shape), split.tp
+    if tp == 1 or not shape:
+        return count
+    if _EXPERT.search(name) and split.expert_parallel:
+        return -(-count // tp)  # experts/tp whole experts on average per rank
+    if _KV.search(name):
+        return count // min(tp, split.kv_heads)
+    if _ROW.search(name):
+        return count // tp
+    if _COLUMN.search(name):
+        return -(-shape[0] // tp) * (count // shape[0])
+    return count
+
+
+def rank_sizes(shapes: dict[str, list[int]], dtype_bytes: int, split: TensorParallel) -> WeightSizes:
+    """`WeightSizes` of what one rank keeps of an update of `shapes` (name -> shape): `total` and `largest_layer` its
+    share; `largest_tensor` whole (it passes through the bucket buffer whole and is checksummed whole);
+    `largest_carriers`: the commit hands vLLM's layerwise loader checkpoint-shaped carriers of the slices, which it
+    buffers until a vLLM layer (qkv_proj, gate_up_proj, a block's experts) is complete
+    (vllm_patches/placement.py:SliceLayout.carriers); under expert parallelism only the rank's experts."""
+    kept = weight_sizes({n: rank_numel(n, s, split) * dtype_bytes for n, s in shapes.items()})
+    largest = max((_count(s) * dtype_bytes for s in shapes.values()), default=0)
+    carriers: dict[str, int] = {}
+    for name, shape in shapes.items():
+        whole = _count(shape) * dtype_bytes
+        share = -(-whole // split.tp) if split.expert_parallel and _EXPERT.search(name) else whole
+        carriers[_vllm_layer(name)] = carriers.get(_vllm_layer(name), 0) + share
+    return WeightSizes(kept.total, largest, kept.largest_layer, max(carriers.values(), default=0))
+
+
+def _vllm_layer(name: str) -> str:
+    """The vLLM layer a checkpoint tensor loads into: fused q/k/v and gate/up share one, a block's experts one."""
+    module = name.rpartition(".")[0]
+    if match := _EXPERT.search(name):
+        return name[: match.start()] + ".experts"
+    return re.sub(r"\.(q|k|v)_proj$", ".qkv_proj", re.sub(r"\.(gate|up)_proj$", ".gate_up_proj", module))
+
+
+def checkpoint_rank_sizes(model_dir: str | Path, dtype: str, tp: int) -> WeightSizes:
+    """`rank_sizes` of `model_dir`'s checkpoint in `dtype` on one of `tp` ranks (kv heads from its config.json)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    kv_heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads") or tp)
+    return rank_sizes(checkpoint_shapes(model_dir), DTYPE_BYTES[dtype], TensorParallel(tp, kv_heads))
+
+
+def checkpoint_shapes(model_dir: str | Path) -> dict[str, list[int]]:
+    """Every tensor's shape in `model_dir`'s safetensors files, from their JSON headers."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    return {name: entry["shape"] for path in files for name, entry in safetensors_header(path).items()}
 
 
 def checkpoint_weight_bytes(model_dir: str | Path, dtype: str) -> int:

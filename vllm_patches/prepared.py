@@ -128,9 +128,12 @@ class ShadowPreparer:
     version: int
     ordinal: int
     vllm_config: Any = None  # vLLM's VllmConfig; None outside a worker (a narrow test)
+    layout: Any = None  # vllm_patches/placement.py:SliceLayout when `tensors` are this rank's slices
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedWeights:
         weights = faults.half_way(list(tensors.items()), "prepare", self.ordinal)
+        if self.layout is not None:
+            weights = self.layout.carriers(weights)
         if self.vllm_config is None:
             return prepare(self.model, weights, self.version)
         with set_current_vllm_config(self.vllm_config):

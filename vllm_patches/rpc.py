@@ -42,6 +42,8 @@ class StageStatus(msgspec.Struct, forbid_unknown_fields=True):
     started_at: float
     staged_at: float
     prepare_s: float = 0.0
+    bytes_kept: int = 0  # staged on this worker: its tensor-parallel slices (issue 41), or every byte
+    full_tensors: list[str] = msgspec.field(default_factory=list)  # kept whole: their layout is not known
 
 
 class StagedSignal(msgspec.Struct, forbid_unknown_fields=True):

@@ -41,12 +41,13 @@ import torch
 import zmq
 
 from inflight.wire.group import WeightsGroup
-from inflight.wire.transfer import receive_update
+from inflight.wire.transfer import receive_kept, receive_update
 from inflight.wire.weights import ManifestError, UpdateManifest, unpack_buckets
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.rpc import StagedSignal, StageStatus
 
 if TYPE_CHECKING:  # prepared.py imports vLLM's loaders (~15 s): the wire's tests and benchmarks stage without them
+    from vllm_patches.placement import SliceLayout
     from vllm_patches.prepared import PreparedWeights
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class HeldTensors:
 
     version: int
     tensors: dict[str, torch.Tensor]
+    layout: SliceLayout | None = None  # a tensor-parallel rank's: `tensors` are its slices (`carriers` restores shapes)
 
 
 class PrepareUpdate(Protocol):
@@ -96,21 +98,22 @@ class StagedUpdate:
         prepare: PrepareUpdate | None = None,
         base: HeldTensors | None = None,
         on_finished: Callable[[StageStatus], None] | None = None,
+        layout: SliceLayout | None = None,
     ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`), then
         release the tensors unless the manifest says `keep_base`; the update is staged only once that is done. `base`:
         the whole tensors the receiver holds, what a delta update is applied to; a delta on anything else fails the
         stage, naming both versions. `on_finished`: handed the final status (staged or failed) once, by this thread
-        (the worker's `StagedNotifier.announce`)."""
+        (the worker's `StagedNotifier.announce`). `layout`: keep only this rank's slices (vllm_patches/placement.py)."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
-        self.base, self.on_finished = base, on_finished
+        self.base, self.on_finished, self.layout = base, on_finished, layout
         self.prepare, self.prepared, self.prepare_s = prepare, None, 0.0
         self.state = StageState.RECEIVING
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self.host_copy: dict[str, torch.Tensor] | None = None  # CUDA: what `kept` hands over, in pinned host memory
-        self.bytes_received = 0
+        self.bytes_received = self.bytes_kept = 0  # kept: what this rank staged (its slices, with a layout)
         self.started = time.perf_counter()
         self.started_at = time.time()  # wall clock, comparable with the client's token timestamps
         self.staged_at = 0.0
@@ -137,6 +140,7 @@ class StagedUpdate:
                 self._receive_and_verify(side)
                 if side is not None and self.keeps_tensors:
                     self.host_copy = pinned_host_copy(self.tensors)
+                self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
                 if self.prepare is not None:
                     self.prepared = self.prepare(self.tensors)  # on the side stream too: its kernels queue there
                     keep_here = self.manifest.keep_base and self.host_copy is None
@@ -156,15 +160,18 @@ class StagedUpdate:
             self._done.set()
 
     def _receive_and_verify(self, side: torch.cuda.Stream | None) -> None:
+        if self.layout is not None:  # slices of verified tensors, no bucket kept
+            keep, key = self.layout.keep, self.weights_key
+            self.tensors = receive_kept(self.group, self.manifest, keep, self.device, self._count, key)
+            self.receive_s = time.perf_counter() - self.started
+            return
         buckets = receive_update(self.group, self.manifest, self.device, on_bucket=self._count)
         if side is not None:
             side.synchronize()  # receive_s is the transfer's, not the time to queue it
             self._buckets = buckets if self.prepare is None else []  # prepared: the views go with the tensors
         self.receive_s = time.perf_counter() - self.started
-        # CUDA: host copies, side stream
-        base = None if self.base is None else (self.base.version, self.base.tensors)
-        key = self.weights_key
-        self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=key, base=base)
+        base = None if self.base is None else (self.base.version, self.base.tensors)  # CUDA: host copies
+        self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=self.weights_key, base=base)
         self.base = None  # a delta's new tensors are copies: the base is no longer needed here
         self.verify_s = time.perf_counter() - self.started - self.receive_s
 
@@ -178,8 +185,8 @@ class StagedUpdate:
 
     @property
     def keeps_tensors(self) -> bool:
-        """Whether the worker keeps this update's whole tensors once committed: always in place (the next rollback
-        source), and when the sender may send a delta on it next (`keep_base`)."""
+        """Whether the worker keeps this update's tensors (a rank's slices) once committed: always in place (the
+        rollback source), and when the sender may send a delta on it next (`keep_base`)."""
         return self.prepare is None or self.manifest.keep_base
 
     def kept(self) -> dict[str, torch.Tensor]:
@@ -224,6 +231,8 @@ class StagedUpdate:
             receive_s=self.receive_s,
             verify_s=self.verify_s,
             prepare_s=self.prepare_s,
+            bytes_kept=self.bytes_kept,
+            full_tensors=self.layout.full if self.layout is not None else [],
             started_at=self.started_at,
             staged_at=self.staged_at,
         )

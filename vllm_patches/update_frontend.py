@@ -66,6 +66,8 @@ class UpdateReport:
     receive_s: float = 0.0
     prepare_s: float = 0.0  # loading into the processed copy off the engine thread (update_memory "double")
     bytes: int = 0
+    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices (issue 41), or `bytes`
+    full_tensors: list[str] = field(default_factory=list)  # kept whole on a worker: layout not known (issue 41)
     staging_window: tuple[float, float] = (0.0, 0.0)  # wall clock: receive started, all buckets verified
     parked: bool = False  # the workers waited for staging in a blocking call (paused modes: inflight_park, below)
     workers: list[CommitApplied] = field(default_factory=list)
@@ -149,7 +151,8 @@ class WeightUpdates:
                 if parked is not None:
                     report.parked = await parked
                 report.receive_s, report.prepare_s = staged.receive_s, staged.prepare_s
-                report.bytes = staged.bytes_received
+                report.bytes, report.bytes_kept = staged.bytes_received, staged.bytes_kept
+                report.full_tensors = staged.full_tensors
                 report.staging_window = (staged.started_at, staged.staged_at)
                 await self._commit(report, kv)
             finally:

@@ -36,10 +36,12 @@ import torch
 
 from inflight.wire.group import GroupAddress, WeightsGroup, member_rank
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
+from vllm_patches import placement
 from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed
 from vllm_patches.cores import on_spare_cores
+from vllm_patches.placement import Placement, SliceLayout
 from vllm_patches.prepared import ShadowPreparer
 from vllm_patches.routes import RoutedExperts, RouteRecorder
 from vllm_patches.rpc import GroupJoined, HeldWeights, RankCommit, RankSettled, StageStatus
@@ -60,6 +62,7 @@ class WorkerUpdateState:
     stage: StagedUpdate | None = None
     updates: int = 0  # updates begun, from 1: the ordinal fault injection counts (vllm_patches/faults.py)
     adapter: AdapterSlot | None = None  # a serve with --lora-rank: adapter updates go there, not into the model
+    staging: str = "auto"  # "sliced": keep this rank's slices; "full": whole tensors; "auto": sliced when TP/EP > 1
 
     def begin(self, manifest: UpdateManifest, model: torch.nn.Module, ticket: int, vllm_config: Any) -> StagedUpdate:
         """Start staging `manifest` in the background; refuses (ManifestError, naming the fix) without a usable group
@@ -74,19 +77,32 @@ class WorkerUpdateState:
         if self.stage is not None and self.stage.state == StageState.RECEIVING:
             raise ManifestError(f"update v{self.stage.manifest.version} is still being received; wait for it first")
         self.updates += 1
-        prepare = self._preparer(manifest, model, vllm_config)
+        layout = self._layout(manifest, model, vllm_config)  # a contradicting shape fails here, before any bucket
+        prepare = self._preparer(manifest, model, vllm_config, layout)
         base = self.live.held if manifest.is_delta else None
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
-        self.stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, base, announce).start()
+        stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, base, announce, layout)
+        self.stage = stage.start()
         return self.stage
 
-    def _preparer(self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any) -> PrepareUpdate | None:
+    def _layout(self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any) -> SliceLayout | None:
+        """This rank's slices of a model update (issue 41), or None to stage whole tensors: an adapter update, a
+        single-rank engine (its slices are the whole tensors), or `staging` "full"."""
+        parallel = getattr(vllm_config, "parallel_config", None)
+        split = parallel is not None and (parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel)
+        if self.adapter is not None or self.staging == "full" or (self.staging == "auto" and not split):
+            return None
+        return SliceLayout.resolve(model, manifest)
+
+    def _preparer(
+        self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any, layout: SliceLayout | None
+    ) -> PrepareUpdate | None:
         """An adapter update is always prepared (into vLLM's LoRAModel); a model update with `double`."""
         if self.adapter is not None:
             return AdapterPreparer(self.adapter, manifest.version)
         if self.live.memory == "double":
-            return ShadowPreparer(model, manifest.version, self.updates, vllm_config)
+            return ShadowPreparer(model, manifest.version, self.updates, vllm_config, layout)
         return None
 
     def commit(self, version: int, rank: int) -> RankCommit:
@@ -172,6 +188,14 @@ class InflightWorkerExtension:
         state = self._inflight_state()
         return state.live.choose_memory(mode, updated=state.stage is not None)
 
+    def inflight_set_staging(self, mode: str) -> str:
+        """What a worker stages of a model update (issue 41): "sliced" (its tensor-parallel slices), "full" (every
+        whole tensor, as before) or "auto" (sliced when tensor or expert parallel). Benchmarks compare the two."""
+        if mode not in ("auto", "sliced", "full"):
+            raise ManifestError(f"staging is {mode!r}, expected one of ['auto', 'sliced', 'full']")
+        self._inflight_state().staging = mode
+        return mode
+
     def inflight_worker_pid(self) -> int:
         """This worker's process id (benchmarks read its resident memory from /proc)."""
         return os.getpid()
@@ -180,6 +204,16 @@ class InflightWorkerExtension:
         """Parameter name → data_ptr of its storage, for every engine parameter (tests: which path keeps storage)."""
         model = self.model_runner.get_model()
         return {name: p.untyped_storage().data_ptr() for name, p in model.named_parameters()}
+
+    def inflight_placements(self, extra: list[tuple[str, list[int]]] | None = None) -> list[Placement] | str:
+        """Where every served checkpoint tensor (and each of `extra`'s name/shape pairs) lands on this rank
+        (vllm_patches/placement.py), or the error that would fail an update, as text."""
+        expected = self._inflight_state().checkpoint.expected()
+        tensors = [(name, tuple(shape)) for name, (_, shape) in expected.items()] + list(extra or [])
+        try:
+            return placement.resolve(self.model_runner.get_model(), tensors)
+        except ManifestError as exc:
+            return str(exc)
 
     def inflight_held_weights(self) -> HeldWeights:
         """What this worker keeps of its live version for a delta to apply to (tests: bitwise the learner's)."""

@@ -37,7 +37,14 @@ from inflight.wire.control import Ask, TensorSpec
 from inflight.wire.group import WEIGHTS_MAX_CTAS
 from inflight.wire.rollouts import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
-from vllm_patches.device_plan import checkpoint_sizes, cpu_threads_bind, plan_gpu_memory, staging_plan
+from vllm_patches.device_plan import (
+    StagingPlan,
+    checkpoint_rank_sizes,
+    checkpoint_sizes,
+    cpu_threads_bind,
+    plan_gpu_memory,
+    staging_plan,
+)
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when a serve starts (see `serve`)
     from inflight.serve.control import ControlClient
@@ -139,7 +146,9 @@ def served_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
 
     device = serve_device()
     gpu = query_cuda_device() if is_cuda(device) else None  # in a child: this process keeps no CUDA context
-    if not is_cuda(device) and cfg.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    pool = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    one_pool = not pool or set(pool) <= set("0123456789,-")  # unset, or one core list (inflight.run's), not "0|1"
+    if not is_cuda(device) and cfg.tensor_parallel_size > 1 and one_pool:
         bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), cfg.tensor_parallel_size)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # read by the workers vLLM spawns
         log.info("CPU tensor parallelism: worker cores %s (VLLM_CPU_OMP_THREADS_BIND)", bind)
@@ -151,6 +160,19 @@ def served_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
     if config.gpu_plan is not None:
         log.info("%s", config.gpu_plan.describe())
     return config
+
+
+DEFAULT_BUCKET_BYTES = 64 << 20  # the learner's (inflight/learn/publisher.py)
+
+
+def _staging(cfg: ServeConfig, model_path: Path, update_memory: str) -> StagingPlan:
+    """The staging plan of one worker: a tensor-parallel worker stages only its slices (issue 41) through one bucket
+    buffer, sized at the learner's default bucket (the largest whole tensor, which passes through it, dominates)."""
+    if cfg.tensor_parallel_size == 1:
+        sizes = checkpoint_sizes(model_path, cfg.dtype)
+        return staging_plan(sizes, update_memory, delta=False, max_ctas=WEIGHTS_MAX_CTAS)
+    sizes = checkpoint_rank_sizes(model_path, cfg.dtype, cfg.tensor_parallel_size)
+    return staging_plan(sizes, update_memory, False, WEIGHTS_MAX_CTAS, bucket_bytes=DEFAULT_BUCKET_BYTES)
 
 
 def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes: int) -> EngineConfig:
@@ -165,8 +187,7 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
         # The plan is made before the serve asks the learner, so it cannot know whether deltas will come (the
         # learner's --full-every): it counts none (issue 40, point 4: to be learnt through Ask), and `low`'s held
         # copy of the last update is the same size as a delta base would be.
-        sizes = checkpoint_sizes(model_path, cfg.dtype)
-        staging = staging_plan(sizes, mode.update_memory, delta=False, max_ctas=WEIGHTS_MAX_CTAS)
+        staging = _staging(cfg, model_path, mode.update_memory)
         plan = plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization)
     return EngineConfig(
         model=str(model_path),

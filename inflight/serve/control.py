@@ -196,6 +196,8 @@ class ControlClient:
                 stall_s=r.stall_s,
                 commit_s=r.commit_s,
                 receive_s=r.receive_s,
+                bytes_kept=r.bytes_kept,
+                full_tensors=r.full_tensors,
             )
             log.info("weights v%d committed: stall %.3fs, receive %.3fs", r.version, r.stall_s, r.receive_s)
         except (UpdateError, ValueError) as exc:

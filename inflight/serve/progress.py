@@ -81,6 +81,8 @@ class ProgressReporter:
                 total_s=done.total_s,
                 receive_s=done.receive_s,
                 commit_s=done.commit_s,
+                bytes_kept=done.bytes_kept,
+                full_tensors=done.full_tensors,
             )
         )
 

@@ -145,7 +145,9 @@ class ServeProgress(
     untrained_episodes: int = 0
 
 
-class UpdateEvent(msgspec.Struct, tag_field="event", tag="update", kw_only=True, forbid_unknown_fields=True):
+class UpdateEvent(
+    msgspec.Struct, tag_field="event", tag="update", kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """One weight update on a serve, written when it finished (committed, or failed with weights unchanged)."""
 
     time: float
@@ -157,6 +159,8 @@ class UpdateEvent(msgspec.Struct, tag_field="event", tag="update", kw_only=True,
     total_s: float  # pause (if any), receive, commit
     receive_s: float  # receiving and verifying every bucket
     commit_s: float  # the engine-step gap of the commit
+    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices (issue 41), else every byte
+    full_tensors: list[str] = msgspec.field(default_factory=list)  # kept whole on a TP worker: layout not known
 
 
 class EvalResult(msgspec.Struct, tag_field="event", tag="eval", kw_only=True, forbid_unknown_fields=True):

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 import torch
 
 from inflight.wire.group import WeightsGroup
-from inflight.wire.weights import DTYPES, UpdateManifest, pack_bucket, trailer_entry, update_key
+from inflight.wire.weights import (
+    DTYPES,
+    ManifestError,
+    UpdateManifest,
+    check_digest,
+    pack_bucket,
+    tensor_digest,
+    trailer_entry,
+    update_key,
+    verifiable,
+)
 
 
 @dataclass
@@ -163,3 +173,51 @@ def receive_update(
         group.broadcast(trailer, what=f"trailer of version {manifest.version}")
         buckets.append(trailer)
     return buckets
+
+
+Keep = Callable[[str, torch.Tensor], "torch.Tensor | None"]
+
+
+def receive_kept(
+    group: WeightsGroup,
+    manifest: UpdateManifest,
+    keep: Keep,
+    device: torch.device | str = "cpu",
+    on_bucket: Callable[[int, int], None] | None = None,
+    weights_key: bytes | None = None,
+) -> dict[str, torch.Tensor]:
+    """Receive `manifest`'s buckets one at a time into one reused buffer and keep only what `keep(name, whole tensor)`
+    returns of each tensor (a tensor-parallel rank's slice: vllm_patches/placement.py), copied out before the next
+    bucket overwrites it; None keeps nothing. Every whole tensor is digested as it streams through and checked against
+    the manifest (or its trailer) once all arrived: what is kept is a slice of a tensor that verified. Raises
+    ManifestError naming the first tensor that does not. A delta needs whole base tensors: refused."""
+    if manifest.is_delta:
+        raise ManifestError(
+            f"update v{manifest.version} is a delta, and this worker keeps slices, not the whole tensors a delta "
+            "applies to: the learner must send full updates to a tensor-parallel serve"
+        )
+    key = update_key(weights_key, manifest.version) if weights_key is not None else None
+    kind, kept, digests = manifest.checksum_kind, {}, {}
+    by_bucket: dict[int, list] = {}
+    for t in manifest.tensors:
+        by_bucket.setdefault(t.bucket, []).append(t)
+    buffer = torch.empty(max(manifest.bucket_sizes, default=0), dtype=torch.uint8, device=device)
+    for i, size in enumerate(manifest.bucket_sizes):
+        bucket = buffer[:size]
+        group.broadcast(bucket, what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
+        digestible = verifiable(bucket, key, kind)
+        for t in by_bucket.get(i, []):
+            digests[t.name] = tensor_digest(digestible[t.offset : t.offset + t.nbytes], key, kind)
+            whole = bucket[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).reshape(t.shape)
+            piece = keep(t.name, whole)
+            if piece is not None:
+                kept[t.name] = piece.clone(memory_format=torch.contiguous_format)
+        if on_bucket is not None:
+            on_bucket(i, size)
+    if manifest.trailer:
+        trailer = torch.empty(manifest.trailer_nbytes, dtype=torch.uint8, device=device)
+        group.broadcast(trailer, what=f"trailer of version {manifest.version}")
+        manifest = manifest.with_trailer(trailer)
+    for t in manifest.tensors:
+        check_digest(t, digests[t.name], key, kind)
+    return kept

@@ -381,21 +381,40 @@ def _apply_delta(t: TensorEntry, payload: torch.Tensor, base: Mapping[str, torch
 
 def _verify(t: TensorEntry, data: torch.Tensor, key: bytes | None, kind: str) -> None:
     """Check one tensor's bytes (flat uint8) against its tag (with `key`) or its `kind` checksum."""
+    check_digest(t, tensor_digest(data, key, kind), key, kind)
+
+
+def tensor_digest(data: torch.Tensor, key: bytes | None, kind: str) -> bytes | int:
+    """One tensor's bytes (flat uint8) digested for `check_digest`: its keyed tag with `key`, else its `kind` checksum.
+    A receiver that keeps only a slice digests the whole tensor as it streams through and checks it later, once the
+    manifest's values are known (a trailer comes after the buckets)."""
+    return bytes_tag(data.cpu().numpy(), key) if key is not None else bytes_checksum(data, kind)
+
+
+def check_digest(t: TensorEntry, digest: bytes | int, key: bytes | None, kind: str) -> None:
+    """Refuse `t` unless `digest` (tensor_digest of its bytes) is what the manifest says, naming the tensor."""
     if key is not None:
         if not t.tag:
             raise ManifestError(
                 f"tensor {t.name}: no tag, and this serve has a secret: give the learner the same --secret-file"
             )
-        if not hmac.compare_digest(bytes_tag(data.cpu().numpy(), key), t.tag):
+        if not hmac.compare_digest(digest, t.tag):
             raise ManifestError(
                 f"tensor {t.name}: its tag does not verify under the update's key (forged, replayed "
                 "from another update, or corrupted in transit)"
             )
-    elif (checksum := bytes_checksum(data, kind)) != t.checksum:
+    elif digest != t.checksum:
         raise ManifestError(
-            f"tensor {t.name}: checksum {checksum:#010x} but the manifest says {t.checksum:#010x}, a {kind} "
+            f"tensor {t.name}: checksum {digest:#010x} but the manifest says {t.checksum:#010x}, a {kind} "
             "(corrupted in transit)"
         )
+
+
+def verifiable(bucket: torch.Tensor, key: bytes | None, kind: str) -> torch.Tensor:
+    """The bytes of `bucket` where its digests are taken: a tag or a CRC32 hashes host bytes (a device bucket through
+    the reused pinned buffer, valid until the next call), a sum31 is taken where they are."""
+    on_host = key is not None or kind == "crc32"
+    return _to_host(bucket) if on_host and bucket.device.type != "cpu" else bucket
 
 
 _PINNED: list[torch.Tensor] = []  # one reusable page-locked buffer for checksumming device buckets

@@ -4,11 +4,22 @@ decided here on CPU; the checkpoint reader runs on a real prepared model."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from safetensors import safe_open
 
 from inflight.models import model_dir
-from vllm_patches.device_plan import GIB, StagingPlan, checkpoint_weight_bytes, plan_gpu_memory
+from vllm_patches.device_plan import (
+    GIB,
+    StagingPlan,
+    TensorParallel,
+    WeightSizes,
+    checkpoint_weight_bytes,
+    plan_gpu_memory,
+    rank_numel,
+    staging_plan,
+)
 
 TWO_B_BF16 = 2_000_000_000 * 2
 H100 = 80 * GIB
@@ -151,3 +162,72 @@ def test_a_host_arena_holds_one_version_in_exactly_its_planned_bytes_and_refuses
         arena.empty(129)
     assert caching_allocator_bytes([12, 20]) == 2 * (16 + 32)
     assert caching_allocator_bytes([3 << 30]) == 2 * (4 << 30)  # a 3 GiB expert block pins 8 GiB the old way
+
+
+# Issue 41: each tensor-parallel rank stages only its slice. The models are their published config.json facts
+# (benchmarks/tp_plan.py); the totals must be the published parameter counts.
+@pytest.mark.parametrize(
+    ("model", "billions"),
+    [("Llama-3.1-70B", 70.55), ("Qwen2.5-32B", 32.76), ("Qwen3-30B-A3B", 30.53), ("Qwen3-235B-A22B", 235.09)],
+)
+def test_the_real_configs_lay_out_checkpoints_of_their_published_parameter_counts(model, billions):
+    from benchmarks.tp_plan import MODELS, checkpoint
+
+    total = sum(math.prod(shape) for shape in checkpoint(MODELS[model]).values())
+    assert total / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_a_rank_keeps_its_share_of_every_sharded_tensor_at_least_one_kv_head_and_the_norms_whole():
+    split = TensorParallel(tp=8, kv_heads=4)
+    assert rank_numel("model.layers.0.self_attn.q_proj.weight", [8192, 4096], split) == 1024 * 4096
+    assert rank_numel("model.layers.0.self_attn.k_proj.weight", [512, 4096], split) == 128 * 4096  # one kv head
+    assert rank_numel("model.layers.0.self_attn.o_proj.weight", [4096, 8192], split) == 4096 * 1024
+    assert rank_numel("model.layers.0.mlp.experts.3.down_proj.weight", [4096, 1536], split) == 4096 * 192
+    ep = TensorParallel(tp=8, kv_heads=4, expert_parallel=True)
+    assert rank_numel("model.layers.0.mlp.experts.3.down_proj.weight", [4096, 1536], ep) == 4096 * 1536 // 8
+    assert rank_numel("lm_head.weight", [151936, 4096], split) == 18992 * 4096
+    assert rank_numel("model.norm.weight", [4096], split) == 4096
+    assert rank_numel("model.layers.0.mlp.gate.weight", [128, 4096], split) == 128 * 4096  # the router: replicated
+
+
+def test_70b_fits_at_tp8_on_80gb_and_at_tp4_on_141gb_with_either_commit_path_where_whole_staging_fit_nowhere():
+    from benchmarks.tp_plan import plan_row
+
+    for tp, gpu in ((8, "H100 80 GB"), (4, "H200 141 GB")):
+        for memory in ("low", "double"):
+            row = plan_row("Llama-3.1-70B", tp, False, gpu, memory)
+            assert row.fits and not row.fits_whole, row
+            assert row.rank_gib == pytest.approx(row.whole_gib / tp, rel=0.01)
+            assert row.left_gib > 0.25 * row.rank_gib  # the KV cache's room, beyond the rank's live weights
+    assert not plan_row("Llama-3.1-70B", 4, False, "H100 80 GB", "low").fits
+
+
+def test_a_rank_of_32b_at_tp2_holds_half_the_model_and_fits_an_80gb_gpu_in_place_at_0_95_and_141gb_either_path():
+    from benchmarks.tp_plan import plan_row
+
+    low80 = plan_row("Qwen2.5-32B", 2, False, "H100 80 GB", "low")
+    assert low80.rank_gib == pytest.approx(low80.whole_gib / 2, rel=0.01) and not low80.fits_whole
+    # at 0.9 the update fits but leaves 7.2 GiB, just under the plan's quarter-of-the-weights margin (7.6 GiB)
+    assert not low80.fits and 7 < low80.left_gib < 0.25 * low80.rank_gib
+    assert plan_row("Qwen2.5-32B", 2, False, "H100 80 GB", "low", utilization=0.95).fits
+    assert not plan_row("Qwen2.5-32B", 2, False, "H100 80 GB", "double", utilization=0.95).fits  # no processed copy
+    for memory in ("low", "double"):
+        assert plan_row("Qwen2.5-32B", 2, False, "H200 141 GB", memory).fits
+
+
+def test_moe_ranks_under_expert_parallel_keep_whole_experts_and_235b_fits_at_tp8_only_in_place_on_141gb():
+    from benchmarks.tp_plan import plan_row
+
+    for memory in ("low", "double"):
+        row = plan_row("Qwen3-30B-A3B", 4, True, "H100 80 GB", memory)
+        assert row.fits and row.rank_gib == pytest.approx(row.whole_gib / 4, rel=0.02)
+    assert plan_row("Qwen3-235B-A22B", 8, True, "H200 141 GB", "low", utilization=0.95).fits
+    assert not plan_row("Qwen3-235B-A22B", 8, True, "H200 141 GB", "double", utilization=0.95).fits
+    assert not plan_row("Qwen3-235B-A22B", 8, True, "H100 80 GB", "low", utilization=0.95).fits  # 55 GiB a rank
+
+
+def test_a_sliced_plan_counts_one_bucket_buffer_as_big_as_the_largest_tensor_and_one_layers_carriers_not_the_model():
+    sizes = WeightSizes(total=10 * GIB, largest_tensor=2 * GIB, largest_layer=GIB // 2, largest_carriers=GIB)
+    sliced = staging_plan(sizes, "low", False, max_ctas=0, bucket_bytes=64 << 20)
+    whole = staging_plan(sizes, "low", False, max_ctas=0)
+    assert sliced.peak_bytes - whole.peak_bytes == 2 * GIB + GIB  # the buffer, and one layer's whole-shaped carriers

@@ -1,0 +1,68 @@
+"""inflight/wire/transfer.py:receive_kept, a tensor-parallel worker's receive (issue 41): it keeps only what its
+`keep` returns of each tensor, yet every whole tensor is verified as it passes (the manifest's checksums, or the
+trailer's after the buckets). A narrow unit test: the group is a stand-in that replays the sender's packed buckets
+(the real group is exercised by tests/vllm_patches/test_sliced_staging.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inflight.wire.transfer import receive_kept
+from inflight.wire.weights import ManifestError, pack_bucket, plan_manifest
+
+
+class Replay:
+    """Plays rank 0's broadcasts back: each call fills the receiver's buffer with the next packed bucket."""
+
+    def __init__(self, frames: list[torch.Tensor]):
+        self.frames = list(frames)
+        self.sizes: list[int] = []
+
+    def broadcast(self, tensor: torch.Tensor, what: str = "bucket") -> None:
+        frame = self.frames.pop(0)
+        tensor.copy_(frame)
+        self.sizes.append(tensor.numel())
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(8, 6, generator=g, dtype=torch.float32) for i in range(5)}
+
+
+def _frames(manifest, state) -> list[torch.Tensor]:
+    out = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
+    return [pack_bucket(manifest, i, state, out).clone() for i in range(len(manifest.bucket_sizes))]
+
+
+def _rows(rank: int):
+    return lambda name, whole: whole.narrow(0, rank * 4, 4) if name != "w4" else None
+
+
+def test_a_rank_keeps_only_its_rows_of_each_verified_tensor_through_one_reused_buffer():
+    state = _state()
+    manifest = plan_manifest(state, 1, bucket_bytes=2 * 8 * 6 * 4)
+    group = Replay(_frames(manifest, state))
+    kept = receive_kept(group, manifest, _rows(1))
+    assert sorted(kept) == ["w0", "w1", "w2", "w3"]
+    for name, tensor in kept.items():
+        assert torch.equal(tensor, state[name][4:8]) and tensor.is_contiguous()
+    assert len(group.sizes) == len(manifest.bucket_sizes) >= 3
+
+
+def test_a_corrupted_tensor_fails_the_receive_naming_it_though_the_rank_keeps_none_of_its_bad_rows():
+    state = _state()
+    manifest = plan_manifest(state, 1, bucket_bytes=1 << 20)
+    frames = _frames(manifest, state)
+    entry = next(t for t in manifest.tensors if t.name == "w2")
+    frames[entry.bucket][entry.offset + 4] ^= 0xFF  # a byte of row 0: rank 1 keeps rows 4..7 only
+    with pytest.raises(ManifestError, match="tensor w2: checksum"):
+        receive_kept(Replay(frames), manifest, _rows(1))
+
+
+def test_a_delta_update_is_refused_by_a_worker_that_keeps_slices():
+    state = _state()
+    manifest = plan_manifest(state, 2, bucket_bytes=1 << 20)
+    delta = manifest.__class__(**{**{f: getattr(manifest, f) for f in manifest.__struct_fields__}, "base_version": 1})
+    with pytest.raises(ManifestError, match="keeps slices"):
+        receive_kept(Replay([]), delta, _rows(0))
