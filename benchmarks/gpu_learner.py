@@ -90,7 +90,7 @@ def cuda_run(args, out: Path) -> tuple[list[dict], dict]:
 
     from benchmarks.receiver import Receiver
     from inflight.models import resolve_model
-    from inflight.run.app import free_ports
+    from inflight.run.launch import free_ports
 
     rollouts, control, weights = free_ports(3, "127.0.0.1")
     # on CUDA what auto resolves to, and what a bf16 serve reports

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import shlex
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -29,21 +28,8 @@ from pathlib import Path
 from inflight.config import parse_dataclass, write_resolved
 from inflight.run.config import RunConfig
 from inflight.run.config_file import SIDE_CONFIGS, parse_run_args, write_run_toml
-from inflight.run.launch import Side, learn_launcher, side_commands, side_env
+from inflight.run.launch import Side, free_ports, learn_launcher, side_commands, side_env
 from inflight.run.report import summarize, write_report
-
-
-def free_ports(n: int, host: str) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _check_side_args(argv: list[str], side: str, run_dir: Path) -> None:

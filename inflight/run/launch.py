@@ -13,6 +13,7 @@ import dataclasses
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +30,20 @@ _PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITI
 
 # --dtype of the run -> the learner's --autocast: fp32 master weights always, the decoder in the run's precision.
 LEARN_AUTOCAST = {"auto": "auto", "float32": "none", "bfloat16": "bfloat16"}
+
+
+def free_ports(n: int, host: str) -> list[int]:
+    """`n` ports free on `host` now (closed again: the side binds them right after)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def side_commands(

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
-from inflight.run.launch import Side
+from inflight.run.launch import Side, free_ports
 
 
 class ProcessHost:
@@ -61,16 +60,7 @@ class ProcessHost:
 
     def free_ports(self, n: int, host: str) -> list[int]:
         """`n` ports free on this node's `host` now (closed again: the side binds them right after)."""
-        socks = []
-        try:
-            for _ in range(n):
-                s = socket.socket()
-                s.bind((host, 0))
-                socks.append(s)
-            return [s.getsockname()[1] for s in socks]
-        finally:
-            for s in socks:
-                s.close()
+        return free_ports(n, host)
 
     def launch(self, argv: list[str], env: dict[str, str], cores: list[int] | None) -> int:
         """Start the child: `argv` after this node's interpreter, this worker's environment with `env` over it (and
