@@ -1,5 +1,5 @@
-"""Real-engine fixtures of the in-process episode tests (test_episodes.py, test_verifiers_env.py): the session pool's
-tiny-qwen2 engine (tests/conftest.py:engine_pool), on the session's event loop (`loop`). Runs in the pytest process."""
+"""Real-engine fixtures of the in-process episode tests (test_episodes.py, test_verifiers_env.py): one tiny-qwen2
+engine per module on the module's event loop (`loop`, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def engine(engine_pool, model_dirs):
-    with engine_pool.engine(model_dirs["tiny-qwen2"]) as engine:
-        yield engine
+def engine(loop, model_dirs):
+    from support import start_engine, stop_engine
+
+    engine = start_engine(loop, model_dirs["tiny-qwen2"])
+    yield engine
+    stop_engine(loop, engine)

@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 from crc_forgery import forge_crc32
-from support import Sender, greedy, load_state, perturbed_checkpoint
+from support import Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
 from transformers import AutoTokenizer
 
 from inflight.wire.secure import weights_key
@@ -24,16 +24,16 @@ KEY = weights_key(b"the serve's and the learner's secret")
 
 
 @pytest.fixture(scope="module")
-def env(loop, model_dirs, engine_pool):
+def env(loop, model_dirs):
     a_dir = model_dirs["tiny-qwen2"]
     env = {"a": load_state(a_dir), "tok": AutoTokenizer.from_pretrained(a_dir)}
-    with engine_pool.engine(a_dir, keep=False) as engine:  # a weights key cannot be taken back: stopped after
-        env["engine"] = engine
-        loop.run_until_complete(engine.set_weights_key(KEY))
-        env["ref"] = loop.run_until_complete(greedy(engine, env["tok"], tag="ref"))
-        env["sender"] = sender = Sender(timeout_s=TIMEOUT_S)
-        loop.run_until_complete(sender.connect(engine))
-        yield env
+    env["engine"] = engine = start_engine(loop, a_dir)
+    loop.run_until_complete(engine.set_weights_key(KEY))
+    env["ref"] = loop.run_until_complete(greedy(engine, env["tok"], tag="ref"))
+    env["sender"] = sender = Sender(timeout_s=TIMEOUT_S)
+    loop.run_until_complete(sender.connect(engine))
+    yield env
+    stop_engine(loop, engine)
 
 
 def assert_unchanged(env, loop, version: int) -> None:

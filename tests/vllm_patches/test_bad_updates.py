@@ -13,7 +13,7 @@ import time
 import msgspec
 import pytest
 import torch
-from support import Sender, greedy, load_state
+from support import Sender, greedy, load_state, start_engine, stop_engine
 from transformers import AutoTokenizer
 
 from inflight.wire.weights import UpdateManifest, pack_bucket
@@ -24,13 +24,13 @@ TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def env(loop, model_dirs, engine_pool):
+def env(loop, model_dirs):
     a_dir = model_dirs["tiny-qwen2"]
     env = {"a": load_state(a_dir), "tok": AutoTokenizer.from_pretrained(a_dir), "dir": a_dir}
-    with engine_pool.engine(a_dir) as engine:
-        env["engine"] = engine
-        env["ref"] = loop.run_until_complete(greedy(engine, env["tok"], tag="ref"))
-        yield env
+    env["engine"] = engine = start_engine(loop, a_dir)
+    env["ref"] = loop.run_until_complete(greedy(engine, env["tok"], tag="ref"))
+    yield env
+    stop_engine(loop, engine)
 
 
 @pytest.fixture

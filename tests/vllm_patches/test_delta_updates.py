@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import Sender, greedy, load_state
+from support import Sender, greedy, load_state, start_engine, stop_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.run.demo import DEMO_FLAGS
@@ -50,40 +50,37 @@ def same_outputs(got, want) -> bool:
 
 
 @pytest.mark.parametrize("update_memory", ["double", "low"])
-def test_twenty_delta_updates_leave_the_engine_bitwise_where_full_updates_do(
-    loop, model_dirs, engine_pool, update_memory
-):
+def test_twenty_delta_updates_leave_the_engine_bitwise_where_full_updates_do(loop, model_dirs, update_memory):
     model_dir = model_dirs["tiny-llama"]
     states = trajectory(model_dir, STEPS, torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    # "double" is the pool's engine (test_inflight.py's and test_update_memory.py's), at whatever version it serves:
-    # versions here count from it (v0 + 1 .. v0 + STEPS). No later module shares the "low" one: stopped after.
-    with engine_pool.engine(model_dir, keep=update_memory == "double", update_memory=update_memory) as engine:
-        sender, v0 = Sender(), engine.version
+    engine = start_engine(loop, model_dir, update_memory=update_memory)
+    try:
+        sender = Sender()
         loop.run_until_complete(sender.connect(engine))
         if update_memory == "double":
             assert held(loop, engine).version == -1, "the swap path keeps no copy until asked (keep_base)"
         delta_bytes, full_bytes = 0, 0
-        for step, state in enumerate(states, start=1):
-            version = v0 + step
-            base = (version - 1, states[step - 2]) if step > 1 else None
+        for version, state in enumerate(states, start=1):
+            base = (version - 1, states[version - 2]) if version > 1 else None
             loop.run_until_complete(sender.push(engine, state, version, base=base, keep_base=True))
             if base is not None:
                 delta_bytes += plan_update(state, version, 1 << 20, base=base)[0].total_bytes
                 full_bytes += plan_update(state, version, 1 << 20)[0].total_bytes
         print(f"\n{STEPS - 1} deltas at lr {DEMO_LR}: {delta_bytes / full_bytes:.3f} of the full updates' bytes")
         assert delta_bytes < full_bytes
-        last = v0 + STEPS
         kept = held(loop, engine)
-        assert kept.version == last and kept.crc32 == {n: tensor_checksum(t, "crc32") for n, t in states[-1].items()}
+        assert kept.version == STEPS and kept.crc32 == {n: tensor_checksum(t, "crc32") for n, t in states[-1].items()}
         by_deltas = loop.run_until_complete(greedy(engine, tok, tag="deltas"))
-        assert {v for o in by_deltas for v in o.versions} == {last}
+        assert {v for o in by_deltas for v in o.versions} == {STEPS}
 
-        with pytest.raises(UpdateError, match=rf"delta on v{last - 1} but this receiver holds v{last}"):
-            loop.run_until_complete(sender.push(engine, states[0], last + 1, base=(last - 1, states[-2])))
-        assert engine.version == last and held(loop, engine).version == last
+        with pytest.raises(UpdateError, match=rf"delta on v{STEPS - 1} but this receiver holds v{STEPS}"):
+            loop.run_until_complete(sender.push(engine, states[0], STEPS + 1, base=(STEPS - 1, states[-2])))
+        assert engine.version == STEPS and held(loop, engine).version == STEPS
 
-        loop.run_until_complete(sender.push(engine, states[-1], last + 1))  # the same weights, in full
+        loop.run_until_complete(sender.push(engine, states[-1], STEPS + 1))  # the same weights, in full
         by_full = loop.run_until_complete(greedy(engine, tok, tag="full"))
         assert same_outputs(by_deltas, by_full), "20 deltas and one full update of the same weights serve differently"
-        assert held(loop, engine).version == (last + 1 if update_memory == "low" else -1)  # no keep_base asked
+        assert held(loop, engine).version == (STEPS + 1 if update_memory == "low" else -1)  # no keep_base asked
+    finally:
+        stop_engine(loop, engine)

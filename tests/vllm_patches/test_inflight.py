@@ -19,7 +19,7 @@ LONG = 320
 
 
 @pytest.fixture(scope="module")
-def env(loop, model_dirs, tmp_path_factory, engine_pool):
+def env(loop, model_dirs, tmp_path_factory):
     a_dir = model_dirs["tiny-llama"]
     b_dir = tmp_path_factory.mktemp("ckpt") / "tiny-llama-B"
     env = {"a": load_state(a_dir), "b": perturbed_checkpoint(a_dir, b_dir, seed=11)}
@@ -27,14 +27,13 @@ def env(loop, model_dirs, tmp_path_factory, engine_pool):
     env["prompt"] = chat_ids(tok, "Tell me a long story about a dragon.")
     env["fresh_b"] = start_engine(loop, b_dir)
     env["ref_b"] = loop.run_until_complete(greedy(env["fresh_b"], tok, tag="refb"))
-    # Engine A is the pool's (test_delta_updates.py's, test_update_memory.py's), checked against a fresh A on checkout
-    with engine_pool.engine(a_dir) as engine:
-        env["engine"] = engine
-        env["ref_a"] = loop.run_until_complete(greedy(engine, tok, tag="refa"))
-        env["long_a"] = loop.run_until_complete(long_request(engine, env["prompt"], "long-a"))
-        env["sender"] = Sender()
-        loop.run_until_complete(env["sender"].connect(engine))
-        yield env
+    env["engine"] = engine = start_engine(loop, a_dir)
+    env["ref_a"] = loop.run_until_complete(greedy(engine, tok, tag="refa"))
+    env["long_a"] = loop.run_until_complete(long_request(engine, env["prompt"], "long-a"))
+    env["sender"] = Sender()
+    loop.run_until_complete(env["sender"].connect(engine))
+    yield env
+    stop_engine(loop, engine)
     stop_engine(loop, env["fresh_b"])
 
 

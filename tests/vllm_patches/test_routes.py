@@ -12,7 +12,6 @@ is exact and a wrong row, layer or request is a failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import numpy as np
 import pytest
@@ -32,20 +31,13 @@ MIN_GAP = 1e-4  # the smallest k-th vs (k+1)-th router-logit gap the reference m
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def routed(request, loop, model_dirs, tmp_path_factory, engine_pool):
+def routed(request, loop, model_dirs, tmp_path_factory):
     """(model dir, completions) of greedy requests run concurrently (one batch, rows of several requests per step)."""
-    with contextlib.ExitStack() as stack:
-        if request.param == "qwen3_moe":  # the pool's: test_routes_update.py's engine too
-            model_dir = model_dirs["tiny-moe"]
-            engine = stack.enter_context(engine_pool.engine(model_dir, routing_replay=True, dtype="float32"))
-        else:
-            model_dir = save_tiny_moe(request.param, tmp_path_factory.mktemp(request.param), model_dirs["smollm2"])
-            engine = start_engine(loop, model_dir, routing_replay=True, dtype="float32")
-            stack.callback(stop_engine, loop, engine)
-        yield model_dir, generate_together(loop, engine, model_dir)
-
-
-def generate_together(loop, engine, model_dir) -> list:
+    if request.param == "qwen3_moe":
+        model_dir = model_dirs["tiny-moe"]
+    else:
+        model_dir = save_tiny_moe(request.param, tmp_path_factory.mktemp(request.param), model_dirs["smollm2"])
+    engine = start_engine(loop, model_dir, routing_replay=True, dtype="float32")
     tok = AutoTokenizer.from_pretrained(model_dir)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompts = [chat_ids(tok, p) for p in PROMPTS]
@@ -55,7 +47,9 @@ def generate_together(loop, engine, model_dir) -> list:
             *(engine.generation.generate(ids, params, f"routes-{k}") for k, ids in enumerate(prompts))
         )
 
-    return loop.run_until_complete(together())
+    done = loop.run_until_complete(together())
+    yield model_dir, done
+    stop_engine(loop, engine)
 
 
 def reference_routes(model, ids: list[int]) -> tuple[np.ndarray, float]:

@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from support import Sender, chat_ids, load_state, perturbed_checkpoint
+from support import Sender, chat_ids, load_state, perturbed_checkpoint, start_engine, stop_engine
 from test_routes import recorded
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import SamplingParams
@@ -24,23 +24,24 @@ MIN_GAP = 1e-4  # as test_routes.py: a reference top-k decided by less is not co
 
 
 @pytest.fixture(scope="module")
-def env(loop, model_dirs, tmp_path_factory, engine_pool):
+def env(loop, model_dirs, tmp_path_factory):
     a_dir = model_dirs["tiny-moe"]
     b_dir = tmp_path_factory.mktemp("ckpt") / "tiny-moe-B"
     b = {name: t.float() for name, t in perturbed_checkpoint(a_dir, b_dir, seed=5).items()}  # the fp32 engine's
+    engine = start_engine(loop, a_dir, routing_replay=True, dtype="float32")
+    sender = Sender()
+    loop.run_until_complete(sender.connect(engine))
     models = {d: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for d in (a_dir, b_dir)}
-    with engine_pool.engine(a_dir, routing_replay=True, dtype="float32") as engine:  # test_routes.py's too
-        sender = Sender()
-        loop.run_until_complete(sender.connect(engine))
-        yield {
-            "engine": engine,
-            "sender": sender,
-            "a": load_state(a_dir),
-            "b": b,
-            "A": models[a_dir],
-            "B": models[b_dir],
-            "prompt": chat_ids(AutoTokenizer.from_pretrained(a_dir), "Tell me a long story."),
-        }
+    yield {
+        "engine": engine,
+        "sender": sender,
+        "a": load_state(a_dir),
+        "b": b,
+        "A": models[a_dir],
+        "B": models[b_dir],
+        "prompt": chat_ids(AutoTokenizer.from_pretrained(a_dir), "Tell me a long story."),
+    }
+    stop_engine(loop, engine)
 
 
 def routed(model, ids: list[int], past=None):

@@ -28,7 +28,7 @@ _FRESH_B: dict[str, tuple] = {}  # model -> (B's state, fresh B's outputs): one 
 
 
 @pytest.fixture(scope="module", params=PARAMS, ids=["-".join(p) for p in PARAMS])
-def swap_env(request, loop, model_dirs, tmp_path_factory, engine_pool):
+def swap_env(request, loop, model_dirs, tmp_path_factory):
     name, update_memory = request.param
     a_dir = model_dirs[name]
     env = {"name": name, "update_memory": update_memory, "a": load_state(a_dir)}
@@ -40,18 +40,14 @@ def swap_env(request, loop, model_dirs, tmp_path_factory, engine_pool):
         _FRESH_B[name] = (b_state, loop.run_until_complete(greedy(fresh_b, env["tok"], tag="fresh")))
         stop_engine(loop, fresh_b)
     env["b"], env["fresh_b"] = _FRESH_B[name]
-    # Engine A from the session's pool (tiny-qwen2's is test_bad_updates.py's and the episode tests'; the others no
-    # later module shares: stopped after), checked bit for bit against a fresh engine's outputs on checkout: `before`
-    # is a fresh engine's.
-    with engine_pool.engine(a_dir, keep=name == "tiny-qwen2", update_memory=update_memory) as engine:
-        env["engine"] = engine
-        env["sender"] = sender = Sender()
-        loop.run_until_complete(sender.connect(engine))
-        env["before"] = loop.run_until_complete(greedy(engine, env["tok"], tag="a0"))
-        if name == "smollm2":  # the prepared checkpoint itself, before any swap (test_prepared_smollm2_...)
-            confident = greedy(engine, env["tok"], support.CONFIDENT_PROMPTS, tag="conf")
-            env["confident"] = loop.run_until_complete(confident)
-        yield env
+    env["engine"] = engine = start_engine(loop, a_dir, update_memory=update_memory)
+    env["sender"] = sender = Sender()
+    loop.run_until_complete(sender.connect(engine))
+    env["before"] = loop.run_until_complete(greedy(engine, env["tok"], tag="a0"))
+    if name == "smollm2":  # the prepared checkpoint itself, before any swap (test_prepared_smollm2_...)
+        env["confident"] = loop.run_until_complete(greedy(engine, env["tok"], support.CONFIDENT_PROMPTS, tag="conf"))
+    yield env
+    stop_engine(loop, engine)
 
 
 def assert_same_outputs(got, want, what: str) -> None:
