@@ -12,6 +12,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests/support.py
 
 
+def _destroy_unlingering(self) -> None:
+    """A zmq context left to the garbage collector is destroyed with linger 0: its default destroy() waits forever on
+    a socket that still holds an unsent message, and a collection that runs inside a later test then hangs the whole
+    suite (seen in test_verifiers_env on 2026-11-27; the context's owner is still to be found)."""
+    if not getattr(self, "closed", True) and not getattr(self, "_shadow", False):
+        self.destroy(linger=0)
+
+
+import zmq  # noqa: E402
+
+zmq.Context.__del__ = _destroy_unlingering
+
+
 @pytest.fixture(scope="session")
 def model_dirs() -> dict[str, Path]:
     from inflight.models import MODEL_NAMES, prepare

@@ -24,7 +24,9 @@ class SlowEngine:
         await asyncio.sleep(0.3)
         self.applied.append(manifest)
         self.version += 1
-        return types.SimpleNamespace(version=self.version, total_s=0.3, stall_s=0.0, commit_s=0.0, receive_s=0.3)
+        return types.SimpleNamespace(
+            version=self.version, total_s=0.3, stall_s=0.0, commit_s=0.0, receive_s=0.3, bytes_kept=0, full_tensors=()
+        )
 
 
 def fake_driver(engine: SlowEngine):
