@@ -23,17 +23,6 @@ TP = 2
 UNKNOWN = ("model.layers.0.mlp.mystery_proj.weight", [128, 128])
 
 
-@pytest.fixture(scope="module")
-def one_core_per_worker():
-    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    yield
-    if before is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
-
-
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-moe"])
 def resolved(request, loop, model_dirs, one_core_per_worker):
     engine = start_engine(loop, model_dirs[request.param], tensor_parallel_size=TP)

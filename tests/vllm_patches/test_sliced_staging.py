@@ -28,17 +28,6 @@ TP = 2
 
 
 @pytest.fixture(scope="module")
-def one_core_per_worker():
-    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    yield
-    if before is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
-
-
-@pytest.fixture(scope="module")
 def fresh_b(loop, model_dirs, tmp_path_factory, one_core_per_worker):
     """Each model's B checkpoint and the answers of a fresh two-worker engine started from it (made once)."""
     made = {}
