@@ -105,10 +105,13 @@ def test_4_the_hazard_a_plain_staging_allocation_that_fails_frees_the_engines_ca
         block = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
         del block
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert cached >= 512 << 20
     free, _ = torch.cuda.mem_get_info()
-    with pytest.raises(torch.OutOfMemoryError):
-        torch.empty(free + (1 << 30), dtype=torch.uint8, device="cuda")
+    with pytest.raises(torch.OutOfMemoryError):  # more than the device has free and the cache holds together
+        torch.empty(free + cached + (1 << 30), dtype=torch.uint8, device="cuda")
     assert torch.cuda.memory_stats().get("num_alloc_retries", 0) > retries  # the cache was emptied to retry
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < cached  # the engine's blocks are gone
 
 
 def test_5_pinned_host_memory_after_ten_updates_stays_at_the_arenas_planned_bytes():
@@ -178,3 +181,23 @@ def test_6_a_broadcast_stalled_by_a_sleeping_peer_does_not_delay_kernels_on_anot
     peer.join(60)
     print(f"\n50 matmuls alone {alone * 1e3:.1f} ms, beside a stalled broadcast {beside * 1e3:.1f} ms")
     assert beside < 1.5 * alone and peer.exitcode == 0
+
+
+def test_6_the_weights_groups_nccl_kernels_are_capped_at_max_ctas_on_this_torch():
+    """One GPU can hold no two NCCL ranks, so the part of point 6 that one GPU proves: torch's NCCL options carry
+    `max_ctas` on this build (limit_ctas would otherwise leave NCCL's default silently), and a group built with the cap
+    forms and broadcasts."""
+    import torch.distributed as dist
+
+    from inflight.wire.group import WEIGHTS_MAX_CTAS, GroupAddress, WeightsGroup, limit_ctas
+
+    opts = dist.ProcessGroupNCCL.Options()
+    limit_ctas(opts, WEIGHTS_MAX_CTAS)
+    assert opts.config.max_ctas == WEIGHTS_MAX_CTAS
+    torch.cuda.set_device(0)
+    group = WeightsGroup(GroupAddress("127.0.0.1", 0, 1, "capped", "nccl", 60.0), 0)
+    bucket = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
+    group.broadcast(bucket)
+    torch.cuda.synchronize()
+    assert int(bucket[-1]) == (1 << 20) - 1
+    group.close()
