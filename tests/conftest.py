@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/support.py
 def _destroy_unlingering(self) -> None:
     """A zmq context left to the garbage collector is destroyed with linger 0: its default destroy() waits forever on
     a socket that still holds an unsent message, and a collection that runs inside a later test then hangs the whole
-    suite (seen in test_verifiers_env on 2026-11-27; the context's owner is still to be found)."""
+    suite (seen on 2026-11-27: test_serve_control failed before its ControlClient's close(), and the client's context,
+    its DEALER still holding a reply, was collected inside test_verifiers_env; that test now closes in `finally`)."""
     if not getattr(self, "closed", True) and not getattr(self, "_shadow", False):
         self.destroy(linger=0)
 

@@ -45,6 +45,13 @@ def test_an_update_that_arrives_during_another_starts_when_it_ends_and_a_newer_o
     async def main() -> None:
         client = ControlClient(f"tcp://127.0.0.1:{port}", fake_driver(engine), tensors=[])
         task = asyncio.create_task(client.serve())
+        try:
+            await exchange(into=replies)
+        finally:  # a failed assertion must not leave the client's context to the garbage collector (its term() hangs)
+            task.cancel()
+            client.close()
+
+    async def exchange(into: list) -> None:
         loop = asyncio.get_running_loop()
 
         def recv():
@@ -56,11 +63,9 @@ def test_an_update_that_arrives_during_another_starts_when_it_ends_and_a_newer_o
         assert isinstance(hello, Hello) and hello.workers == 2  # one weights-group rank per engine worker
         for manifest in (b"v1", b"v2", b"v3"):  # v2 and v3 arrive while v1 is applied; v3 is the newest
             router.send_multipart([identity, encode_control(UpdateWeights(manifest=manifest))])
-        while len(replies) < 3:
+        while len(into) < 3:
             _, data = await loop.run_in_executor(None, recv)
-            replies.append(decode_control(data, to="learner"))
-        task.cancel()
-        client.close()
+            into.append(decode_control(data, to="learner"))
 
     asyncio.run(main())
     router.close()
