@@ -105,6 +105,21 @@ LANDMARKS = {
         "vllm_patches/prepared.py:PreparedWeights.swap_in",
     ),
 }
+# The control messages that gate each path: a reader following it reads their definitions too (the token path is
+# admitted by the learner's Progress and reported by Status; the weight path is announced, joined and answered by
+# the rest). Lines read = every hop's own definition, once, plus these; the whole files they sit in are reported
+# beside it. A ratchet, like MAX_FILES_PER_PATH: a longer path fails, a shorter one lowers it.
+GATES = {
+    "The token path": ("inflight/wire/control.py:Progress", "inflight/wire/control.py:Status"),
+    "The weight path": (
+        "inflight/wire/control.py:Hello",
+        "inflight/wire/control.py:JoinGroup",
+        "inflight/wire/control.py:Joined",
+        "inflight/wire/control.py:UpdateWeights",
+        "inflight/wire/control.py:UpdateDone",
+    ),
+}
+MAX_LINES_READ = {"The token path": 794, "The weight path": 629}
 HOPS_BLOCK = re.compile(r"^```hops\n(.*?)^```$", flags=re.MULTILINE | re.DOTALL)
 
 # A whole backtick span: a repository-relative .py path, optionally ':' and a dotted name defined in it.
@@ -373,6 +388,31 @@ def test_each_path_crosses_at_most_the_bound_of_files_and_none_twice(doc, title)
     assert len(files) <= MAX_FILES_PER_PATH[title], f"'{title}' crosses {len(files)} files: {files}"
     stated = re.findall(r"^That is (\d+) files, counted in full", sections(doc)[title], flags=re.MULTILINE)
     assert stated == [str(len(files))], f"'{title}' should say 'That is {len(files)} files, counted in full'"
+
+
+def lines_read(hops: list[Hop], gates: tuple[str, ...], root: Path = ROOT) -> tuple[int, int]:
+    """(lines of every hop's and gate's definition, each counted once; lines of the files they sit in)."""
+    refs = dict.fromkeys([(hop.path, hop.name) for hop in hops] + [tuple(g.split(":")) for g in gates])
+    spans = 0
+    for path, name in refs:
+        node = definition(_module(root / path), name)
+        assert node is not None, f"{path}:{name} is not defined"
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        spans += node.end_lineno - first + 1
+    files = dict.fromkeys(path for path, _ in refs)
+    return spans, sum(len((root / path).read_text().splitlines()) for path in files)
+
+
+@pytest.mark.parametrize("title", PATH_SECTIONS)
+def test_each_path_states_the_lines_a_reader_reads_and_stays_within_its_bound(doc, title):
+    """The measure a reader pays: the definitions the path passes through and the messages gating it, not the
+    files (a file count falls by merging files without anything becoming shorter to read)."""
+    spans, in_files = lines_read(path_hops(doc, title), GATES[title])
+    stated = re.findall(r"^Lines read: (\d+), in files of (\d+) lines", sections(doc)[title], flags=re.MULTILINE)
+    assert stated == [(str(spans), str(in_files))], (
+        f"'{title}' should say 'Lines read: {spans}, in files of {in_files} lines' (it says {stated})"
+    )
+    assert spans <= MAX_LINES_READ[title], f"'{title}' reads {spans} lines, over its bound {MAX_LINES_READ[title]}"
 
 
 def test_every_file_the_paths_may_come_back_to_is_one_they_do_come_back_to(doc):
