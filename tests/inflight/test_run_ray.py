@@ -241,3 +241,12 @@ def test_a_learner_bound_to_every_interface_needs_a_secret():
     with pytest.raises(ValueError, match=r"--host is '0.0.0.0', expected a specific address"):
         LearnConfig(host="0.0.0.0").validate()
     LearnConfig(host="10.0.0.5").validate()  # a node's own address: allowed (docs/multi-node.md, "Bind rules")
+
+
+def test_a_local_rays_own_processes_start_off_the_serves_cores_where_any_are_left():
+    from inflight.run.ray_launcher import ray_system_cores
+
+    assert ray_system_cores([0, 1], [0]) == [1]  # the demo's split: the serve on core 0, Ray beside the learner
+    assert ray_system_cores([0, 1, 2, 3], [0, 1]) == [2, 3]
+    assert ray_system_cores([0, 1], None) == [0, 1]  # a serve on GPUs is not pinned
+    assert ray_system_cores([0], [0]) == [0]  # one core: nowhere else to go
