@@ -23,7 +23,7 @@ the whole-batch loss (a sequence must not be split across ranks). learner/step.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -36,13 +36,15 @@ AGGREGATIONS = ("token", "sequence")
 class LossConfig:
     """Which policy loss, its trust-region constants, and how token losses are aggregated."""
 
-    kind: str = "tis"
-    tis_cap: float = 2.0
+    # The knobs with help are the learner's flags too (inflight/learn/config.py reuses these declarations; `kind` is
+    # its --loss).
+    kind: str = field(default="tis", metadata={"help": "policy loss", "choices": LOSS_KINDS})
+    tis_cap: float = field(default=2.0, metadata={"help": "tis: cap on the importance ratio"})
     clip_low: float = 0.2
     clip_high: float = 0.28
     mask_low: float = 0.5
     mask_high: float = 2.0
-    aggregation: str = "token"
+    aggregation: str = field(default="token", metadata={"help": "loss aggregation", "choices": AGGREGATIONS})
 
     def __post_init__(self) -> None:
         checks = [
