@@ -204,3 +204,29 @@ def test_the_other_entry_points_declare_no_knob_of_the_tree_again(module, monkey
     assert shared <= OWN_FLAGS[module], (
         f"{module} declares knobs of the tree again: {sorted(shared - OWN_FLAGS[module])}"
     )
+
+
+def test_the_runs_help_is_grouped_as_its_run_file_the_shared_the_serves_the_learners_and_its_own_keys(monkeypatch):
+    from inflight.run.app import main
+
+    parser = entry_parser(main, monkeypatch)
+    titles = [g.title.split(":")[0] for g in parser._action_groups if g._group_actions and g.title != "options"]
+    assert titles == ["SharedKnobs", "ServeForwards", "LearnForwards", "RunKnobs"]
+    forwarded = {
+        a.dest: a.help for g in parser._action_groups if g.title.startswith("LearnForwards") for a in g._group_actions
+    }
+    assert forwarded["lr"].startswith("the learner's --lr: AdamW learning rate")
+
+
+def test_every_generated_reference_has_its_declarations_default_choices_and_help():
+    for klass in tree():
+        for f in dataclasses.fields(klass):
+            if "from" not in f.metadata or f.name not in vars(klass).get("__annotations__", {}):
+                continue
+            owner, name = f.metadata["from"].split(".")
+            source = next(k for k in tree() if k.__name__ == owner)
+            declared = {g.name: g for g in dataclasses.fields(source)}[name]
+            where = f"{klass.__name__}.{f.name} (from {owner}.{name})"
+            assert f.default == declared.default, where
+            assert f.metadata.get("choices") == declared.metadata.get("choices"), where
+            assert f.metadata["help"].endswith(declared.metadata["help"]), where

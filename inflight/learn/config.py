@@ -60,8 +60,8 @@ class EndpointKnobs:
 
 @dataclass
 class LossKnobs(TrainStepKnobs, PolicyLossKnobs):  # type: ignore[misc,valid-type]
-    """Which tokens train and how: the staleness gates and the group advantage, with the policy loss and the
-    optimizer step (inherited)."""
+    """Which tokens train and how much: the staleness gates and the group advantage (the policy loss and the optimizer
+    step it inherits have sections of their own)."""
 
     max_lag: int = knob(4, "the learner's staleness gate: tokens older than this many versions are masked")
     max_kv_lag: int = knob(
