@@ -11,8 +11,9 @@ help is a slot its builder fills); a field generated from another declaration (i
 classes, unless the two are different knobs that happen to share a name (HOMONYMS, each with why).
 
 The entry points' parsers are the real ones, caught when `main` first parses (nothing starts): every flag of the serve,
-the learner and the run is a field of the tree with that field's default and help; the other `python -m` entry points
-with flags of their own may share a name with a knob of the tree only where it is a different knob (OWN_FLAGS, why).
+the learner and the run is a field of the tree with that field's default and help; every other `python -m` entry point
+with flags (inflight's demos and tools, the benchmarks, the scripts) may share a name with a knob of the tree only by
+reusing its declaration, or where it is its own setting (OWN_FLAGS, why).
 
 Nothing starts; no engine.
 """
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +37,7 @@ from learner.step import TrainConfig
 from learner.truncation import Truncation
 from vllm_patches.engine import EngineConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 ROOTS = (ServeConfig, LearnConfig, RunConfig, EngineConfig, TrainConfig, LossConfig, Truncation)
 
 # (class name, field) -> the knob it is, where a field's name is not its knob's name, or where two different knobs
@@ -71,14 +75,31 @@ STILL_DUPLICATED = {
     "min_p": ["SharedKnobs.min_p", "Truncation.min_p"],
 }
 
-# Flags of the other entry points that share a name with a knob of the tree but are another knob.
+# Flags of the other `python -m` entry points that share a name with a knob of the tree but are another knob: a demo's
+# or a benchmark's own setting of what it measures, at the size its measurement needs (a flag that reuses the tree's
+# declaration, with its help, needs no entry: scripts/task_accuracy.py builds its serve flags from ServeConfig's).
 OWN_FLAGS = {
     # the engine demo samples a few groups with no learner: its own small defaults
     "inflight.demo": {"model", "group_size", "max_tokens", "temperature", "seed"},
     "inflight.run.demo": {"duration_s"},  # the training budget of each mode of the demo, not one run's limit
     # the directory of a running run, the serves it should have now and how long to wait for its driver
     "inflight.run.scale": {"run_dir", "serves", "timeout_s"},
-    "inflight.models": set(),
+    "benchmarks.ablate": {"duration_s"},  # per mode, as inflight.run.demo
+    "benchmarks.launchers": {"duration_s"},  # per launcher
+    "benchmarks.delta_updates": {"steps", "lr", "group_size", "dtype", "model"},  # learning rates swept, bf16 serve
+    "benchmarks.fused_loss": {"device"},  # where the kernels are timed
+    "benchmarks.gpu_learner": {"replay", "steps", "bucket_mb", "learn_args", "backend", "device"},  # a CUDA learner
+    "benchmarks.head_precision": {"model", "max_tokens"},
+    "benchmarks.lora_swap": {"kv_cache_gib"},  # a small KV cache: the swap is measured, not generation
+    "benchmarks.publish_memory": {"model", "bucket_mb", "dtype"},
+    "benchmarks.routing_replay": {"dtype", "max_tokens"},
+    "benchmarks.sliced_staging": {"model", "update_memory"},
+    "benchmarks.step_overhead": {"model", "replay", "steps"},
+    "benchmarks.tp_plan": {"gpu_memory_utilization"},
+    "benchmarks.trim_policy": {"run_dir"},
+    "benchmarks.weight_swap": {"dtype", "kv_cache_gib"},
+    "scripts.soak": {"run_dir", "checkpoint_every"},  # the soak's own run directory and checkpoint cadence
+    "scripts.task_accuracy": {"task_seed"},  # held-out problems: not the serve's training stream
 }
 # Options of the serve, the learner and the run that are no knob: what the tree is read from.
 NOT_KNOBS = {"help", "config"}
@@ -188,45 +209,39 @@ def test_every_flag_of_the_serve_learner_and_run_is_a_knob_of_the_tree_with_its_
     assert {a.dest for a in options(parser)} == set(fields), f"{module}: a knob of its config has no flag"
 
 
-OTHER_ENTRIES = {
-    "inflight.demo": "inflight.demo",
-    "inflight.run.demo": "inflight.run.demo",
-    "inflight.run.scale": "inflight.run.scale",
-    "inflight.models": "inflight.models",
-}
+MAIN_MODULES = {f"{module}.app" for module in MAIN_ENTRIES}
 
 
-@pytest.mark.parametrize("module", sorted(OTHER_ENTRIES))
+def other_entry_points() -> list[str]:
+    """Every other module with a `main` that parses flags: inflight's, the benchmarks' and the scripts'."""
+    paths = [*ROOT.glob("inflight/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("scripts/*.py")]
+    modules = []
+    for path in sorted(paths):
+        text = path.read_text()
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if "def main(" in text and "argparse" in text and module not in MAIN_MODULES:
+            modules.append(module)
+    return modules
+
+
+def reuses_a_declaration(action: argparse.Action) -> bool:
+    """Does the flag carry the default and help of a knob of the tree with its name (built from the one declaration)?"""
+    same = [f for klass in tree() for f in dataclasses.fields(klass) if f.name == action.dest]
+    return any(f.default == action.default and f.metadata.get("help", "\0") in (action.help or "") for f in same)
+
+
+def test_the_walk_finds_the_other_entry_points():
+    found = other_entry_points()
+    assert {"inflight.demo", "inflight.run.scale", "benchmarks.weight_swap", "scripts.task_accuracy"} <= set(found)
+    assert not set(found) & MAIN_MODULES
+
+
+@pytest.mark.parametrize("module", other_entry_points())
 def test_the_other_entry_points_declare_no_knob_of_the_tree_again(module, monkeypatch):
-    parser = entry_parser(importlib.import_module(OTHER_ENTRIES[module]).main, monkeypatch)
+    main = importlib.import_module(module).main
+    parser = entry_parser(main if inspect.signature(main).parameters else lambda _argv: main(), monkeypatch)
     knobs = {f.name for klass in tree() for f in dataclasses.fields(klass)}
-    shared = {a.dest for a in options(parser)} & knobs
-    assert shared <= OWN_FLAGS[module], (
-        f"{module} declares knobs of the tree again: {sorted(shared - OWN_FLAGS[module])}"
-    )
-
-
-def test_the_runs_help_is_grouped_as_its_run_file_the_shared_the_serves_the_learners_and_its_own_keys(monkeypatch):
-    from inflight.run.app import main
-
-    parser = entry_parser(main, monkeypatch)
-    titles = [g.title.split(":")[0] for g in parser._action_groups if g._group_actions and g.title != "options"]
-    assert titles == ["SharedKnobs", "ServeForwards", "LearnForwards", "RunKnobs"]
-    forwarded = {
-        a.dest: a.help for g in parser._action_groups if g.title.startswith("LearnForwards") for a in g._group_actions
-    }
-    assert forwarded["lr"].startswith("the learner's --lr: AdamW learning rate")
-
-
-def test_every_generated_reference_has_its_declarations_default_choices_and_help():
-    for klass in tree():
-        for f in dataclasses.fields(klass):
-            if "from" not in f.metadata or f.name not in vars(klass).get("__annotations__", {}):
-                continue
-            owner, name = f.metadata["from"].split(".")
-            source = next(k for k in tree() if k.__name__ == owner)
-            declared = {g.name: g for g in dataclasses.fields(source)}[name]
-            where = f"{klass.__name__}.{f.name} (from {owner}.{name})"
-            assert f.default == declared.default, where
-            assert f.metadata.get("choices") == declared.metadata.get("choices"), where
-            assert f.metadata["help"].endswith(declared.metadata["help"]), where
+    declared = {a.dest for a in options(parser) if a.dest in knobs and not reuses_a_declaration(a)}
+    listed = OWN_FLAGS.get(module, set())
+    assert declared <= listed, f"{module} declares knobs of the tree again: {sorted(declared - listed)}"
+    assert listed <= declared, f"{module} no longer declares {sorted(listed - declared)}: take them off OWN_FLAGS"
