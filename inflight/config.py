@@ -6,14 +6,16 @@ knob sections (small dataclasses grouped by concern); `parse_dataclass` makes on
 default, grouped in `--help` by the section that declares it. A knob is declared once, where its default and help are
 written (`knob`):
 - a knob both sides share, in inflight/wire/contract.py:SharedKnobs (the run's top-level keys too);
-- a knob a lower package's config is built from, in that package when the config tree may import it
-  (learner/step.py:TrainConfig, learner/losses.py:LossConfig), or here when a node that parses the serve's flags may
-  lack it (`EngineSizing`: the serve's flags and vllm_patches/engine.py:EngineConfig; `inflight.run` on a learner node
-  has no vllm_patches);
+- a knob a lower package's config is built from, in that package when the config tree may import it (learner/knobs.py:
+  learner/step.py:TrainConfig's and learner/losses.py:LossConfig's), or here when a node that parses the serve's flags
+  may lack it (`EngineSizing`: the serve's flags and vllm_patches/engine.py:EngineConfig; `inflight.run` on a learner
+  node has no vllm_patches);
 - any other in the section of the one entry point that reads it.
-Another part of the tree reuses a declaration with `section_of` (the learner's loss knobs, the run's forwarded keys):
-a section generated from it, whose fields carry metadata `from` naming the declaration (tests/test_config_tree.py
-checks that no knob is declared twice). Called by the entry points' `main` in their own process.
+
+Another part of the tree reuses a declaration by inheriting its section or with `section_of` (the learner's loss and
+step knobs, the run's forwarded keys): a section generated from it, whose fields carry metadata `from` naming the
+declaration (tests/test_config_tree.py checks that no knob is declared twice). Called by the entry points' `main` in
+their own process.
 """
 
 from __future__ import annotations

@@ -23,28 +23,23 @@ the whole-batch loss (a sequence must not be split across ranks). learner/step.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-LOSS_KINDS = ("tis", "ppo", "mask")
-AGGREGATIONS = ("token", "sequence")
+from learner.knobs import AGGREGATIONS, LOSS_KINDS, LossSettings
 
 
 @dataclass(frozen=True)
-class LossConfig:
-    """Which policy loss, its trust-region constants, and how token losses are aggregated."""
+class LossConfig(LossSettings):
+    """Which policy loss, its trust-region constants, and how token losses are aggregated (the kind, the tis cap and
+    the aggregation: the learner's flags, declared in learner/knobs.py)."""
 
-    # The knobs with help are the learner's flags too (inflight/learn/config.py reuses these declarations; `kind` is
-    # its --loss).
-    kind: str = field(default="tis", metadata={"help": "policy loss", "choices": LOSS_KINDS})
-    tis_cap: float = field(default=2.0, metadata={"help": "tis: cap on the importance ratio"})
     clip_low: float = 0.2
     clip_high: float = 0.28
     mask_low: float = 0.5
     mask_high: float = 2.0
-    aggregation: str = field(default="token", metadata={"help": "loss aggregation", "choices": AGGREGATIONS})
 
     def __post_init__(self) -> None:
         checks = [

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from learner.fused_loss import FUSED_MODES, FusedLossInputs, fused_enabled
+from learner.fused_loss import FusedLossInputs, fused_enabled
+from learner.knobs import FUSED_MODES, StepSettings
 from learner.losses import LossConfig, policy_loss
 from learner.model import PolicyModel, PolicyOutput
 from learner.routing_replay import NO_ROUTE, RoutingReplay
@@ -34,27 +35,17 @@ AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}
 
 
 @dataclass
-class TrainConfig:
-    """Optimizer and loss settings for RL fine-tuning of a small (~100M) model; the defaults run the demo."""
+class TrainConfig(StepSettings):
+    """Optimizer and loss settings for RL fine-tuning of a small (~100M) model; the defaults run the demo. The
+    learning rate, the clipping and the fused loss are the learner's flags, declared in learner/knobs.py."""
 
-    # The knobs with help are the learner's flags too (inflight/learn/config.py reuses these declarations).
-    lr: float = field(default=1e-5, metadata={"help": "AdamW learning rate"})
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    grad_clip: float | None = field(default=1.0, metadata={"help": "max gradient norm"})  # None: measured, not clipped
     temperature: float = 1.0  # must equal the sampling temperature: behaviour logprobs are after temperature
     chunk_tokens: int = 1024
     autocast: str = "none"  # "bfloat16": the decoder forward/backward under autocast (LM head stays fp32)
     loss: LossConfig = field(default_factory=LossConfig)
-    fused_loss: str = field(
-        default="auto",
-        metadata={
-            "help": "LM head + policy loss in one pass (learner/fused_loss.py): auto = on CUDA with Triton; on = also "
-            "elsewhere (torch); off",
-            "choices": FUSED_MODES,
-        },
-    )
     # the serve's top-k / top-p / min-p: logprobs over the kept tokens (learner/truncation.py); "auto" fusing then
     # stays off (the fused loss is full-softmax only)
     truncation: Truncation = field(default_factory=Truncation)

@@ -2,13 +2,14 @@
 of the entry points comes from that one declaration.
 
 The tree is every dataclass the entry points and the lower packages configure themselves with: the serve's, the
-learner's and the run's configs (with the knob sections they are composed of), and the configs the lower packages
-are built from (vllm_patches/engine.py:EngineConfig, learner/step.py:TrainConfig, learner/losses.py:LossConfig,
-learner/truncation.py:Truncation). A knob is *declared* where its default or help is written: by a class whose own body
-has the field with a default or a help (an inherited field is its base's declaration, reused; a required field without
-help is a slot its builder fills); a field generated from another declaration (inflight/config.py:section_of, metadata
-`from`) is a reference, not a declaration. Two declarations of the same knob are a duplicate: the same name in two
-classes, unless the two are different knobs that happen to share a name (HOMONYMS, each with why).
+learner's and the run's configs (with the knob sections they are composed of), and the configs the lower packages are
+built from (vllm_patches/engine.py:EngineConfig, learner/step.py:TrainConfig and learner/losses.py:LossConfig with
+their sections in learner/knobs.py, learner/truncation.py:Truncation). A knob is *declared* where its default or help
+is written: by a class whose own body has the field with a default or a help (an inherited field is its base's
+declaration, reused; a required field without help is a slot its builder fills); a field generated from another
+declaration (inflight/config.py:section_of, metadata `from`) is a reference, not a declaration. Two declarations of the
+same knob are a duplicate: the same name in two classes, unless the two are different knobs that happen to share a
+name (HOMONYMS, each with why).
 
 The entry points' parsers are the real ones, caught when `main` first parses (nothing starts): every flag of the serve,
 the learner and the run is a field of the tree with that field's default and help; every other `python -m` entry point
@@ -43,7 +44,7 @@ ROOTS = (ServeConfig, LearnConfig, RunConfig, EngineConfig, TrainConfig, LossCon
 # (class name, field) -> the knob it is, where a field's name is not its knob's name, or where two different knobs
 # share a name (each says why they are different knobs).
 HOMONYMS = {
-    ("LossConfig", "kind"): "loss",  # the learner's --loss, under the loss function's own name
+    ("LossSettings", "kind"): "loss",  # the learner's --loss, under the loss function's own name
     ("PrecisionKnobs", "dtype"): "learn.dtype",  # the learner's parameter dtype; the serve's --dtype is its engine's
     ("RunDirKnobs", "seed"): "learn.seed",  # the learner's torch seed; the serve's --seed is its sampling seed
     ("RunKnobs", "dtype"): "run.dtype",  # both sides' compute precision: sets the serve's --dtype and --autocast

@@ -1,11 +1,12 @@
 """`LearnConfig`: every knob of `python -m inflight.learn`, with defaults that train the embedded demo on CPU.
 
-The knobs come in groups by concern (the sockets and devices, the loss, the precision, publishing, the run
-directory), each a small dataclass with its own checks; `LearnConfig` inherits them all plus the knobs both sides share
+The knobs come in groups by concern (the sockets and devices, the loss, the precision, publishing, the run directory),
+each a small dataclass with its own checks; `LearnConfig` inherits them all plus the knobs both sides share
 (inflight/wire/contract.py:SharedKnobs), so the flags stay one flat list. The knobs the train step is built from are
-declared by the learner's own configs (learner/step.py:TrainConfig, learner/losses.py:LossConfig) and reused here as
-generated sections (`TrainStepKnobs`, `PolicyLossKnobs`); inflight/learn/app.py:train_config builds those configs back
-from them. Read by the learner's process (inflight/learn/app.py) and by `inflight.run` for the knobs it forwards.
+declared by the learner (learner/knobs.py, whose sections learner/step.py:TrainConfig and learner/losses.py:LossConfig
+inherit) and reused here as generated sections (`TrainStepKnobs`, `PolicyLossKnobs`); inflight/learn/app.py:
+train_config builds those configs back from them. Read by the learner's process (inflight/learn/app.py) and by
+`inflight.run` for the knobs it forwards.
 """
 
 from __future__ import annotations
@@ -18,24 +19,24 @@ from inflight.learn.tracking import REPORT_TO, check_installed
 from inflight.models import checkpoint_fingerprint, resolve_model
 from inflight.wire.contract import RunContract, SecretKnob, SharedKnobs
 from inflight.wire.memory import trim_every_s
-from learner.losses import LossConfig
-from learner.step import TrainConfig
+from learner.knobs import LossSettings, StepSettings
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")  # --host values that bind every interface
 ADVANTAGE_KINDS = ("mean", "std", "loo")  # --advantage; group_advantages checks against it too
 
-# The train step's knobs, declared by the learner's configs: --loss is LossConfig's `kind`.
+# The train step's knobs, declared by the learner (learner/knobs.py): --loss is LossConfig's `kind`.
 PolicyLossKnobs = section_of(
     "PolicyLossKnobs",
-    "The policy loss (declared by learner/losses.py:LossConfig).",
-    LossConfig,
+    "The policy loss (declared by learner/knobs.py:LossSettings, held by learner/losses.py:LossConfig).",
+    LossSettings,
     {"loss": "kind", "tis_cap": "tis_cap", "aggregation": "aggregation"},
     __name__,
 )
 TrainStepKnobs = section_of(
     "TrainStepKnobs",
-    "The optimizer step and the fused LM head + loss (declared by learner/step.py:TrainConfig).",
-    TrainConfig,
+    "The optimizer step and the fused LM head + loss (declared by learner/knobs.py:StepSettings, held by "
+    "learner/step.py:TrainConfig).",
+    StepSettings,
     ("lr", "grad_clip", "fused_loss"),
     __name__,
 )
