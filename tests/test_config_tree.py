@@ -246,3 +246,20 @@ def test_the_other_entry_points_declare_no_knob_of_the_tree_again(module, monkey
     listed = OWN_FLAGS.get(module, set())
     assert declared <= listed, f"{module} declares knobs of the tree again: {sorted(declared - listed)}"
     assert listed <= declared, f"{module} no longer declares {sorted(listed - declared)}: take them off OWN_FLAGS"
+
+
+def test_the_train_step_and_the_engine_are_built_from_the_knobs_their_flags_set(tmp_path):
+    from inflight.config import parse_dataclass
+    from inflight.learn.app import train_config
+    from inflight.serve.app import engine_config
+
+    flags = "--lr 3e-5 --grad-clip 0.5 --fused-loss off --loss ppo --tis-cap 3 --aggregation sequence --autocast none"
+    learn = parse_dataclass(LearnConfig, flags.split(" "), "inflight.learn", "")
+    step = train_config(learn)
+    assert (step.lr, step.grad_clip, step.fused_loss) == (3e-5, 0.5, "off")
+    assert (step.loss.kind, step.loss.tis_cap, step.loss.aggregation) == ("ppo", 3.0, "sequence")
+    serve = ServeConfig(max_model_len=512, max_num_seqs=16, kv_cache_gib=0.25, gpu_memory_utilization=0.5, seed=7)
+    engine = engine_config(serve, tmp_path, "cpu", device_bytes=0)
+    sizes = ("max_model_len", "max_num_seqs", "tensor_parallel_size", "kv_cache_gib", "gpu_memory_utilization", "seed")
+    assert {name: getattr(engine, name) for name in sizes} == {name: getattr(serve, name) for name in sizes}
+    assert engine.max_model_len == 512 and engine.seed == 7
