@@ -56,7 +56,9 @@ def sample(model_dir: Path, args) -> list:
         chat = [{"role": "user", "content": text}]
         prompts.append(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0, ignore_eos=True)
-    cfg = EngineConfig(str(model_dir), dtype=args.dtype, head_dtype="float32", kv_cache_gib=0.25, routing_replay=True)
+    cfg = EngineConfig(
+        model=str(model_dir), dtype=args.dtype, head_dtype="float32", kv_cache_gib=0.25, routing_replay=True
+    )
 
     async def run():
         engine = await InflightEngine.start(cfg)

@@ -1,10 +1,21 @@
-"""Typed dataclass configs turned into argparse flags, and written into run directories as resolved JSON.
+"""The config tree: typed dataclass configs turned into argparse flags, read from run files, and written into run
+directories as resolved JSON.
 
-Each entry point (`inflight.serve`, `inflight.learn`, `inflight.run`) has one dataclass, composed by inheritance of
-small dataclasses grouped by concern; every field is declared with `knob` (its default and help, once) and
-`parse_dataclass` makes one `--flag` per field with the field's default, so `--help` lists every knob and the
-defaults are what runs the embedded demo. A knob both sides share is declared once, in inflight/wire/contract.py;
-a run flag that only forwards a side's knob takes that knob's default and help with `knob_of`.
+Each entry point (`inflight.serve`, `inflight.learn`, `inflight.run`) reads one dataclass, composed by inheritance of
+knob sections (small dataclasses grouped by concern); `parse_dataclass` makes one `--flag` per field with the field's
+default, grouped in `--help` by the section that declares it. A knob is declared once, where its default and help are
+written (`knob`):
+- a knob both sides share, in inflight/wire/contract.py:SharedKnobs (the run's top-level keys too);
+- a knob a lower package's config is built from, in that package when the config tree may import it (learner/knobs.py:
+  learner/step.py:TrainConfig's and learner/losses.py:LossConfig's), or here when a node that parses the serve's flags
+  may lack it (`EngineSizing`: the serve's flags and vllm_patches/engine.py:EngineConfig; `inflight.run` on a learner
+  node has no vllm_patches);
+- any other in the section of the one entry point that reads it.
+
+Another part of the tree reuses a declaration by inheriting its section or with `section_of` (the learner's loss and
+step knobs, the run's forwarded keys): a section generated from it, whose fields carry metadata `from` naming the
+declaration (tests/test_config_tree.py checks that no knob is declared twice). Called by the entry points' `main` in
+their own process.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import dataclasses
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,11 +37,58 @@ def knob(default: Any, help: str, choices: tuple | None = None) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
-def knob_of(cls: type, name: str, who: str) -> Any:
-    """`cls`'s field `name` declared again by reference: the same default, choices and help, the help prefixed with
-    `who` (the side it reaches), so a run flag that forwards a side's knob cannot drift from it."""
-    source = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return knob(source.default, f"{who}: {source.metadata['help']}", source.metadata.get("choices"))
+def section_of(
+    name: str, doc: str, source: type, names: dict[str, str] | tuple[str, ...], module: str, prefix: str = ""
+) -> type:
+    """A knob section generated from `source`'s declarations, for another part of the tree to reuse them: each field
+    (`names`: the field names, or {new name: `source`'s field}) takes the declared default, choices and help, the help
+    after `prefix` (`{flag}` in it: the flag), and metadata `from` names the declaration, so the field is a
+    reference and cannot drift from it. `doc` is the section's `--help` heading (its first sentence); `module` the
+    caller's `__name__`, where the section is named (for its repr and pickles)."""
+    names = names if isinstance(names, dict) else {n: n for n in names}
+    declared = {f.name: f for f in dataclasses.fields(source)}
+    fields = []
+    for new, old in names.items():
+        f = declared[old]
+        head = prefix.format(flag=f"--{new.replace('_', '-')}")
+        meta = {**f.metadata, "help": head + f.metadata["help"], "from": f"{source.__name__}.{old}"}
+        fields.append((new, f.type, dataclasses.field(default=f.default, metadata=meta)))
+    return dataclasses.make_dataclass(name, fields, namespace={"__doc__": doc, "__module__": module})
+
+
+def declared_values(cfg: Any, section: type) -> dict[str, Any]:
+    """`cfg`'s values of a `section_of` section, under the names of the declarations they reuse: the keyword
+    arguments that build the declaring config back (inflight/learn/app.py:train_config)."""
+    return {f.metadata["from"].split(".")[1]: getattr(cfg, f.name) for f in dataclasses.fields(section)}
+
+
+@dataclass
+class EngineSizing:
+    """The vLLM engine's size: its context, batch, workers, memory and sampling seed."""
+
+    max_model_len: int = knob(1024, "engine context length")
+    max_num_seqs: int = knob(256, "engine batch limit")
+    tensor_parallel_size: int = knob(
+        1,
+        "engine workers sharing the model (vLLM's tensor parallelism); each takes its own rank in the weights group, "
+        "receives every bucket and loads its shard",
+    )
+    kv_cache_gib: float = knob(
+        1.0,
+        "CPU: KV cache size in GiB (fractions allowed); allocated and zeroed at start: a "
+        "smaller one starts faster. Not used on CUDA (--gpu-memory-utilization)",
+    )
+    gpu_memory_utilization: float = knob(
+        0.9,
+        "CUDA: the fraction of the GPU's memory vLLM may take, in (0, 1] "
+        "(weights, activations, CUDA graphs; the KV cache gets the rest); used "
+        "there in place of --kv-cache-gib. Not used on CPU",
+    )
+    seed: int = knob(0, "engine sampling seed")
+
+    def sizing(self) -> dict[str, Any]:
+        """These knobs' values, for building another config that holds them (vllm_patches/engine.py:EngineConfig)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSizing)}
 
 
 def _parse_bool(text: str) -> bool:

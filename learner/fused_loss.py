@@ -23,10 +23,10 @@ from typing import NamedTuple
 
 import torch
 
+from learner.knobs import FUSED_MODES
 from learner.losses import LossConfig, _metrics
 
 _TRITON: bool | None = None
-FUSED_MODES = ("auto", "on", "off")
 
 
 @dataclass

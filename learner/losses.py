@@ -28,21 +28,18 @@ from typing import NamedTuple
 
 import torch
 
-LOSS_KINDS = ("tis", "ppo", "mask")
-AGGREGATIONS = ("token", "sequence")
+from learner.knobs import AGGREGATIONS, LOSS_KINDS, LossSettings
 
 
 @dataclass(frozen=True)
-class LossConfig:
-    """Which policy loss, its trust-region constants, and how token losses are aggregated."""
+class LossConfig(LossSettings):
+    """Which policy loss, its trust-region constants, and how token losses are aggregated (the kind, the tis cap and
+    the aggregation: the learner's flags, declared in learner/knobs.py)."""
 
-    kind: str = "tis"
-    tis_cap: float = 2.0
     clip_low: float = 0.2
     clip_high: float = 0.28
     mask_low: float = 0.5
     mask_high: float = 2.0
-    aggregation: str = "token"
 
     def __post_init__(self) -> None:
         checks = [

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from learner.fused_loss import FUSED_MODES, FusedLossInputs, fused_enabled
+from learner.fused_loss import FusedLossInputs, fused_enabled
+from learner.knobs import FUSED_MODES, StepSettings
 from learner.losses import LossConfig, policy_loss
 from learner.model import PolicyModel, PolicyOutput
 from learner.routing_replay import NO_ROUTE, RoutingReplay
@@ -34,19 +35,17 @@ AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}
 
 
 @dataclass
-class TrainConfig:
-    """Optimizer and loss settings for RL fine-tuning of a small (~100M) model; the defaults run the demo."""
+class TrainConfig(StepSettings):
+    """Optimizer and loss settings for RL fine-tuning of a small (~100M) model; the defaults run the demo. The
+    learning rate, the clipping and the fused loss are the learner's flags, declared in learner/knobs.py."""
 
-    lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    grad_clip: float | None = 1.0  # max global grad norm; None computes the norm without clipping
     temperature: float = 1.0  # must equal the sampling temperature: behaviour logprobs are after temperature
     chunk_tokens: int = 1024
     autocast: str = "none"  # "bfloat16": the decoder forward/backward under autocast (LM head stays fp32)
     loss: LossConfig = field(default_factory=LossConfig)
-    fused_loss: str = "auto"  # the LM head and the loss in one pass: "auto" = on CUDA with Triton; "on"; "off"
     # the serve's top-k / top-p / min-p: logprobs over the kept tokens (learner/truncation.py); "auto" fusing then
     # stays off (the fused loss is full-softmax only)
     truncation: Truncation = field(default_factory=Truncation)

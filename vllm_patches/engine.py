@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from inflight.config import EngineSizing
 from inflight.machine import is_cuda, serve_device
 from inflight.wire.weights import UPDATE_MEMORY
 from vllm_patches.adapter import engine_lora_rank, lora_request
@@ -36,22 +37,15 @@ WORKER_EXTENSION = "vllm_patches.worker_extension.InflightWorkerExtension"
 
 
 @dataclass
-class EngineConfig:
-    """What `InflightEngine.start` builds AsyncLLM from. Defaults run the embedded demo on CPU."""
+class EngineConfig(EngineSizing):
+    """What `InflightEngine.start` builds AsyncLLM from. Defaults run the embedded demo on CPU. Its size (context,
+    batch, workers, KV cache or GPU fraction, seed) is `EngineSizing`'s, declared once with the serve's flags
+    (inflight/config.py); the fields below are the serve's knobs resolved (inflight/serve/app.py:engine_config)."""
 
-    model: str
-    max_model_len: int = 1024
-    max_num_seqs: int = 256
-    tensor_parallel_size: int = 1  # workers; each is its own rank of the weights group (inflight/wire/group.py)
-    seed: int = 0
+    model: str = field(kw_only=True)
     # False lets vLLM compile the model and, on CUDA, capture CUDA graphs, which hold parameter addresses: allowed
     # only with update_memory "low", which commits into every parameter's existing storage (check_graph_safe_updates).
     enforce_eager: bool = True
-    # CPU: the KV cache size, allocated and zeroed at start (first-touch page faults cost seconds). Unused on CUDA.
-    kv_cache_gib: float = 1.0
-    # CUDA: the fraction of the GPU's memory vLLM may take (weights, activations, graphs; the KV cache gets the rest),
-    # in (0, 1]. Unused on CPU.
-    gpu_memory_utilization: float = 0.9
     dtype: str = "bfloat16"
     enable_prefix_caching: bool = True
     # The LM head's precision: "float32" projects in fp32 (vLLM's head_dtype, through hf_overrides), as the learner's

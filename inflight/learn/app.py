@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from inflight.config import parse_dataclass, setup_logging, write_resolved
+from inflight.config import declared_values, parse_dataclass, setup_logging, write_resolved
 from inflight.learn.adapter import AdapterOutputs, counted_parameters, lora_spec
-from inflight.learn.config import LearnConfig
+from inflight.learn.config import LearnConfig, PolicyLossKnobs, TrainStepKnobs
 from inflight.learn.publisher import PublishReport
 from inflight.learn.samples import GatedSample, GateStats
 from inflight.learn.service import LearnerService
@@ -293,15 +293,12 @@ def _ratios(metrics: dict) -> dict:
 
 def train_config(cfg: LearnConfig) -> TrainConfig:
     """The train step's settings from the flags (the loss, the sampler's truncation, precision, clipping)."""
-    loss = LossConfig(kind=cfg.loss, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation)
     truncation = Truncation(top_k=max(cfg.top_k, 0), top_p=cfg.top_p, min_p=cfg.min_p)
     return TrainConfig(
-        lr=cfg.lr,
-        grad_clip=cfg.grad_clip,
+        **declared_values(cfg, TrainStepKnobs),  # lr, grad_clip, fused_loss: TrainConfig's own declarations
         temperature=cfg.temperature,
         autocast=cfg.autocast,
-        fused_loss=cfg.fused_loss,
-        loss=loss,
+        loss=LossConfig(**declared_values(cfg, PolicyLossKnobs)),  # --loss is LossConfig's kind
         truncation=truncation,
     )
 

@@ -1,23 +1,45 @@
 """`LearnConfig`: every knob of `python -m inflight.learn`, with defaults that train the embedded demo on CPU.
 
-The knobs come in groups by concern (the sockets and devices, the loss, the precision, publishing, the run
-directory), each a small dataclass with its own checks; `LearnConfig` inherits them all plus the knobs both sides share
-(inflight/wire/contract.py:SharedKnobs), so the flags stay one flat list.
+The knobs come in groups by concern (the sockets and devices, the loss, the precision, publishing, the run directory),
+each a small dataclass with its own checks; `LearnConfig` inherits them all plus the knobs both sides share
+(inflight/wire/contract.py:SharedKnobs), so the flags stay one flat list. The knobs the train step is built from are
+declared by the learner (learner/knobs.py, whose sections learner/step.py:TrainConfig and learner/losses.py:LossConfig
+inherit) and reused here as generated sections (`TrainStepKnobs`, `PolicyLossKnobs`); inflight/learn/app.py:
+train_config builds those configs back from them. Read by the learner's process (inflight/learn/app.py) and by
+`inflight.run` for the knobs it forwards.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.config import knob, require
+from inflight.config import knob, require, section_of
 from inflight.learn.replay import check_replay
 from inflight.learn.tracking import REPORT_TO, check_installed
 from inflight.models import checkpoint_fingerprint, resolve_model
 from inflight.wire.contract import RunContract, SecretKnob, SharedKnobs
 from inflight.wire.memory import trim_every_s
+from learner.knobs import LossSettings, StepSettings
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")  # --host values that bind every interface
 ADVANTAGE_KINDS = ("mean", "std", "loo")  # --advantage; group_advantages checks against it too
+
+# The train step's knobs, declared by the learner (learner/knobs.py): --loss is LossConfig's `kind`.
+PolicyLossKnobs = section_of(
+    "PolicyLossKnobs",
+    "The policy loss (declared by learner/knobs.py:LossSettings, held by learner/losses.py:LossConfig).",
+    LossSettings,
+    {"loss": "kind", "tis_cap": "tis_cap", "aggregation": "aggregation"},
+    __name__,
+)
+TrainStepKnobs = section_of(
+    "TrainStepKnobs",
+    "The optimizer step and the fused LM head + loss (declared by learner/knobs.py:StepSettings, held by "
+    "learner/step.py:TrainConfig).",
+    StepSettings,
+    ("lr", "grad_clip", "fused_loss"),
+    __name__,
+)
 
 
 @dataclass
@@ -38,8 +60,9 @@ class EndpointKnobs:
 
 
 @dataclass
-class LossKnobs:
-    """Which tokens train and how: the staleness gates, the policy loss and the optimizer."""
+class LossKnobs(TrainStepKnobs, PolicyLossKnobs):  # type: ignore[misc,valid-type]
+    """Which tokens train and how much: the staleness gates and the group advantage (the policy loss and the optimizer
+    step it inherits have sections of their own)."""
 
     max_lag: int = knob(4, "the learner's staleness gate: tokens older than this many versions are masked")
     max_kv_lag: int = knob(
@@ -47,12 +70,7 @@ class LossKnobs:
         "KV staleness gate: tokens that attended to KV older than this many versions are masked (kv='keep' keeps a "
         "sequence's KV across commits); -1 = off",
     )
-    loss: str = knob("tis", "policy loss", choices=("tis", "ppo", "mask"))
-    aggregation: str = knob("token", "loss aggregation", choices=("token", "sequence"))
     advantage: str = knob("mean", "group advantage (inflight/learn/samples.py)", choices=ADVANTAGE_KINDS)
-    tis_cap: float = knob(2.0, "tis: cap on the importance ratio")
-    lr: float = knob(1e-5, "AdamW learning rate")
-    grad_clip: float = knob(1.0, "max gradient norm")
 
     def validate_loss(self) -> None:
         require(self.max_lag >= 0, "max_lag", self.max_lag, ">= 0")
@@ -62,7 +80,7 @@ class LossKnobs:
 
 @dataclass
 class PrecisionKnobs:
-    """The learner's parameter and compute dtypes, and the fused LM head + loss."""
+    """The learner's parameter and compute dtypes."""
 
     dtype: str = knob("float32", "parameter dtype", choices=("float32", "bfloat16"))
     autocast: str = knob(
@@ -71,12 +89,6 @@ class PrecisionKnobs:
         "bfloat16 where the device computes it natively (CUDA; a CPU with AMX or avx512_bf16), none elsewhere (bf16 "
         "is ~50x slower than fp32 on an AVX2-only CPU)",
         choices=("auto", "none", "bfloat16"),
-    )
-    fused_loss: str = knob(
-        "auto",
-        "LM head + policy loss in one pass (learner/fused_loss.py): auto = on CUDA with Triton; on = also elsewhere "
-        "(torch); off",
-        choices=("auto", "on", "off"),
     )
 
 

@@ -1,7 +1,11 @@
 """`RunConfig`: what `python -m inflight.run` launches — one serve and one learner on split pools, and where the run
-directory goes. The knobs both sides must agree on (inflight/wire/contract.py:SharedKnobs, and the dtype) are set once
-here and passed to both (the learner refuses a serve whose contract differs); a few knobs of one side are forwarded
-under the same name (their declaration is the side's: `knob_of`); anything else reaches a side verbatim through
+directory goes. Read by the launcher's process (inflight/run/app.py) from its flags and a run file's top level.
+
+Its sections mirror the run file: the run's own keys (`RunKnobs`), the knobs both sides must agree on
+(inflight/wire/contract.py:SharedKnobs, given to both alike), and the side knobs the run sets under their own names
+(`FORWARDED`: `ServeForwards`, `LearnForwards`, generated from the sides' declarations by `section_of`, so a side's
+default and help are written once, there). `RUN_DERIVES` names the side knobs the run computes from its own keys
+(inflight/run/launch.py builds each side's argv from these three); anything else reaches a side verbatim through
 `--serve-args` / `--learn-args` or a run file's tables (inflight/run/config_file.py)."""
 
 from __future__ import annotations
@@ -12,10 +16,52 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inflight.config import knob, knob_of, require
-from inflight.learn.config import EndpointKnobs, LossKnobs, RunDirKnobs
-from inflight.serve.config import AdmissionKnobs, EnvKnobs, ServeConfig, TaskKnobs
+from inflight.config import knob, require, section_of
+from inflight.learn.config import LearnConfig
+from inflight.serve.config import ServeConfig
 from inflight.wire.contract import SharedKnobs
+
+# side -> its knobs the run sets from its own keys of the same name (a run file's top level, the run's flags)
+FORWARDED = {
+    "serve": ("task", "env", "reward", "http_port", "mode", "max_tokens", "admit_lag"),
+    "learn": ("lr", "max_lag", "steps", "host", "report_to"),
+}
+# side -> {its knob: the run's keys it is computed from} (inflight/run/launch.py:serve_flags, learn_flags)
+RUN_DERIVES = {
+    "serve": {
+        "dtype": "dtype",
+        "task_seed": "seed",
+        "seed": "seed",
+        "rollouts": "host / port_base",
+        "control": "host / port_base",
+        "metrics": "run_dir",
+    },
+    "learn": {
+        "rollouts_port": "port_base",
+        "control_port": "port_base",
+        "weights_port": "port_base",
+        "seed": "seed",
+        "run_dir": "run_dir",
+        "autocast": "dtype",
+        "backend": "learn_gpus",
+    },
+}
+ServeForwards = section_of(
+    "ServeForwards",
+    "The serve's knobs the run sets from its keys of the same name (a run file's [serve] table may not set them).",
+    ServeConfig,
+    FORWARDED["serve"],
+    __name__,
+    "the serve's {flag}: ",
+)
+LearnForwards = section_of(
+    "LearnForwards",
+    "The learner's knobs the run sets from its keys of the same name (a run file's [learn] table may not set them).",
+    LearnConfig,
+    FORWARDED["learn"],
+    __name__,
+    "the learner's {flag}: ",
+)
 
 
 def parse_cores(spec: str) -> list[int]:
@@ -40,14 +86,10 @@ def parse_gpus(spec: str) -> list[str]:
 
 
 @dataclass
-class RunConfig(SharedKnobs):
-    """The run's own knobs, the shared ones (inherited) and the side knobs it forwards (`knob_of`: the side's default
-    and help, declared once there)."""
+class RunKnobs:
+    """The run's own keys: its directory, precision, seeds, pools, ports, launcher and what it shows."""
 
     run_dir: str = knob("", "run directory; empty = runs/<date>-<time>-<mode>")
-    task: str = knob_of(TaskKnobs, "task", "the serve's --task")
-    env: str = knob_of(EnvKnobs, "env", "the serve's --env (--env-args and --max-turns go in --serve-args or [serve])")
-    reward: str = knob_of(TaskKnobs, "reward", "the serve's --reward")
     dtype: str = knob(
         "auto",
         "compute precision of both sides: the serve's engine dtype and the learner's decoder autocast (master "
@@ -55,13 +97,6 @@ class RunConfig(SharedKnobs):
         "CPU with AMX or avx512_bf16), float32 elsewhere",
         choices=("auto", "float32", "bfloat16"),
     )
-    http_port: int = knob_of(ServeConfig, "http_port", "the serve's --http-port")
-    mode: str = knob_of(AdmissionKnobs, "mode", "the serve's --mode")
-    max_tokens: int = knob_of(AdmissionKnobs, "max_tokens", "the serve's --max-tokens")
-    lr: float = knob_of(LossKnobs, "lr", "the learner's --lr")
-    max_lag: int = knob_of(LossKnobs, "max_lag", "the learner's --max-lag")
-    admit_lag: int = knob_of(AdmissionKnobs, "admit_lag", "the serve's --admit-lag")
-    steps: int = knob_of(RunDirKnobs, "steps", "the learner's --steps")
     duration_s: float = knob(
         0.0, "stop after this many seconds, counted from when both sides are ready; 0 = no time limit"
     )
@@ -77,7 +112,6 @@ class RunConfig(SharedKnobs):
     serve_gpus: str = knob("", "GPUs of the serve (CUDA_VISIBLE_DEVICES); empty = CPU")
     learn_gpus: str = knob("", "GPUs of the learner, one torchrun rank each (NCCL); empty = CPU")
     learn_procs: int = knob(1, "learner ranks on CPU (torchrun + gloo when > 1)")
-    host: str = knob_of(EndpointKnobs, "host", "the learner's --host, which the serve connects to")
     port_base: int = knob(0, "rollouts, control and weights ports are base, base+1, base+2; 0 = three free ports")
     serve_args: str = knob("", "extra flags for inflight.serve, e.g. '--max-inflight 32'")
     learn_args: str = knob("", "extra flags for inflight.learn, e.g. '--loss ppo'")
@@ -89,7 +123,6 @@ class RunConfig(SharedKnobs):
         choices=("all", "progress", "none"),
     )
     plots: bool = knob(True, "write PNG plots and the summary at the end")
-    report_to: str = knob_of(RunDirKnobs, "report_to", "the learner's --report-to (metrics.jsonl stays the record)")
     launcher: str = knob(
         "local",
         "where the sides run: local = child processes of this command; ray = Ray actors on the cluster RAY_ADDRESS "
@@ -104,6 +137,12 @@ class RunConfig(SharedKnobs):
     ray_serve_resource: str = knob(
         "", "--launcher ray: a custom resource the serves' nodes advertise (`ray start --resources`); '' = any node"
     )
+
+
+@dataclass
+class RunConfig(RunKnobs, LearnForwards, ServeForwards, SharedKnobs):  # type: ignore[misc,valid-type]
+    """The run's keys: its own, the learner's and the serve's it forwards, and the shared ones (listed last to first,
+    so `--help` starts with the shared ones)."""
 
     def validate(self) -> None:
         self.validate_shared()

@@ -30,47 +30,19 @@ from typing import Any
 
 from inflight.config import add_dataclass_args
 from inflight.learn.config import LearnConfig
-from inflight.run.config import RunConfig
+from inflight.run.config import FORWARDED, RUN_DERIVES, RunConfig
 from inflight.serve.config import ServeConfig
 from inflight.wire.contract import SharedKnobs
 
 SIDES = ("serve", "learn")
 SIDE_ARGS = ("--serve-args", "--learn-args")
-# side field -> the top-level key the run sets it from (inflight/run/launch.py:serve_flags, learn_flags); the shared
-# knobs (inflight/wire/contract.py:SharedKnobs) under their own names on both sides.
-_SHARED = {f.name: f.name for f in dataclasses.fields(SharedKnobs)}
+# side field -> the top-level key the run sets it from: the shared knobs (inflight/wire/contract.py:SharedKnobs) and the
+# forwarded ones under their own names, the derived ones from theirs (inflight/run/config.py: FORWARDED, RUN_DERIVES)
 RUN_SETS = {
-    "serve": _SHARED
-    | {
-        "task": "task",
-        "mode": "mode",
-        "dtype": "dtype",
-        "max_tokens": "max_tokens",
-        "admit_lag": "admit_lag",
-        "task_seed": "seed",
-        "seed": "seed",
-        "rollouts": "host / port_base",
-        "control": "host / port_base",
-        "metrics": "run_dir",
-        "reward": "reward",
-        "http_port": "http_port",
-        "env": "env",
-    },
-    "learn": _SHARED
-    | {
-        "host": "host",
-        "rollouts_port": "port_base",
-        "control_port": "port_base",
-        "weights_port": "port_base",
-        "steps": "steps",
-        "max_lag": "max_lag",
-        "lr": "lr",
-        "seed": "seed",
-        "run_dir": "run_dir",
-        "autocast": "dtype",
-        "backend": "learn_gpus",
-        "report_to": "report_to",
-    },
+    side: {f.name: f.name for f in dataclasses.fields(SharedKnobs)}
+    | {name: name for name in FORWARDED[side]}
+    | RUN_DERIVES[side]
+    for side in SIDES
 }
 # the sides' configs, by the name a run file's table has
 SIDE_CONFIGS: dict[str, type] = {"serve": ServeConfig, "learn": LearnConfig}

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from inflight.run.config import RunConfig, parse_cores, parse_gpus
+from inflight.run.config import FORWARDED, RunConfig, parse_cores, parse_gpus
 from inflight.run.config_file import table_argv
 from inflight.wire.contract import SharedKnobs
 
@@ -76,44 +76,34 @@ def shared_flags(cfg: RunConfig) -> dict[str, object]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(SharedKnobs)}
 
 
+def forwarded_flags(cfg: RunConfig, side: str) -> dict[str, object]:
+    """The shared knobs and the side's knobs the run holds under their own names (inflight/run/config.py:FORWARDED)."""
+    return shared_flags(cfg) | {name: getattr(cfg, name) for name in FORWARDED[side]}
+
+
 def serve_flags(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) -> dict[str, object]:
-    """The serve's knobs the run sets (ServeConfig field -> value); inflight/run/config_file.py:RUN_SETS names them."""
+    """The serve's knobs the run sets (ServeConfig field -> value): forwarded, then derived (RUN_DERIVES["serve"])."""
     rollouts, control, _ = ports
-    flags = shared_flags(cfg) | {
-        "task": cfg.task,
-        "mode": cfg.mode,
-        "max_tokens": cfg.max_tokens,
-        "admit_lag": cfg.admit_lag,
+    return forwarded_flags(cfg, "serve") | {
+        "dtype": cfg.dtype,
         "task_seed": cfg.seed,
         "seed": cfg.seed,
         "rollouts": f"tcp://{cfg.host}:{rollouts}",
         "control": f"tcp://{cfg.host}:{control}",
         "metrics": run_dir / "serve-metrics.jsonl",
-        "dtype": cfg.dtype,
-        "env": cfg.env,
     }
-    if cfg.reward:
-        flags["reward"] = cfg.reward
-    if cfg.http_port:
-        flags["http_port"] = cfg.http_port
-    return flags
 
 
 def learn_flags(cfg: RunConfig, run_dir: Path, ports: tuple[int, int, int]) -> dict[str, object]:
-    """The learner's knobs the run sets (LearnConfig field -> value)."""
+    """The learner's knobs the run sets (LearnConfig field -> value): forwarded, then derived (RUN_DERIVES["learn"])."""
     rollouts, control, weights = ports
-    flags = shared_flags(cfg) | {
-        "host": cfg.host,
+    flags = forwarded_flags(cfg, "learn") | {
         "rollouts_port": rollouts,
         "control_port": control,
         "weights_port": weights,
-        "steps": cfg.steps,
-        "max_lag": cfg.max_lag,
-        "lr": cfg.lr,
         "seed": cfg.seed,
         "run_dir": run_dir,
         "autocast": LEARN_AUTOCAST[cfg.dtype],
-        "report_to": cfg.report_to,
     }
     if parse_gpus(cfg.learn_gpus):
         flags["backend"] = "nccl"

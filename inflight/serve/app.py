@@ -190,14 +190,9 @@ def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes:
         staging = _staging(cfg, model_path, mode.update_memory)
         plan = plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization)
     return EngineConfig(
+        **cfg.sizing(),  # the engine's size: the same knobs (inflight/config.py:EngineSizing)
         model=str(model_path),
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        seed=cfg.seed,
         enforce_eager=mode.enforce_eager,
-        kv_cache_gib=cfg.kv_cache_gib,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
         dtype=cfg.dtype,
         head_dtype=cfg.head_dtype,
         update_memory=mode.update_memory,

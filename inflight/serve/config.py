@@ -3,7 +3,7 @@
 The knobs come in groups by concern (the task and its rewards, the held-out eval, the environment, admission, the
 engine), each a small dataclass with its own checks; `ServeConfig` inherits them all plus the knobs both sides share
 (inflight/wire/contract.py:SharedKnobs), so the flags stay one flat list. `inflight.run` forwards some of these knobs
-under its own flags (inflight/run/config.py, by reference: `knob_of`).
+under its own flags (inflight/run/config.py:FORWARDED, generated from the declarations here).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from inflight.config import knob, require
+from inflight.config import EngineSizing, knob, require
 from inflight.envs.loading import load_env
 from inflight.machine import is_cuda
 from inflight.serve.latency import parse_latency
@@ -157,27 +157,10 @@ class AdmissionKnobs:
 
 
 @dataclass
-class EngineKnobs:
-    """The vLLM engine: its memory, precision, sampling seed and how updates are staged."""
+class EngineKnobs(EngineSizing):
+    """The vLLM engine: its precision, how updates are staged and the adapter it starts from (its size: the
+    inherited `EngineSizing`, inflight/config.py, which vllm_patches/engine.py:EngineConfig holds too)."""
 
-    max_model_len: int = knob(1024, "engine context length")
-    max_num_seqs: int = knob(256, "engine batch limit")
-    tensor_parallel_size: int = knob(
-        1,
-        "engine workers sharing the model (vLLM's tensor parallelism); each takes its own rank in the weights group, "
-        "receives every bucket and loads its shard",
-    )
-    kv_cache_gib: float = knob(
-        1.0,
-        "CPU: KV cache size in GiB (fractions allowed); allocated and zeroed at start: a "
-        "smaller one starts faster. Not used on CUDA (--gpu-memory-utilization)",
-    )
-    gpu_memory_utilization: float = knob(
-        0.9,
-        "CUDA: the fraction of the GPU's memory vLLM may take, in (0, 1] "
-        "(weights, activations, CUDA graphs; the KV cache gets the rest); used "
-        "there in place of --kv-cache-gib. Not used on CPU",
-    )
     enforce_eager: str = knob(
         "auto",
         "auto = CUDA graphs on a GPU with --update-memory low (vLLM's own default: compiled forward passes), "
@@ -208,7 +191,6 @@ class EngineKnobs:
         "addresses, as CUDA graphs need); auto = low on a GPU (or with --enforce-eager false), double on CPU",
         choices=("auto", *UPDATE_MEMORY),
     )
-    seed: int = knob(0, "engine sampling seed")
     lora_init: str = knob(
         "",
         "with --lora-rank: the PEFT adapter directory the serve starts from (its rank, alpha and targets must be the "
