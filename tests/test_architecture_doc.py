@@ -409,7 +409,8 @@ def test_each_path_states_the_lines_a_reader_reads_and_stays_within_its_bound(do
     files (a file count falls by merging files without anything becoming shorter to read)."""
     spans, in_files = lines_read(path_hops(doc, title), GATES[title])
     stated = re.findall(r"^Lines read: (\d+), in files of (\d+) lines", sections(doc)[title], flags=re.MULTILINE)
-    assert stated == [(str(spans), str(in_files))], (
+    # The files' figure is context, kept within 10% (any edit of those files moves it); the lines read are exact.
+    assert len(stated) == 1 and int(stated[0][0]) == spans and abs(int(stated[0][1]) - in_files) <= in_files // 10, (
         f"'{title}' should say 'Lines read: {spans}, in files of {in_files} lines' (it says {stated})"
     )
     assert spans <= MAX_LINES_READ[title], f"'{title}' reads {spans} lines, over its bound {MAX_LINES_READ[title]}"
