@@ -66,8 +66,13 @@ class RayRun:
         self.follower.add(name, self.run_dir / f"{name}.log")
         return actor
 
-    def call(self, actor, method: str, *args):
-        return self.ray.get(getattr(actor, method).remote(*args), timeout=CALL_TIMEOUT_S)
+    def call(self, actor, method: str, *args, wait_s: float = CALL_TIMEOUT_S):
+        return self.ray.get(getattr(actor, method).remote(*args), timeout=wait_s)
+
+    def stop(self, actor) -> int:
+        """Stop one side: its actor waits up to --stop-timeout-s for the process to exit, so the answer can take that
+        long (a learner finishing a 40 s step on a busy machine) and is waited for that long, plus a call's margin."""
+        return self.call(actor, "stop", self.cfg.stop_timeout_s, wait_s=self.cfg.stop_timeout_s + CALL_TIMEOUT_S)
 
     def start_learner(self) -> dict[str, list[str]]:
         """Place and start every learner rank; both sides' argv (the serves' carry the learner's addresses)."""
@@ -150,7 +155,7 @@ class RayRun:
                     file=sys.stderr,
                     flush=True,
                 )
-                rc = self.call(self.learners[0], "stop", self.cfg.stop_timeout_s)
+                rc = self.stop(self.learners[0])
                 return 0 if rc == 0 else 1
             time.sleep(POLL_S)
 

@@ -250,3 +250,20 @@ def test_a_local_rays_own_processes_start_off_the_serves_cores_where_any_are_lef
     assert ray_system_cores([0, 1, 2, 3], [0, 1]) == [2, 3]
     assert ray_system_cores([0, 1], None) == [0, 1]  # a serve on GPUs is not pinned
     assert ray_system_cores([0], [0]) == [0]  # one core: nowhere else to go
+
+
+def test_stopping_a_side_waits_as_long_as_its_actor_may_take_to_stop_it():
+    """The actor's `stop` waits up to --stop-timeout-s for its process; the driver's wait for that answer covers it (a
+    learner finishing a 40 s step on a busy machine outlasted a fixed 30 s wait, and the driver died of the timeout)."""
+    import types
+
+    from inflight.run.config import RunConfig
+    from inflight.run.ray_run import CALL_TIMEOUT_S, RayRun
+
+    waits = []
+    method = types.SimpleNamespace(remote=lambda *args: ("stop", args))
+    ray = types.SimpleNamespace(get=lambda ref, timeout: waits.append((ref, timeout)) or 0)
+    run = RayRun.__new__(RayRun)
+    run.ray, run.cfg = ray, RunConfig(stop_timeout_s=120.0)
+    assert run.stop(types.SimpleNamespace(stop=method)) == 0
+    assert waits == [(("stop", (120.0,)), 120.0 + CALL_TIMEOUT_S)]
