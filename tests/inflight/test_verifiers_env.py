@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from serve_support import Outbox, Recording
+from tool_model import tool_model
 
 from inflight.envs.loading import load_env
 from inflight.envs.verifiers_env import INSTALL, VerifiersEnv
@@ -67,13 +68,68 @@ ONLY = "verifiers:vf_taskset_only"  # tests/inflight/vf_taskset_only.py: a tasks
 NULL = '{"agent": {"harness": {"id": "null"}}}'
 
 
-def test_a_taskset_only_environment_on_the_default_bash_harness_is_refused_at_load_naming_its_tools_and_the_fix():
-    with pytest.raises(ValueError) as refused:
-        load_env(ONLY)
-    message = str(refused.value)
-    assert "harness 'bash' offers the model its bash and edit tools" in message and NULL in message
-    assert "\n" not in message, "one line"
-    assert isinstance(load_env(ONLY, NULL), VerifiersEnv) and load_env(ONLY, NULL).harness_config.id == "null"
+def test_the_default_bash_harness_loads_and_a_model_whose_template_renders_no_tools_is_refused_at_start_in_one_line(
+    model_dirs, tmp_path
+):
+    from transformers import AutoTokenizer
+
+    from inflight.serve.app import _start_episodes
+    from inflight.serve.verifiers_runner import check_tools
+
+    env = load_env(ONLY)
+    assert env.harness_config.id == "bash", "verifiers' default harness"
+    plain = AutoTokenizer.from_pretrained(model_dirs["tiny-qwen2"])  # SmolLM2's template: no tools
+
+    class Runner:  # the check as VerifiersRunner's start makes it (inflight/serve/verifiers_runner.py:_serve)
+        async def start(self):
+            check_tools(env, plain, "tiny-qwen2")
+
+    with pytest.raises(SystemExit) as ended:
+        asyncio.run(_start_episodes(SimpleNamespace(episodes=Runner())))
+    message = str(ended.value.code)
+    assert message.startswith("inflight.serve: env verifiers:vf_taskset_only: harness 'bash' offers the model its "
+                              "bash and edit tools, and model tiny-qwen2's chat template renders no tool definitions")
+    assert "vLLM's 'hermes' parser" in message and NULL in message and "\n" not in message
+    check_tools(env, AutoTokenizer.from_pretrained(tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")), "m")
+    check_tools(load_env(ONLY, NULL), plain, "tiny-qwen2")  # the null harness offers no tools: any template runs it
+
+
+def test_tool_definitions_reach_the_prompt_ids_and_a_hermes_tool_call_becomes_the_openai_tool_call_the_harness_runs(
+    model_dirs, tmp_path
+):
+    from renderers.base import load_tokenizer
+    from verifiers.v1.clients.train import response_from_generate, serialize_completion
+
+    from inflight.serve.verifiers_renderer import AppendingRenderer
+
+    tokenizer = load_tokenizer(str(tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")))
+    renderer = AppendingRenderer(tokenizer)
+    tools = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]  # fmt: skip
+    chat = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "What is 2 + 2?"}]
+    prompt = renderer.render(chat, tools=tools, add_generation_prompt=True).token_ids
+    assert '"name": "bash", "description": "Run a shell command"' in tokenizer.decode(prompt), "the template's tools"
+    assert renderer.render(chat, add_generation_prompt=True).token_ids != prompt, "and only where tools are offered"
+    call = 'Let me run it.<tool_call>\n{"name": "bash", "arguments": {"command": "echo 4"}}\n</tool_call>'
+    completion = [*tokenizer.encode(call, add_special_tokens=False), tokenizer.eos_token_id]
+    parsed = renderer.parse_response(completion, tools=tools, prompt_ids=prompt)
+    result = {"finish_reason": "tool_calls", "content": parsed.content, "tool_calls": parsed.tool_calls,
+              "prompt_ids": prompt, "completion_ids": completion}  # fmt: skip
+    message = serialize_completion(response_from_generate(result, "m"), "m")["choices"][0]["message"]
+    ((wire,),) = [message["tool_calls"]]
+    assert wire["type"] == "function" and wire["id"] and message["content"] == "Let me run it."
+    assert wire["function"] == {"name": "bash", "arguments": '{"command": "echo 4"}'}
+    assert renderer.parse_response(completion, prompt_ids=prompt).tool_calls == [], "no tools offered: plain text"
+    results = [{"role": "tool", "tool_call_id": wire["id"], "content": "4"}, {"role": "tool", "content": "done"}]
+    bridged = renderer.bridge_to_next_turn(prompt, completion, results, tools=tools)
+    assert bridged.token_ids[: len(prompt) + len(completion)] == prompt + completion, "every sampled id kept verbatim"
+    tail = bridged.token_ids[len(prompt) + len(completion) :]
+    assert tokenizer.decode(tail) == "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\ndone" \
+        "\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n", "the results as the template groups them"
+    spans = bridged.message_token_spans()
+    assert [tokenizer.decode(tail[a - len(prompt) - len(completion) : b - len(prompt) - len(completion)])
+            for a, b in spans] == ["<|im_start|>user\n<tool_response>\n4\n</tool_response>\n",
+                                   "<tool_response>\ndone\n</tool_response>\n<|im_end|>\n"]  # fmt: skip
 
 
 def test_a_harness_that_prepares_a_uv_script_is_refused_at_load_when_no_uv_is_found_and_found_beside_python(
