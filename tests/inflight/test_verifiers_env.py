@@ -2,7 +2,9 @@
 real engine (tiny-qwen2), a verifiers environment defined the way its docs show (tests/inflight/vf_counting.py) runs
 multi-turn episodes whose rollouts are exactly what the engine sampled and what the environment appended, versioned
 across a commit in the middle of an episode, rewarded by the environment; a reward or harness that raises or hangs
-ends its episode with reward 0, counted, and the serve goes on."""
+ends its episode with reward 0, counted, and the serve goes on; verifiers' built-in harnesses (`null`, and `bash`,
+which offers tools: rendered by the model's chat template, its calls parsed by vLLM's hermes parser) run their own
+program, and a model whose template cannot render tools is refused at start for `bash`."""
 
 from __future__ import annotations
 
@@ -288,14 +290,15 @@ def test_the_endpoint_answers_only_its_key_a_running_episode_and_a_text_generate
 # --- on the real engine ---------------------------------------------------------------------------------------------
 
 
-def run_groups(loop, engine, model_dirs, kinds, during=None, env=ENV, **overrides):
+def run_groups(loop, engine, model_dirs, kinds, during=None, env=ENV, model=None, **overrides):
     """A driver over a verifiers env of `kinds` tasks (or `env` with `kinds` as its env_args), run until its groups
-    finished: (driver, records)."""
+    finished: (driver, records). `model`: the directory the serve's tokenizer and chat template come from (the engine's
+    tiny-qwen2 by default)."""
     from transformers import AutoTokenizer
 
     from inflight.serve.driver import RolloutDriver
 
-    model = model_dirs["tiny-qwen2"]
+    model = model or model_dirs["tiny-qwen2"]
     args = json.dumps({"taskset": {"kinds": kinds}}) if env == ENV else kinds
     cfg = ServeConfig(model=str(model), env=env, env_args=args, wait_for_learner=False, max_tokens=5,
                       **{"admit_lag": -1, "group_size": 2, "max_groups": 1, **overrides})  # fmt: skip
@@ -418,14 +421,23 @@ def test_a_reward_harness_or_task_that_raises_or_hangs_ends_its_episode_with_rew
 
 
 @pytest.mark.engine
-def test_a_taskset_only_environment_on_the_null_harness_runs_verifiers_own_program_rewarded_with_no_error(
-    loop, engine, model_dirs
+@pytest.mark.parametrize("harness", ["null", "bash"])
+def test_a_taskset_only_environment_on_a_built_in_harness_runs_verifiers_own_program_rewarded_with_no_error(
+    loop, engine, model_dirs, tmp_path, harness
 ):
-    """verifiers' built-in `null` harness: its PEP 723 chat program prepared by uv once, before the first episode,
-    then run per episode as a subprocess that calls the serve's token endpoint."""
-    driver, records = run_groups(loop, engine, model_dirs, NULL, env=ONLY, group_size=2, env_timeout_s=60.0)
+    """verifiers' built-in harnesses: their PEP 723 chat program prepared by uv once, before the first episode, then
+    run per episode as a subprocess that calls the serve's token endpoint. `bash` (verifiers' default) offers the model
+    its tools: on a model whose chat template renders them (tests/inflight/tool_model.py), they are in every prompt."""
+    args = NULL if harness == "null" else ""
+    model = tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")
+    driver, records = run_groups(loop, engine, model_dirs, args, env=ONLY, group_size=2, env_timeout_s=60.0,
+                                 model=model)  # fmt: skip
+    assert driver.env.harness_config.id == harness
     assert len(records) == 2 and driver.stats.env_errors == 0, driver.stats.env_error_kinds
+    tokenizer = driver.episodes.turns.tokenizer
     for record in records:
         assert record.turns >= 1 and record.policy_mask.any() and record.finish_reason != "env_error"
         assert 0.0 <= record.reward <= 1.0
+        prompt = tokenizer.decode(record.prompt.tolist())
+        assert ('"name": "bash"' in prompt and '"name": "edit"' in prompt) == (harness == "bash"), prompt
     assert set(driver.stats.reward_means.means()) == {"replied"}
