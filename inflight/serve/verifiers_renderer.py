@@ -51,8 +51,8 @@ def tool_call_parser(tokenizer):
 def tool_template_gap(tokenizer) -> str | None:
     """None where `tokenizer`'s chat template renders tool definitions and renders a tool call so that vLLM's hermes
     parser reads the same call back; else what it lacks, as a phrase ("renders no tool definitions", ...)."""
-    tools = [{"type": "function", "function": {"name": _TOOL, "description": "a probe", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer"}}}}}]  # fmt: skip
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": _TOOL, "description": "a probe", "parameters": schema}}]
     call = {"id": "call_0", "type": "function", "function": {"name": _TOOL, "arguments": {"n": 7}}}
     user = [{"role": "user", "content": _U}]
     try:

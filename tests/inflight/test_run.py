@@ -127,7 +127,7 @@ def test_run_with_a_taskset_only_verifiers_environment_on_a_built_in_harness_tra
     # tests/inflight/vf_taskset_only.py: a vf.Taskset and one @vf.reward, run by verifiers' own `null` harness or its
     # default, `bash` (its chat program prepared by uv once per serve, then one subprocess per episode calling the
     # serve's endpoint). bash offers the model its bash and edit tools: the model is tiny-qwen2 with a chat template
-    # that renders tools (tests/inflight/tool_model.py); the random model rarely calls one, the harness runs all the same
+    # that renders tools (tests/inflight/tool_model.py); the random model rarely calls one: the harness runs regardless
     run_dir, model = tmp_path / "vf", tool_model(model_dirs["tiny-qwen2"], tmp_path / "model")
     null = """ --env-args '{"agent": {"harness": {"id": "null"}}}'""" if harness == "null" else ""
     serve_args = f"--progress-s 1 --kv-cache-gib {TEST_KV_GIB} --env-timeout-s 120{null}"

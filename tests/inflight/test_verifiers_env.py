@@ -89,8 +89,10 @@ def test_the_default_bash_harness_loads_and_a_model_whose_template_renders_no_to
     with pytest.raises(SystemExit) as ended:
         asyncio.run(_start_episodes(SimpleNamespace(episodes=Runner())))
     message = str(ended.value.code)
-    assert message.startswith("inflight.serve: env verifiers:vf_taskset_only: harness 'bash' offers the model its "
-                              "bash and edit tools, and model tiny-qwen2's chat template renders no tool definitions")
+    assert message.startswith(
+        "inflight.serve: env verifiers:vf_taskset_only: harness 'bash' offers the model its "
+        "bash and edit tools, and model tiny-qwen2's chat template renders no tool definitions"
+    )
     assert "vLLM's 'hermes' parser" in message and NULL in message and "\n" not in message
     check_tools(env, AutoTokenizer.from_pretrained(tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")), "m")
     check_tools(load_env(ONLY, NULL), plain, "tiny-qwen2")  # the null harness offers no tools: any template runs it
@@ -126,8 +128,10 @@ def test_tool_definitions_reach_the_prompt_ids_and_a_hermes_tool_call_becomes_th
     bridged = renderer.bridge_to_next_turn(prompt, completion, results, tools=tools)
     assert bridged.token_ids[: len(prompt) + len(completion)] == prompt + completion, "every sampled id kept verbatim"
     tail = bridged.token_ids[len(prompt) + len(completion) :]
-    assert tokenizer.decode(tail) == "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\ndone" \
-        "\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n", "the results as the template groups them"
+    assert (
+        tokenizer.decode(tail) == "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\ndone"
+        "\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n"
+    ), "the results as the template groups them"
     spans = bridged.message_token_spans()
     assert [tokenizer.decode(tail[a - len(prompt) - len(completion) : b - len(prompt) - len(completion)])
             for a, b in spans] == ["<|im_start|>user\n<tool_response>\n4\n</tool_response>\n",
@@ -441,3 +445,48 @@ def test_a_taskset_only_environment_on_a_built_in_harness_runs_verifiers_own_pro
         prompt = tokenizer.decode(record.prompt.tolist())
         assert ('"name": "bash"' in prompt and '"name": "edit"' in prompt) == (harness == "bash"), prompt
     assert set(driver.stats.reward_means.means()) == {"replied"}
+
+
+class ToolCallFirst(Recording):
+    """The real engine, except that each episode's first turn is a scripted tool call in the template's format: a
+    narrow stand-in for a model that calls its tool (the random tiny model rarely writes one)."""
+
+    def __init__(self, engine, script: list[int]):
+        super().__init__(engine)
+        self.script = script
+
+    async def generate(self, prompt_ids, params, request_id):
+        from vllm_patches.generation import Completion
+
+        if re.search(r"-t\d+$", request_id):  # a later turn: the engine's
+            return await super().generate(prompt_ids, params, request_id)
+        n, version = len(self.script), self.engine.version
+        done = Completion(request_id, list(prompt_ids), self.script, [-1.0] * n, [version] * n, "stop", [version] * n)
+        self.calls.append((request_id, list(prompt_ids), done))
+        return done
+
+
+@pytest.mark.engine
+def test_a_tool_call_in_the_models_format_runs_the_bash_harness_tool_and_its_result_is_appended_after_the_call_verbatim(
+    loop, engine, model_dirs, tmp_path
+):
+    """verifiers' bash harness program receives the parsed call as OpenAI-style tool_calls, runs it in bash, and the
+    result comes back as the template's tool turn after exactly the ids of the call; one trace, no environment error."""
+    from transformers import AutoTokenizer
+
+    model = tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "echo inflight-$((6 * 7))"}}\n</tool_call>'
+    script = [*tokenizer.encode(call, add_special_tokens=False), tokenizer.eos_token_id]
+    recording = ToolCallFirst(engine, script)
+    driver, (record,) = run_groups(loop, recording, model_dirs, "", env=ONLY, group_size=1, env_timeout_s=60.0,
+                                   model=model)  # fmt: skip
+    assert driver.stats.env_errors == 0, driver.stats.env_error_kinds
+    (first, second) = [(prompt, done) for _, prompt, done in recording.calls]
+    ids = record.prompt.tolist() + record.completion.tolist()
+    assert first[0] == record.prompt.tolist() and ids[len(first[0]) : len(first[0]) + len(script)] == script
+    assert second[0] == ids[: len(second[0])] and second[0][: len(first[0]) + len(script)] == first[0] + script
+    between = tokenizer.decode(second[0][len(first[0]) + len(script) :])
+    assert "<tool_response>\ninflight-42\n" in between, "bash ran the call: 6 * 7 came back"
+    assert between.endswith("<|im_start|>assistant\n") and record.turns == 2 and record.finish_reason != "env_error"
+    assert ids[len(second[0]) :] == second[1].token_ids, "the second turn is the engine's, verbatim, to the end"
