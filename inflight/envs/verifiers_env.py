@@ -13,8 +13,9 @@ here, at start, by name:
 - a role whose runtime is not the local subprocess (prime sandboxes, docker, modal, e2b, ...) is refused; a role left
   on verifiers' default (a prime sandbox, which needs an account and the network) runs in a subprocess instead;
 - a harness that needs a container (claude_code, codex, mini_swe_agent, ...) is refused; one that executes
-  model-written code on this host is warned about; one that offers the model tools (bash) or needs a uv it cannot
-  find is refused (inflight/envs/verifiers_harness.py, which also prepares its program once per serve);
+  model-written code on this host is warned about; one that needs a uv it cannot find is refused
+  (inflight/envs/verifiers_harness.py, which also prepares its program once per serve, and names the tools a built-in
+  harness offers: the serve checks the model's chat template renders them, at start);
 - an env with more than one role is refused: the serve makes one rollout record per episode;
 - a role with its own client is refused (its calls would not reach the serve's engine); a judge (`vf.JudgeConfig`
   anywhere in the taskset's config) calls a model that is not the policy: warned about by name, with its endpoint.

@@ -11,8 +11,9 @@ which on a serve's budget ends each in a timeout before its first model call. So
 - the `uv` the `envs` extra installs beside this interpreter is put on PATH; none at all refuses the serve;
 - the script is prepared once (`prepare_program`) before episodes start: the subprocess runtime keeps prepared
   interpreters per process, so every episode's own `setup` finds it ready;
-- a harness that offers the model tools (`bash`: its bash and edit tools) is refused: the serve's token endpoint
-  renders plain chat turns (inflight/serve/verifiers_renderer.py), no tool definitions and no tool calls.
+- a harness that offers the model tools (`bash`: its bash and edit tools) is named by `offered_tools`: the serve
+  checks at start that the model's chat template renders tools in a format it parses
+  (inflight/serve/verifiers_renderer.py), and refuses in one line where it does not.
 """
 
 from __future__ import annotations
@@ -51,15 +52,14 @@ def find_uv() -> str | None:
     return None
 
 
+def offered_tools(harness_config: Any) -> str | None:
+    """What a built-in harness offers the model as tools ("bash and edit tools"), None for one that offers none."""
+    return TOOL_HARNESSES.get(getattr(harness_config, "id", None))
+
+
 def check_harness(name: str, role: str, harness_id: str, harness_cls: type) -> None:
-    """ValueError in one line when this serve cannot run the role's harness: what it needs and how to get it."""
-    offered = TOOL_HARNESSES.get(harness_id)
-    if offered is not None:
-        raise ValueError(
-            f"env verifiers:{name}: {role}'s harness {harness_id!r} offers the model its {offered}, and the serve's "
-            f"token endpoint renders plain chat turns, no tool definitions or tool calls: use the null harness "
-            f"({NULL_HARNESS}) or a harness of the environment's own"
-        )
+    """ValueError in one line when this serve cannot run the role's harness: what it needs and how to get it (a
+    harness's tools are checked against the model's chat template by the serve, at start)."""
     if runs_uv_script(harness_cls) and find_uv() is None:
         raise ValueError(
             f"env verifiers:{name}: {role}'s harness {harness_id!r} prepares its program with uv (a PEP 723 script), "

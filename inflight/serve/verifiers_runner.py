@@ -16,6 +16,10 @@ spellings and vLLM's own `weight_versions` spans; an in-process client would hav
 interception internals. The loopback hop costs a JSON round trip per turn (verifiers' harness already reaches its
 interception server that way).
 
+Tools: a harness's tool definitions reach the prompt through the model's own chat template, and the completion's tool
+calls are parsed by vLLM's hermes parser (inflight/serve/verifiers_renderer.py); a harness that offers tools (`bash`)
+on a model whose template cannot do both is refused at start, in one line (`check_tools`).
+
 Each episode's model turns are kept by the endpoint, keyed by the trace id verifiers sends as `X-Session-ID`. When
 the episode ends, its trace's branch (the token ids verifiers concatenated, its per-token sampled mask) becomes the
 rollout: every sampled span must equal exactly the tokens one of the engine's turns sampled, after exactly the prompt
@@ -48,9 +52,10 @@ import msgspec
 from aiohttp import web
 
 from inflight.envs.verifiers_env import VerifiersEnv
-from inflight.envs.verifiers_harness import prepare_program
+from inflight.envs.verifiers_harness import NULL_HARNESS, offered_tools, prepare_program
 from inflight.models import resolve_model
 from inflight.serve.episodes import Episode, RunnerContext, TurnTokens
+from inflight.serve.verifiers_renderer import TOOL_CALL_PARSER, tool_template_gap
 from inflight.tasks.base import Problem
 from inflight.tasks.rewards import GroupScores
 from vllm_patches.generation import Completion
@@ -362,6 +367,7 @@ class VerifiersRunner:
                     temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_tokens
                 )
                 self._ctx = ModelContext(model=self._model, client=client, sampling=sampling)
+                check_tools(self.env, self.turns.tokenizer, self._model)
                 if self.env.harness_config is not None:  # once, so that no episode prepares it on its own clock
                     await prepare_program(self.env.name, self.env.harness_config)
                 ready.set_result(None)
@@ -376,6 +382,20 @@ class VerifiersRunner:
         self._closing.set()
         if self._started is not None:
             await asyncio.gather(self._started, return_exceptions=True)
+
+
+def check_tools(env: VerifiersEnv, tokenizer, model: str) -> None:
+    """ValueError in one line where the env's harness offers the model tools and the model's chat template cannot
+    render them in a format the serve parses (inflight/serve/verifiers_renderer.py): the harness, what it needs, how."""
+    offered = offered_tools(env.harness_config)
+    gap = tool_template_gap(tokenizer) if offered is not None else None
+    if gap is not None:
+        raise ValueError(
+            f"env verifiers:{env.name}: harness {env.harness_config.id!r} offers the model its {offered}, and model "
+            f"{model}'s chat template {gap}: the serve renders tools with the model's own chat template and reads "
+            f"its calls with vLLM's {TOOL_CALL_PARSER!r} parser (`<tool_call>` JSON, as Qwen2.5, Qwen3 and Hermes "
+            f"templates write them); use such a model, or the null harness ({NULL_HARNESS})"
+        )
 
 
 def turn_sampling(sampling, cfg, body: GenerateBody, warned: set[str]):

@@ -14,6 +14,7 @@ import time
 import psutil
 import pytest
 from serve_support import TEST_KV_GIB, ServeProcess
+from tool_model import tool_model
 
 pytestmark = pytest.mark.engine
 STEPS = 6  # enough that the last steps train on rollouts sampled after a commit, however late it lands
@@ -119,15 +120,18 @@ def test_run_with_the_calculator_environment_on_smollm2_trains_on_multi_turn_epi
     assert json.loads((run_dir / "serve-config.json").read_text())["env"] == "calculator"
 
 
-def test_run_with_a_taskset_only_verifiers_environment_on_the_null_harness_trains_with_rewards_and_no_env_error(
-    tmp_path,
+@pytest.mark.parametrize("harness", ["null", "bash"])
+def test_run_with_a_taskset_only_verifiers_environment_on_a_built_in_harness_trains_with_rewards_and_no_env_error(
+    tmp_path, model_dirs, harness
 ):
-    # tests/inflight/vf_taskset_only.py: a vf.Taskset and one @vf.reward, run by verifiers' own `null` harness (its
-    # chat program prepared by uv once per serve, then one subprocess per episode calling the serve's endpoint)
-    run_dir = tmp_path / "vf"
-    null = """'{"agent": {"harness": {"id": "null"}}}'"""
-    serve_args = f"--progress-s 1 --kv-cache-gib {TEST_KV_GIB} --env-timeout-s 120 --env-args {null}"
-    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", "2", "--model", "tiny-qwen2", "--env",
+    # tests/inflight/vf_taskset_only.py: a vf.Taskset and one @vf.reward, run by verifiers' own `null` harness or its
+    # default, `bash` (its chat program prepared by uv once per serve, then one subprocess per episode calling the
+    # serve's endpoint). bash offers the model its bash and edit tools: the model is tiny-qwen2 with a chat template
+    # that renders tools (tests/inflight/tool_model.py); the random model rarely calls one: the harness runs regardless
+    run_dir, model = tmp_path / "vf", tool_model(model_dirs["tiny-qwen2"], tmp_path / "model")
+    null = """ --env-args '{"agent": {"harness": {"id": "null"}}}'""" if harness == "null" else ""
+    serve_args = f"--progress-s 1 --kv-cache-gib {TEST_KV_GIB} --env-timeout-s 120{null}"
+    launcher = ServeProcess(["--run-dir", str(run_dir), "--steps", "2", "--model", str(model), "--env",
                              "verifiers:vf_taskset_only", "--group-size", "2", "--groups-per-step", "1",
                              "--max-tokens", "8", "--serve-args", serve_args], module="inflight.run")  # fmt: skip
     try:
@@ -142,6 +146,8 @@ def test_run_with_a_taskset_only_verifiers_environment_on_the_null_harness_train
     last = [e for e in read_jsonl(run_dir / "serve-metrics.jsonl") if e["event"] == "progress"][-1]
     assert set(last["reward_means"]) == {"replied"} and last["rollouts_made"] >= 4, "the environment's reward"
     assert last.get("env_errors", 0) == 0 and last.get("groups_dropped", 0) == 0, last
+    if harness == "bash":
+        assert "harness 'bash' executes model-written code" in (run_dir / "serve.log").read_text()
 
 
 def test_ctrl_c_stops_the_learner_first_then_the_serve_and_keeps_the_run(tmp_path):

@@ -2,7 +2,9 @@
 real engine (tiny-qwen2), a verifiers environment defined the way its docs show (tests/inflight/vf_counting.py) runs
 multi-turn episodes whose rollouts are exactly what the engine sampled and what the environment appended, versioned
 across a commit in the middle of an episode, rewarded by the environment; a reward or harness that raises or hangs
-ends its episode with reward 0, counted, and the serve goes on."""
+ends its episode with reward 0, counted, and the serve goes on; verifiers' built-in harnesses (`null`, and `bash`,
+which offers tools: rendered by the model's chat template, its calls parsed by vLLM's hermes parser) run their own
+program, and a model whose template cannot render tools is refused at start for `bash`."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from serve_support import Outbox, Recording
+from tool_model import tool_model
 
 from inflight.envs.loading import load_env
 from inflight.envs.verifiers_env import INSTALL, VerifiersEnv
@@ -67,13 +70,72 @@ ONLY = "verifiers:vf_taskset_only"  # tests/inflight/vf_taskset_only.py: a tasks
 NULL = '{"agent": {"harness": {"id": "null"}}}'
 
 
-def test_a_taskset_only_environment_on_the_default_bash_harness_is_refused_at_load_naming_its_tools_and_the_fix():
-    with pytest.raises(ValueError) as refused:
-        load_env(ONLY)
-    message = str(refused.value)
-    assert "harness 'bash' offers the model its bash and edit tools" in message and NULL in message
-    assert "\n" not in message, "one line"
-    assert isinstance(load_env(ONLY, NULL), VerifiersEnv) and load_env(ONLY, NULL).harness_config.id == "null"
+def test_the_default_bash_harness_loads_and_a_model_whose_template_renders_no_tools_is_refused_at_start_in_one_line(
+    model_dirs, tmp_path
+):
+    from transformers import AutoTokenizer
+
+    from inflight.serve.app import _start_episodes
+    from inflight.serve.verifiers_runner import check_tools
+
+    env = load_env(ONLY)
+    assert env.harness_config.id == "bash", "verifiers' default harness"
+    plain = AutoTokenizer.from_pretrained(model_dirs["tiny-qwen2"])  # SmolLM2's template: no tools
+
+    class Runner:  # the check as VerifiersRunner's start makes it (inflight/serve/verifiers_runner.py:_serve)
+        async def start(self):
+            check_tools(env, plain, "tiny-qwen2")
+
+    with pytest.raises(SystemExit) as ended:
+        asyncio.run(_start_episodes(SimpleNamespace(episodes=Runner())))
+    message = str(ended.value.code)
+    assert message.startswith(
+        "inflight.serve: env verifiers:vf_taskset_only: harness 'bash' offers the model its "
+        "bash and edit tools, and model tiny-qwen2's chat template renders no tool definitions"
+    )
+    assert "vLLM's 'hermes' parser" in message and NULL in message and "\n" not in message
+    check_tools(env, AutoTokenizer.from_pretrained(tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")), "m")
+    check_tools(load_env(ONLY, NULL), plain, "tiny-qwen2")  # the null harness offers no tools: any template runs it
+
+
+def test_tool_definitions_reach_the_prompt_ids_and_a_hermes_tool_call_becomes_the_openai_tool_call_the_harness_runs(
+    model_dirs, tmp_path
+):
+    from renderers.base import load_tokenizer
+    from verifiers.v1.clients.train import response_from_generate, serialize_completion
+
+    from inflight.serve.verifiers_renderer import AppendingRenderer
+
+    tokenizer = load_tokenizer(str(tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")))
+    renderer = AppendingRenderer(tokenizer)
+    tools = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]  # fmt: skip
+    chat = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "What is 2 + 2?"}]
+    prompt = renderer.render(chat, tools=tools, add_generation_prompt=True).token_ids
+    assert '"name": "bash", "description": "Run a shell command"' in tokenizer.decode(prompt), "the template's tools"
+    assert renderer.render(chat, add_generation_prompt=True).token_ids != prompt, "and only where tools are offered"
+    call = 'Let me run it.<tool_call>\n{"name": "bash", "arguments": {"command": "echo 4"}}\n</tool_call>'
+    completion = [*tokenizer.encode(call, add_special_tokens=False), tokenizer.eos_token_id]
+    parsed = renderer.parse_response(completion, tools=tools, prompt_ids=prompt)
+    result = {"finish_reason": "tool_calls", "content": parsed.content, "tool_calls": parsed.tool_calls,
+              "prompt_ids": prompt, "completion_ids": completion}  # fmt: skip
+    message = serialize_completion(response_from_generate(result, "m"), "m")["choices"][0]["message"]
+    ((wire,),) = [message["tool_calls"]]
+    assert wire["type"] == "function" and wire["id"] and message["content"] == "Let me run it."
+    assert wire["function"] == {"name": "bash", "arguments": '{"command": "echo 4"}'}
+    assert renderer.parse_response(completion, prompt_ids=prompt).tool_calls == [], "no tools offered: plain text"
+    results = [{"role": "tool", "tool_call_id": wire["id"], "content": "4"}, {"role": "tool", "content": "done"}]
+    bridged = renderer.bridge_to_next_turn(prompt, completion, results, tools=tools)
+    assert bridged.token_ids[: len(prompt) + len(completion)] == prompt + completion, "every sampled id kept verbatim"
+    tail = bridged.token_ids[len(prompt) + len(completion) :]
+    assert (
+        tokenizer.decode(tail) == "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\ndone"
+        "\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n"
+    ), "the results as the template groups them"
+    spans = bridged.message_token_spans()
+    assert [tokenizer.decode(tail[a - len(prompt) - len(completion) : b - len(prompt) - len(completion)])
+            for a, b in spans] == ["<|im_start|>user\n<tool_response>\n4\n</tool_response>\n",
+                                   "<tool_response>\ndone\n</tool_response>\n<|im_end|>\n"]  # fmt: skip
 
 
 def test_a_harness_that_prepares_a_uv_script_is_refused_at_load_when_no_uv_is_found_and_found_beside_python(
@@ -232,14 +294,15 @@ def test_the_endpoint_answers_only_its_key_a_running_episode_and_a_text_generate
 # --- on the real engine ---------------------------------------------------------------------------------------------
 
 
-def run_groups(loop, engine, model_dirs, kinds, during=None, env=ENV, **overrides):
+def run_groups(loop, engine, model_dirs, kinds, during=None, env=ENV, model=None, **overrides):
     """A driver over a verifiers env of `kinds` tasks (or `env` with `kinds` as its env_args), run until its groups
-    finished: (driver, records)."""
+    finished: (driver, records). `model`: the directory the serve's tokenizer and chat template come from (the engine's
+    tiny-qwen2 by default)."""
     from transformers import AutoTokenizer
 
     from inflight.serve.driver import RolloutDriver
 
-    model = model_dirs["tiny-qwen2"]
+    model = model or model_dirs["tiny-qwen2"]
     args = json.dumps({"taskset": {"kinds": kinds}}) if env == ENV else kinds
     cfg = ServeConfig(model=str(model), env=env, env_args=args, wait_for_learner=False, max_tokens=5,
                       **{"admit_lag": -1, "group_size": 2, "max_groups": 1, **overrides})  # fmt: skip
@@ -362,14 +425,68 @@ def test_a_reward_harness_or_task_that_raises_or_hangs_ends_its_episode_with_rew
 
 
 @pytest.mark.engine
-def test_a_taskset_only_environment_on_the_null_harness_runs_verifiers_own_program_rewarded_with_no_error(
-    loop, engine, model_dirs
+@pytest.mark.parametrize("harness", ["null", "bash"])
+def test_a_taskset_only_environment_on_a_built_in_harness_runs_verifiers_own_program_rewarded_with_no_error(
+    loop, engine, model_dirs, tmp_path, harness
 ):
-    """verifiers' built-in `null` harness: its PEP 723 chat program prepared by uv once, before the first episode,
-    then run per episode as a subprocess that calls the serve's token endpoint."""
-    driver, records = run_groups(loop, engine, model_dirs, NULL, env=ONLY, group_size=2, env_timeout_s=60.0)
+    """verifiers' built-in harnesses: their PEP 723 chat program prepared by uv once, before the first episode, then
+    run per episode as a subprocess that calls the serve's token endpoint. `bash` (verifiers' default) offers the model
+    its tools: on a model whose chat template renders them (tests/inflight/tool_model.py), they are in every prompt."""
+    args = NULL if harness == "null" else ""
+    model = tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")
+    driver, records = run_groups(loop, engine, model_dirs, args, env=ONLY, group_size=2, env_timeout_s=60.0,
+                                 model=model)  # fmt: skip
+    assert driver.env.harness_config.id == harness
     assert len(records) == 2 and driver.stats.env_errors == 0, driver.stats.env_error_kinds
+    tokenizer = driver.episodes.turns.tokenizer
     for record in records:
         assert record.turns >= 1 and record.policy_mask.any() and record.finish_reason != "env_error"
         assert 0.0 <= record.reward <= 1.0
+        prompt = tokenizer.decode(record.prompt.tolist())
+        assert ('"name": "bash"' in prompt and '"name": "edit"' in prompt) == (harness == "bash"), prompt
     assert set(driver.stats.reward_means.means()) == {"replied"}
+
+
+class ToolCallFirst(Recording):
+    """The real engine, except that each episode's first turn is a scripted tool call in the template's format: a
+    narrow stand-in for a model that calls its tool (the random tiny model rarely writes one)."""
+
+    def __init__(self, engine, script: list[int]):
+        super().__init__(engine)
+        self.script = script
+
+    async def generate(self, prompt_ids, params, request_id):
+        from vllm_patches.generation import Completion
+
+        if re.search(r"-t\d+$", request_id):  # a later turn: the engine's
+            return await super().generate(prompt_ids, params, request_id)
+        n, version = len(self.script), self.engine.version
+        done = Completion(request_id, list(prompt_ids), self.script, [-1.0] * n, [version] * n, "stop", [version] * n)
+        self.calls.append((request_id, list(prompt_ids), done))
+        return done
+
+
+@pytest.mark.engine
+def test_a_tool_call_in_the_models_format_runs_the_bash_harness_tool_and_its_result_is_appended_after_the_call_verbatim(
+    loop, engine, model_dirs, tmp_path
+):
+    """verifiers' bash harness program receives the parsed call as OpenAI-style tool_calls, runs it in bash, and the
+    result comes back as the template's tool turn after exactly the ids of the call; one trace, no environment error."""
+    from transformers import AutoTokenizer
+
+    model = tool_model(model_dirs["tiny-qwen2"], tmp_path / "m")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "echo inflight-$((6 * 7))"}}\n</tool_call>'
+    script = [*tokenizer.encode(call, add_special_tokens=False), tokenizer.eos_token_id]
+    recording = ToolCallFirst(engine, script)
+    driver, (record,) = run_groups(loop, recording, model_dirs, "", env=ONLY, group_size=1, env_timeout_s=60.0,
+                                   model=model)  # fmt: skip
+    assert driver.stats.env_errors == 0, driver.stats.env_error_kinds
+    (first, second) = [(prompt, done) for _, prompt, done in recording.calls]
+    ids = record.prompt.tolist() + record.completion.tolist()
+    assert first[0] == record.prompt.tolist() and ids[len(first[0]) : len(first[0]) + len(script)] == script
+    assert second[0] == ids[: len(second[0])] and second[0][: len(first[0]) + len(script)] == first[0] + script
+    between = tokenizer.decode(second[0][len(first[0]) + len(script) :])
+    assert "<tool_response>\ninflight-42\n" in between, "bash ran the call: 6 * 7 came back"
+    assert between.endswith("<|im_start|>assistant\n") and record.turns == 2 and record.finish_reason != "env_error"
+    assert ids[len(second[0]) :] == second[1].token_ids, "the second turn is the engine's, verbatim, to the end"
