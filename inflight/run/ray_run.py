@@ -69,11 +69,6 @@ class RayRun:
     def call(self, actor, method: str, *args, wait_s: float = CALL_TIMEOUT_S):
         return self.ray.get(getattr(actor, method).remote(*args), timeout=wait_s)
 
-    def stop(self, actor) -> int:
-        """Stop one side: its actor waits up to --stop-timeout-s for the process to exit, so the answer can take that
-        long (a learner finishing a 40 s step on a busy machine) and is waited for that long, plus a call's margin."""
-        return self.call(actor, "stop", self.cfg.stop_timeout_s, wait_s=self.cfg.stop_timeout_s + CALL_TIMEOUT_S)
-
     def start_learner(self) -> dict[str, list[str]]:
         """Place and start every learner rank; both sides' argv (the serves' carry the learner's addresses)."""
         bundles = learn_bundles(self.cfg)
@@ -155,7 +150,7 @@ class RayRun:
                     file=sys.stderr,
                     flush=True,
                 )
-                rc = self.stop(self.learners[0])
+                rc = stop_side(self, self.learners[0])
                 return 0 if rc == 0 else 1
             time.sleep(POLL_S)
 
@@ -186,6 +181,12 @@ class RayRun:
         for pg in self.groups:
             self.ray.util.remove_placement_group(pg)
         self.follower.stop()
+
+
+def stop_side(run: RayRun, actor) -> int:
+    """Stop one side: its actor waits up to --stop-timeout-s for the process to exit, so the answer can take that long
+    (a learner finishing a 40 s step on a busy machine) and is waited for that long, plus a call's margin."""
+    return run.call(actor, "stop", run.cfg.stop_timeout_s, wait_s=run.cfg.stop_timeout_s + CALL_TIMEOUT_S)
 
 
 def check_serves(run_dir: Path, serves: list[dict], limit: int) -> None:

@@ -258,12 +258,12 @@ def test_stopping_a_side_waits_as_long_as_its_actor_may_take_to_stop_it():
     import types
 
     from inflight.run.config import RunConfig
-    from inflight.run.ray_run import CALL_TIMEOUT_S, RayRun
+    from inflight.run.ray_run import CALL_TIMEOUT_S, RayRun, stop_side
 
     waits = []
     method = types.SimpleNamespace(remote=lambda *args: ("stop", args))
     ray = types.SimpleNamespace(get=lambda ref, timeout: waits.append((ref, timeout)) or 0)
     run = RayRun.__new__(RayRun)
     run.ray, run.cfg = ray, RunConfig(stop_timeout_s=120.0)
-    assert run.stop(types.SimpleNamespace(stop=method)) == 0
+    assert stop_side(run, types.SimpleNamespace(stop=method)) == 0
     assert waits == [(("stop", (120.0,)), 120.0 + CALL_TIMEOUT_S)]
