@@ -38,6 +38,7 @@ from inflight.wire.group import GroupAddress, WeightsGroup, member_rank
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
 from vllm_patches import placement
 from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
+from vllm_patches.arenas import StagingArenas
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed
 from vllm_patches.cores import on_spare_cores
@@ -63,6 +64,7 @@ class WorkerUpdateState:
     updates: int = 0  # updates begun, from 1: the ordinal fault injection counts (vllm_patches/faults.py)
     adapter: AdapterSlot | None = None  # a serve with --lora-rank: adapter updates go there, not into the model
     staging: str = "auto"  # "sliced": keep this rank's slices; "full": whole tensors; "auto": sliced when TP/EP > 1
+    arenas: StagingArenas | None = None  # the device and host arenas every update is staged within (the plan's bytes)
 
     def begin(self, manifest: UpdateManifest, model: torch.nn.Module, ticket: int, vllm_config: Any) -> StagedUpdate:
         """Start staging `manifest` in the background; refuses (ManifestError, naming the fix) without a usable group
@@ -79,10 +81,10 @@ class WorkerUpdateState:
         self.updates += 1
         layout = self._layout(manifest, model, vllm_config)  # a contradicting shape fails here, before any bucket
         prepare = self._preparer(manifest, model, vllm_config, layout)
-        base = self.live.held if manifest.is_delta else None
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
-        stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, base, announce, layout)
+        held, arenas = self.live.held, self.arenas
+        stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas)
         self.stage = stage.start()
         return self.stage
 
@@ -195,6 +197,25 @@ class InflightWorkerExtension:
             raise ManifestError(f"staging is {mode!r}, expected one of ['auto', 'sliced', 'full']")
         self._inflight_state().staging = mode
         return mode
+
+    def inflight_set_staging_arenas(self, device_bytes: int, host_bytes: int) -> int:
+        """Stage every update from now on within one device arena of `device_bytes` and keep the live version in one
+        host arena of `host_bytes` (vllm_patches/arenas.py; the staging plan's `arena_bytes` and `host_arena_bytes`),
+        each made when first needed and reused. Between updates (tests: an arena too small), the version kept so far
+        moves into the new host arena first. Returns `device_bytes`."""
+        state = self._inflight_state()
+        if state.stage is not None and state.stage.state == StageState.RECEIVING:
+            raise ManifestError(f"update v{state.stage.manifest.version} is being received: set the arenas after it")
+        if device_bytes < 0 or host_bytes < 0:
+            raise ManifestError(f"arena sizes must be >= 0 bytes, got {device_bytes} and {host_bytes}")
+        device = next(self.model_runner.get_model().parameters()).device
+        arenas = StagingArenas(int(device_bytes), int(host_bytes), device)
+        if state.live.held is not None:
+            state.live.held.tensors = arenas.hold(state.live.held.tensors)
+        if state.arenas is not None:
+            state.arenas.close()  # its host buffer is unregistered (CUDA); nothing refers to either buffer now
+        state.arenas = arenas
+        return int(device_bytes)
 
     def inflight_worker_pid(self) -> int:
         """This worker's process id (benchmarks read its resident memory from /proc)."""

@@ -198,6 +198,7 @@ class WeightPublisher:
         self.sums = checksum_kind_for(self.device)  # where the buckets are: a GPU's are summed there, not copied out
         self.latest = LatestWeights()
         self.deltas = DeltaBase(full_every)
+        plane.membership.full_every = full_every  # told to every serve that asks: its staging plan counts deltas
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int, retries: int = 1) -> PublishReport:
         """Send the whole `state` as `version` to every member (a delta when `DeltaBase.base_for` allows); after a

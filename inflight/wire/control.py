@@ -129,7 +129,10 @@ class Refused(_Message, tag="refused"):
 
 
 class Agreed(_Message, tag="agreed"):
-    """The learner would take the run contract a serve sent in `Ask`."""
+    """The learner would take the run contract a serve sent in `Ask`. `full_every`: its --full-every (> 1: it sends
+    delta updates, whose decoded tensors the serve's staging plan must count); 0 from a learner that does not say."""
+
+    full_every: int = 0
 
 
 class Introduce(_Message, tag="introduce"):

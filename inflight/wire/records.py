@@ -143,6 +143,8 @@ class ServeProgress(
     # inflight/serve/driver.py:dropped), and those episodes
     groups_dropped: int = 0
     untrained_episodes: int = 0
+    # Weight updates a worker refused because they did not fit its staging arena (the plan's bytes); decoding went on
+    updates_refused: int = 0
 
 
 class UpdateEvent(
