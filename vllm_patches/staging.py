@@ -49,7 +49,7 @@ import zmq
 from inflight.wire.group import WeightsGroup
 from inflight.wire.transfer import drain_update, receive_kept, receive_update, update_buffers
 from inflight.wire.weights import DTYPES, ManifestError, UpdateManifest, unpack_buckets
-from vllm_patches.arenas import ArenaFull, StagingArenas
+from vllm_patches.arenas import ArenaFull, DeviceArena, StagingArenas
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.rpc import StagedSignal, StageStatus
 
@@ -147,7 +147,7 @@ class StagedUpdate:
         try:
             side = staging_stream(str(self.device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                into = self._lay_out(side)
+                into = None if self.arenas is None else stage_in_arenas(self, side)
                 self._receive_and_verify(side, into)
                 self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
                 if self.prepare is not None:
@@ -167,45 +167,6 @@ class StagedUpdate:
         finally:
             self._announce()
             self._done.set()
-
-    def _lay_out(self, side: torch.cuda.Stream | None) -> dict[str, torch.Tensor] | None:
-        """The update's place in the device arena, every piece a view (None without arenas): the live version kept
-        there moves to the host arena first. An update that does not fit is refused here, before a bucket moves:
-        ArenaFull, once its broadcasts are drained through the arena."""
-        if self.arenas is None:
-            return None
-        if self.held is not None:  # the version every rank kept: out of the device arena before it is overwritten
-            self.held.tensors = self.arenas.hold(self.held.tensors)  # ArenaFull: nothing received (held stays)
-        if side is not None:
-            torch.cuda.synchronize(self.device)  # the engine's reads of the arena (the last commit's) are done
-        arena = self.arenas.staging
-        try:
-            return arena.views(self._pieces())
-        except ArenaFull:
-            self._drain(arena)
-            raise
-
-    def _pieces(self) -> dict[str, torch.Tensor]:
-        """Meta tensors of everything the update places in the arena (`_lay_out`)."""
-        sizes = update_buffers(self.manifest)
-        if self.layout is not None:
-            pieces = {"buffer": _meta([max(sizes, default=0)], torch.uint8)}
-            for t in self.manifest.tensors:
-                kept = self.layout.keep(t.name, _meta(t.shape, DTYPES[t.dtype]))
-                if kept is not None:
-                    pieces[t.name] = _meta(list(kept.shape), kept.dtype)
-            return pieces
-        pieces = {f"buffer {i}": _meta([n], torch.uint8) for i, n in enumerate(sizes)}
-        decoded = [t for t in self.manifest.tensors if t.encoding != "full"]
-        return pieces | {t.name: _meta(t.shape, DTYPES[t.dtype]) for t in decoded}
-
-    def _drain(self, arena) -> None:
-        """Receive and drop the refused update's broadcasts through the arena's start (the sender goes on as for any
-        receiver; without it the group would break by its timeout)."""
-        try:
-            drain_update(self.group, self.manifest, arena.empty(max(update_buffers(self.manifest), default=0)))
-        except Exception:
-            log.exception("could not drain refused update v%d (the weights group will time out)", self.manifest.version)
 
     def _receive_and_verify(self, side: torch.cuda.Stream | None, into: dict[str, torch.Tensor] | None) -> None:
         if self.layout is not None:  # slices of verified tensors, no bucket kept
@@ -276,21 +237,68 @@ class StagedUpdate:
         return self._done.is_set()
 
     def status(self) -> StageStatus:
-        return StageStatus(
-            version=self.manifest.version,
-            state=self.state.value,
-            error=self.error,
-            bytes_received=self.bytes_received,
-            bytes_total=self.manifest.total_bytes,
-            receive_s=self.receive_s,
-            verify_s=self.verify_s,
-            prepare_s=self.prepare_s,
-            bytes_kept=self.bytes_kept,
-            full_tensors=self.layout.full if self.layout is not None else [],
-            refused=self.refused,
-            started_at=self.started_at,
-            staged_at=self.staged_at,
-        )
+        return stage_status(self)
+
+
+def stage_status(stage: StagedUpdate) -> StageStatus:
+    """Where `stage` stands, as the worker reports it (`StagedUpdate.status`)."""
+    return StageStatus(
+        version=stage.manifest.version,
+        state=stage.state.value,
+        error=stage.error,
+        bytes_received=stage.bytes_received,
+        bytes_total=stage.manifest.total_bytes,
+        receive_s=stage.receive_s,
+        verify_s=stage.verify_s,
+        prepare_s=stage.prepare_s,
+        bytes_kept=stage.bytes_kept,
+        full_tensors=stage.layout.full if stage.layout is not None else [],
+        refused=stage.refused,
+        started_at=stage.started_at,
+        staged_at=stage.staged_at,
+    )
+
+
+def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> dict[str, torch.Tensor]:
+    """`stage`'s place in its device arena (`lay_out_in_arena`), once the live version kept there moved to the host
+    arena (ArenaFull then: nothing received, the version stays where it was). On the staging thread."""
+    if stage.held is not None:  # the version every rank kept: out of the device arena before it is overwritten
+        stage.held.tensors = stage.arenas.hold(stage.held.tensors)
+    if side is not None:
+        torch.cuda.synchronize(stage.device)  # the engine's reads of the arena (the last commit's) are done
+    return lay_out_in_arena(stage.arenas.staging, stage.manifest, stage.layout, stage.group)
+
+
+def lay_out_in_arena(
+    arena: DeviceArena, manifest: UpdateManifest, layout: SliceLayout | None, group: WeightsGroup
+) -> dict[str, torch.Tensor]:
+    """Every piece `manifest` places in `arena` (`arena_pieces`), each a view, laid out before a bucket moves. An
+    update that does not fit is refused here: ArenaFull, once its broadcasts are drained through the arena's start
+    (the sender goes on as for any receiver; without it the group would break by its timeout)."""
+    try:
+        return arena.views(arena_pieces(manifest, layout))
+    except ArenaFull:
+        try:
+            drain_update(group, manifest, arena.empty(max(update_buffers(manifest), default=0)))
+        except Exception:
+            log.exception("could not drain refused update v%d (the weights group will time out)", manifest.version)
+        raise
+
+
+def arena_pieces(manifest: UpdateManifest, layout: SliceLayout | None) -> dict[str, torch.Tensor]:
+    """Meta tensors of everything an update places in the device arena: whole, every bucket, the trailer and a
+    delta's decoded tensors; sliced (`layout`), one receive buffer (the largest bucket) and the rank's kept slices."""
+    sizes = update_buffers(manifest)
+    if layout is not None:
+        pieces = {"buffer": _meta([max(sizes, default=0)], torch.uint8)}
+        for t in manifest.tensors:
+            kept = layout.keep(t.name, _meta(t.shape, DTYPES[t.dtype]))
+            if kept is not None:
+                pieces[t.name] = _meta(list(kept.shape), kept.dtype)
+        return pieces
+    pieces = {f"buffer {i}": _meta([n], torch.uint8) for i, n in enumerate(sizes)}
+    decoded = [t for t in manifest.tensors if t.encoding != "full"]
+    return pieces | {t.name: _meta(t.shape, DTYPES[t.dtype]) for t in decoded}
 
 
 def _meta(shape: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -107,6 +107,29 @@ class WorkerUpdateState:
             return ShadowPreparer(model, manifest.version, self.updates, vllm_config, layout)
         return None
 
+    def set_staging(self, mode: str) -> str:
+        if mode not in ("auto", "sliced", "full"):
+            raise ManifestError(f"staging is {mode!r}, expected one of ['auto', 'sliced', 'full']")
+        self.staging = mode
+        return mode
+
+    def set_arenas(self, device_bytes: int, host_bytes: int) -> int:
+        """From now on stage every update within one device arena and keep the live version in one host arena
+        (vllm_patches/arenas.py), each made when first needed and reused. Between updates (tests: an arena too
+        small) the version kept so far moves into the new host arena first. Returns `device_bytes`."""
+        if self.stage is not None and self.stage.state == StageState.RECEIVING:
+            raise ManifestError(f"update v{self.stage.manifest.version} is being received: set the arenas after it")
+        if device_bytes < 0 or host_bytes < 0:
+            raise ManifestError(f"arena sizes must be >= 0 bytes, got {device_bytes} and {host_bytes}")
+        device = next(self.live.worker.model_runner.get_model().parameters()).device
+        arenas = StagingArenas(device_bytes, host_bytes, device)
+        if self.live.held is not None:
+            self.live.held.tensors = arenas.hold(self.live.held.tensors)
+        if self.arenas is not None:
+            self.arenas.close()  # its host buffer is unregistered (CUDA); nothing refers to either buffer now
+        self.arenas = arenas
+        return device_bytes
+
     def commit(self, version: int, rank: int) -> RankCommit:
         """Phase one: the staged update into the live adapter or model, between two engine steps, undoable until
         `settle`. Never raises: the outcome names this rank's failure, if any."""
@@ -185,37 +208,18 @@ class InflightWorkerExtension:
         return True
 
     def inflight_set_update_memory(self, mode: str) -> str:
-        """Choose the commit path for this engine's life (vllm_patches/commit.py): "double" or "low". Refused once an
-        update was staged. Returns the mode."""
+        """The commit path, "double" or "low", for the engine's life (vllm_patches/commit.py); fixed by an update."""
         state = self._inflight_state()
         return state.live.choose_memory(mode, updated=state.stage is not None)
 
     def inflight_set_staging(self, mode: str) -> str:
         """What a worker stages of a model update (issue 41): "sliced" (its tensor-parallel slices), "full" (every
         whole tensor, as before) or "auto" (sliced when tensor or expert parallel). Benchmarks compare the two."""
-        if mode not in ("auto", "sliced", "full"):
-            raise ManifestError(f"staging is {mode!r}, expected one of ['auto', 'sliced', 'full']")
-        self._inflight_state().staging = mode
-        return mode
+        return self._inflight_state().set_staging(mode)
 
     def inflight_set_staging_arenas(self, device_bytes: int, host_bytes: int) -> int:
-        """Stage every update from now on within one device arena of `device_bytes` and keep the live version in one
-        host arena of `host_bytes` (vllm_patches/arenas.py; the staging plan's `arena_bytes` and `host_arena_bytes`),
-        each made when first needed and reused. Between updates (tests: an arena too small), the version kept so far
-        moves into the new host arena first. Returns `device_bytes`."""
-        state = self._inflight_state()
-        if state.stage is not None and state.stage.state == StageState.RECEIVING:
-            raise ManifestError(f"update v{state.stage.manifest.version} is being received: set the arenas after it")
-        if device_bytes < 0 or host_bytes < 0:
-            raise ManifestError(f"arena sizes must be >= 0 bytes, got {device_bytes} and {host_bytes}")
-        device = next(self.model_runner.get_model().parameters()).device
-        arenas = StagingArenas(int(device_bytes), int(host_bytes), device)
-        if state.live.held is not None:
-            state.live.held.tensors = arenas.hold(state.live.held.tensors)
-        if state.arenas is not None:
-            state.arenas.close()  # its host buffer is unregistered (CUDA); nothing refers to either buffer now
-        state.arenas = arenas
-        return int(device_bytes)
+        """The staging plan's device and host arena bytes, for every update from now on (`set_arenas`)."""
+        return self._inflight_state().set_arenas(int(device_bytes), int(host_bytes))
 
     def inflight_worker_pid(self) -> int:
         """This worker's process id (benchmarks read its resident memory from /proc)."""

@@ -97,7 +97,7 @@ def test_a_refused_hello_is_answered_refused_every_time_and_logged_once_per_serv
 
 def test_an_ask_before_the_engine_starts_is_answered_agreed_or_refused_and_records_no_serve():
     membership = Membership(check=lambda m: "" if m.server_id == "good" else f"serve {m.server_id}: temperature 0.5")
-    assert sends(membership.receive(A, Ask(server_id="good"), now=1.0)) == [(A, Agreed(full_every=1))]
+    assert sends(membership.receive(A, Ask(server_id="good"), now=1.0)) == [(A, Agreed())]
     first = membership.receive(B, Ask(server_id="bad"), now=1.0)
     again = membership.receive(B, Ask(server_id="bad"), now=2.0)
     assert sends(first) == sends(again) == [(B, Refused(reason="serve bad: temperature 0.5"))]
@@ -105,12 +105,13 @@ def test_an_ask_before_the_engine_starts_is_answered_agreed_or_refused_and_recor
     assert membership.serves == {} and sends(membership.receive(A, Status(), now=3.0)) == [(A, Introduce())]
 
 
-def test_an_agreed_ask_tells_the_serve_the_learners_full_every_so_its_staging_plan_counts_deltas():
+def test_an_agreed_ask_carries_the_learners_full_every_so_the_serves_staging_plan_counts_deltas():
     from vllm_patches.device_plan import plans_deltas
 
-    deltas = Membership(full_every=4).receive(A, Ask(server_id="good"), now=1.0)
-    assert sends(deltas) == [(A, Agreed(full_every=4))] and plans_deltas(4)
-    assert not plans_deltas(1) and not plans_deltas(0)  # whole updates only, or a learner that did not say
+    membership = Membership()
+    membership.agreed = Agreed(full_every=4)  # what the publisher sets from its --full-every
+    assert sends(membership.receive(A, Ask(server_id="good"), now=1.0)) == [(A, Agreed(full_every=4))]
+    assert plans_deltas(4) and not plans_deltas(1) and not plans_deltas(0)  # 0: a learner that did not say
 
 
 # -- unknown senders --------------------------------------------------------------------------------------------------

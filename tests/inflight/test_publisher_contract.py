@@ -120,6 +120,16 @@ def test_a_serve_that_asks_with_the_learners_contract_is_told_agreed_and_is_a_se
     assert isinstance(say_hello(publisher, LEARNER), Progress)
 
 
+def test_a_learner_sending_deltas_says_so_to_a_serve_that_asks():
+    pub = open_publisher(ControlServer(), timeout_s=5.0, full_every=4)
+    pub.check.set_model(STATE, LEARNER)
+    try:
+        assert ask(pub, LEARNER) == Agreed(full_every=4)  # the serve's staging plan then counts decoded tensors
+    finally:
+        pub.close()
+        pub.plane.control.close()
+
+
 def test_a_serve_that_asks_with_no_learner_listening_goes_on_after_its_wait():
     nobody = ControlServer()
     address = nobody.address

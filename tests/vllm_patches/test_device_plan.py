@@ -233,12 +233,12 @@ def test_a_sliced_plan_counts_one_bucket_buffer_as_big_as_the_largest_tensor_and
     assert sliced.peak_bytes - whole.peak_bytes == 2 * GIB + GIB  # the buffer, and one layer's whole-shaped carriers
 
 
-def _arena_needs(manifest, held=None) -> int:
-    """The device-arena bytes a worker lays `manifest` out in (vllm_patches/staging.py:StagedUpdate._pieces)."""
+def _arena_needs(manifest) -> int:
+    """The device-arena bytes a worker lays `manifest` out in (vllm_patches/staging.py:arena_pieces)."""
     from vllm_patches.arenas import arena_offsets
-    from vllm_patches.staging import StagedUpdate
+    from vllm_patches.staging import arena_pieces
 
-    pieces = StagedUpdate(manifest, group=None, held=held)._pieces()
+    pieces = arena_pieces(manifest, None)
     return arena_offsets([t.numel() * t.element_size() for t in pieces.values()])[1]
 
 
@@ -250,7 +250,6 @@ def test_the_device_arena_holds_a_whole_update_and_only_a_plan_with_deltas_holds
 
     from inflight.wire.weights import plan_update
     from vllm_patches.device_plan import weight_sizes
-    from vllm_patches.staging import HeldTensors
 
     base = {f"model.layers.{i}.mlp.w": torch.randn(64, 64).to(torch.bfloat16) for i in range(6)}
     base["model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
@@ -262,7 +261,6 @@ def test_the_device_arena_holds_a_whole_update_and_only_a_plan_with_deltas_holds
     full, _ = plan_update(new, 2, 8 << 10)
     delta, _ = plan_update(new, 2, 8 << 10, base=(1, base))
     assert all(t.encoding == "bitmask" for t in delta.tensors)
-    held = HeldTensors(1, base)
-    assert _arena_needs(full) <= whole.arena_bytes and _arena_needs(delta, held) > whole.arena_bytes
-    assert _arena_needs(delta, held) <= deltas.arena_bytes <= 2 * sizes.total + sizes.count * 3 * 64 + 64
+    assert _arena_needs(full) <= whole.arena_bytes and _arena_needs(delta) > whole.arena_bytes
+    assert _arena_needs(delta) <= deltas.arena_bytes <= 2 * sizes.total + sizes.count * 3 * 64 + 64
     assert whole.host_arena_bytes == whole.arena_bytes  # the held version: the update's tensors, once
