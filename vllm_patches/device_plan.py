@@ -16,13 +16,14 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
 - `low`: the largest layer vLLM's layerwise reload materialises at the commit, on the engine's stream;
 - the weights group's NCCL buffers, for as long as the group lives (`comm_bytes`, bounded by its `max_ctas`).
 `WeightSizes` (from the checkpoint's headers) gives the largest tensor and layer; `staging_plan` adds it all up.
-With tensor (or expert) parallelism each worker keeps only its slice of an update (issue 41,
-vllm_patches/placement.py): `rank_sizes` counts what one rank holds — its slices, the replicated tensors and any
+With tensor (or expert) parallelism each worker keeps only its slice of an update
+(vllm_patches/placement.py): `rank_sizes` counts what one rank holds — its slices, the replicated tensors and any
 tensor of unknown layout whole — and the buckets are one reused buffer (the largest tensor passes through it whole).
-Nothing stays on the device between two updates: what a worker keeps of the live version — `low`'s rollback source
-of a failed in-place commit, a delta's base — the staging thread copies into pinned host memory before the update is
-staged (vllm_patches/staging.py:StagedUpdate.kept; 1x of host memory, `host_bytes`), and the device buffers go at the
-commit.
+Buckets, slices and a delta's decoded tensors are staged within one device arena per worker of the plan's
+`arena_bytes` (vllm_patches/arenas.py), reserved with the rest of the peak; what a worker keeps of the live version —
+`low`'s rollback source of a failed in-place commit, a delta's base — stays there until the next update begins, which
+first copies it into one host arena (pinned on CUDA: `host_arena_bytes`, 1x) and then stages over it. Whether deltas
+come is the learner's to say (`Agreed.full_every`, `plans_deltas`).
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ class UpdateReport:
     receive_s: float = 0.0
     prepare_s: float = 0.0  # loading into the processed copy off the engine thread (update_memory "double")
     bytes: int = 0
-    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices (issue 41), or `bytes`
-    full_tensors: list[str] = field(default_factory=list)  # kept whole on a worker: layout not known (issue 41)
+    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices, or `bytes`
+    full_tensors: list[str] = field(default_factory=list)  # kept whole on a worker: layout not known
     staging_window: tuple[float, float] = (0.0, 0.0)  # wall clock: receive started, all buckets verified
     parked: bool = False  # the workers waited for staging in a blocking call (paused modes: inflight_park, below)
     workers: list[CommitApplied] = field(default_factory=list)

@@ -89,7 +89,7 @@ class WorkerUpdateState:
         return self.stage
 
     def _layout(self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any) -> SliceLayout | None:
-        """This rank's slices of a model update (issue 41), or None to stage whole tensors: an adapter update, a
+        """This rank's slices of a model update, or None to stage whole tensors: an adapter update, a
         single-rank engine (its slices are the whole tensors), or `staging` "full"."""
         parallel = getattr(vllm_config, "parallel_config", None)
         split = parallel is not None and (parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel)
@@ -213,7 +213,7 @@ class InflightWorkerExtension:
         return state.live.choose_memory(mode, updated=state.stage is not None)
 
     def inflight_set_staging(self, mode: str) -> str:
-        """What a worker stages of a model update (issue 41): "sliced" (its tensor-parallel slices), "full" (every
+        """What a worker stages of a model update: "sliced" (its tensor-parallel slices), "full" (every
         whole tensor, as before) or "auto" (sliced when tensor or expert parallel). Benchmarks compare the two."""
         return self._inflight_state().set_staging(mode)
 

@@ -171,7 +171,7 @@ def engine_config(
     """The engine's config on `device`: --enforce-eager and --update-memory resolved for it and, on CUDA, the
     staging plan made from the checkpoint's weight bytes, counting deltas' decoded tensors when `delta` (a ValueError
     naming the numbers and the flags when the GPU cannot hold an update beside the engine). `cfg.dtype` is already
-    resolved (`main`). One worker stages whole buckets; a tensor-parallel worker its slices (issue 41) through one
+    resolved (`main`). One worker stages whole buckets; a tensor-parallel worker its slices through one
     buffer of the learner's default bucket."""
     from vllm_patches.engine import EngineConfig  # vLLM: see `serve`
 

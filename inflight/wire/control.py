@@ -94,7 +94,7 @@ class UpdateDone(_Message, tag="update_done"):
     stall_s: float = 0.0
     commit_s: float = 0.0
     receive_s: float = 0.0
-    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices (issue 41)
+    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices
     full_tensors: list[str] = msgspec.field(default_factory=list)  # kept whole on a worker: layout not known
 
 
