@@ -16,8 +16,8 @@ page-locked with `cudaHostRegister` (no rounding, no cache), into which each upd
 offsets; nothing else is pinned, so the figure the plan prints is the figure the worker holds.
 
 `StagingArenas` is what a worker owns (vllm_patches/worker_extension.py): both arenas at their planned sizes
-(vllm_patches/device_plan.py:StagingPlan.arena_bytes, host_arena_bytes), the device one made at the first update and
-the host one once something is kept, then reused by every update. 1x holds because the host copy of v lands only
+(vllm_patches/device_plan.py:StagingPlan.arena_bytes, host_arena_bytes), the device one made when the engine starts
+and the host one once something is kept, then reused by every update. 1x holds because the host copy of v lands only
 once v was kept on every rank: v stays in the device arena after its commit (the next update's rollback source and
 delta base), and the next update's staging thread copies it into the host arena before it receives anything into the
 device arena (vllm_patches/staging.py). On CPU both arenas are plain host memory and the same code runs.
@@ -122,18 +122,13 @@ class HostArena(Arena):
 
 
 class StagingArenas:
-    """A worker's device and host arenas at their planned bytes, each made once, when first needed, on `device`."""
+    """A worker's device and host arenas at their planned bytes: the device one made now on `device` (on CUDA an
+    allocation that fails fails at start, not at an update), the host one once something is kept."""
 
     def __init__(self, device_bytes: int, host_bytes: int, device: str | torch.device):
-        self.device_bytes, self.host_bytes, self.device = device_bytes, host_bytes, torch.device(device)
-        self._device: DeviceArena | None = None
+        self.host_bytes, self.device = host_bytes, torch.device(device)
+        self.staging = DeviceArena(device_bytes, self.device)
         self._host: HostArena | None = None
-
-    @property
-    def staging(self) -> DeviceArena:
-        if self._device is None:
-            self._device = DeviceArena(self.device_bytes, self.device)
-        return self._device
 
     def hold(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`tensors` (in the device arena) copied into the host arena, over the version it held; views of it.
@@ -147,4 +142,4 @@ class StagingArenas:
     def close(self) -> None:
         if self._host is not None:
             self._host.close()
-        self._device = self._host = None
+        self._host = None

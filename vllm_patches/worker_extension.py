@@ -115,8 +115,9 @@ class WorkerUpdateState:
 
     def set_arenas(self, device_bytes: int, host_bytes: int) -> int:
         """From now on stage every update within one device arena and keep the live version in one host arena
-        (vllm_patches/arenas.py), each made when first needed and reused. Between updates (tests: an arena too
-        small) the version kept so far moves into the new host arena first. Returns `device_bytes`."""
+        (vllm_patches/arenas.py), the device one made now, the host one once something is kept, both reused. Between
+        updates (tests: an arena too small) the version kept so far moves into the new host arena first. Returns
+        `device_bytes`."""
         if self.stage is not None and self.stage.state == StageState.RECEIVING:
             raise ManifestError(f"update v{self.stage.manifest.version} is being received: set the arenas after it")
         if device_bytes < 0 or host_bytes < 0:
