@@ -2,10 +2,11 @@
 # Every GPU test and benchmark in one call, then one table. Run from the repository root on a CUDA machine:
 #   scripts/gpu_check.sh [out_dir]          (default: $OUT if set, else ./gpu-check)
 # Needs torch with CUDA, Triton, pytest, msgspec, pyzmq, transformers. Without CUDA the tests skip and the benchmarks
-# refuse. tests/wire/test_cuda_serve_checks.py is issue 40's torch-only proof of the serve's GPU path (no vLLM needed):
+# refuse. tests/wire/test_cuda_serve_checks.py is the torch-only proof of the serve's GPU path (no vLLM needed):
 # a forked child initialises CUDA after the front end's device checks (1), staging that overflows its arena is refused
 # while the engine stream's cached blocks survive (4), pinned host bytes stay at the arena's figure over ten updates
-# (5), a broadcast stalled by a sleeping peer leaves another stream's kernels alone (6, two GPUs).
+# (5), a broadcast stalled by a sleeping peer leaves another stream's kernels alone (6, two GPUs);
+# tests/wire/test_cuda_staging.py runs the real staging thread in a worker's arenas (4, 5).
 #
 # The learner on CUDA (benchmarks/gpu_learner.py) trains from a recorded journal: INFLIGHT_GPU_JOURNAL names the run
 # directory of a live run recorded with --keep-journal (`python -m benchmarks.gpu_learner record` makes one on any

@@ -223,7 +223,9 @@ class AdapterSlot:
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = LoRAModel.from_lora_tensors(
             ADAPTER_ID,
-            {name: t.to("cpu") for name, t in tensors.items()},
+            # copies: on CPU `.to` would hand vLLM the staged tensors themselves, views of the worker's arena, which the
+            # next update overwrites while this LoRAModel is still the one vLLM reloads (`_serve_the_live_adapter`)
+            {name: t.to("cpu", copy=True) for name, t in tensors.items()},
             helper,
             device="cpu",
             dtype=workers.lora_config.lora_dtype,

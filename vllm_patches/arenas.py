@@ -15,10 +15,13 @@ plan said 1x. The arena is one allocation of exactly its bytes,
 page-locked with `cudaHostRegister` (no rounding, no cache), into which each update's tensors are copied at aligned
 offsets; nothing else is pinned, so the figure the plan prints is the figure the worker holds.
 
-1x needs the copy of v+1 to land only once v+1 is kept on every rank (vllm_patches/update_enginecore.py's second
-phase): until then the arena still holds v, the rollback source. `caching_allocator_bytes` is the model of the old
-behaviour that the tests and scripts/gpu_check.sh compare against. Staging does not use the arenas yet (issue 40,
-points 4 and 5: docs/gpus.md says what is left); their behaviour is proven on CPU and, torch alone, on a GPU.
+`StagingArenas` is what a worker owns (vllm_patches/worker_extension.py): both arenas at their planned sizes
+(vllm_patches/device_plan.py:StagingPlan.arena_bytes, host_arena_bytes), the device one made when the engine starts
+and the host one once something is kept, then reused by every update. 1x holds because the host copy of v lands only
+once v was kept on every rank: v stays in the device arena after its commit (the next update's rollback source and
+delta base), and the next update's staging thread copies it into the host arena before it receives anything into the
+device arena (vllm_patches/staging.py). On CPU both arenas are plain host memory and the same code runs.
+`caching_allocator_bytes` is the model of the old behaviour that the tests and scripts/gpu_check.sh compare against.
 """
 
 from __future__ import annotations
@@ -62,13 +65,19 @@ class Arena:
         offsets, needed = arena_offsets(sizes)
         if needed > self.nbytes:
             raise ArenaFull(
-                f"the update's {len(sizes)} tensors need {needed} bytes of {self.kind}, the plan sized {self.nbytes}: "
-                "the served checkpoint and the update disagree on the weights (refused; the engine serves on)"
+                f"the update's {len(sizes)} pieces need {needed} bytes of {self.kind}, the plan sized {self.nbytes}: "
+                "refused before any of it was kept, the engine serves on (a delta's decoded tensors come beside its "
+                "payloads: the plan counts them when the learner says it sends deltas, its --full-every > 1)"
             )
         return {
             name: self.buffer[offset : offset + size].view(t.dtype).view(t.shape)
             for (name, t), offset, size in zip(tensors.items(), offsets, sizes, strict=True)
         }
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lies in this arena's buffer."""
+        start = self.buffer.data_ptr()
+        return tensor.device == self.buffer.device and start <= tensor.data_ptr() < start + self.nbytes
 
     def empty(self, size: int) -> torch.Tensor:
         """One `size`-byte uint8 buffer (a bucket) from the arena's start; ArenaFull beyond it."""
@@ -110,3 +119,27 @@ class HostArena(Arena):
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
+
+
+class StagingArenas:
+    """A worker's device and host arenas at their planned bytes: the device one made now on `device` (on CUDA an
+    allocation that fails fails at start, not at an update), the host one once something is kept."""
+
+    def __init__(self, device_bytes: int, host_bytes: int, device: str | torch.device):
+        self.host_bytes, self.device = host_bytes, torch.device(device)
+        self.staging = DeviceArena(device_bytes, self.device)
+        self._host: HostArena | None = None
+
+    def hold(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` (in the device arena) copied into the host arena, over the version it held; views of it.
+        Tensors already there are returned as they are. ArenaFull, copying nothing, when they do not fit."""
+        if self._host is None:
+            self._host = HostArena(self.host_bytes, pin=self.device.type == "cuda")
+        if all(self._host.holds(t) for t in tensors.values()):
+            return tensors
+        return self._host.copy_in(tensors)
+
+    def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
+        self._host = None

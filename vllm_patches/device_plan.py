@@ -16,13 +16,14 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
 - `low`: the largest layer vLLM's layerwise reload materialises at the commit, on the engine's stream;
 - the weights group's NCCL buffers, for as long as the group lives (`comm_bytes`, bounded by its `max_ctas`).
 `WeightSizes` (from the checkpoint's headers) gives the largest tensor and layer; `staging_plan` adds it all up.
-With tensor (or expert) parallelism each worker keeps only its slice of an update (issue 41,
-vllm_patches/placement.py): `rank_sizes` counts what one rank holds — its slices, the replicated tensors and any
+With tensor (or expert) parallelism each worker keeps only its slice of an update
+(vllm_patches/placement.py): `rank_sizes` counts what one rank holds — its slices, the replicated tensors and any
 tensor of unknown layout whole — and the buckets are one reused buffer (the largest tensor passes through it whole).
-Nothing stays on the device between two updates: what a worker keeps of the live version — `low`'s rollback source
-of a failed in-place commit, a delta's base — the staging thread copies into pinned host memory before the update is
-staged (vllm_patches/staging.py:StagedUpdate.kept; 1x of host memory, `host_bytes`), and the device buffers go at the
-commit.
+Buckets, slices and a delta's decoded tensors are staged within one device arena per worker of the plan's
+`arena_bytes` (vllm_patches/arenas.py), reserved with the rest of the peak; what a worker keeps of the live version —
+`low`'s rollback source of a failed in-place commit, a delta's base — stays there until the next update begins, which
+first copies it into one host arena (pinned on CUDA: `host_arena_bytes`, 1x) and then stages over it. Whether deltas
+come is the learner's to say (`Agreed.full_every`, `plans_deltas`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inflight.wire.checksum import SUM31_WORKSPACE_BYTES, sum31_pad_bytes
+from inflight.wire.weights import ALIGN
 
 GIB = 1 << 30
 # Bytes per element of the dtypes a serve computes in.
@@ -45,6 +47,11 @@ MIN_ENGINE_WEIGHTS_MULTIPLE = 1.25
 # (Simple NCCL_BUFFSIZE 4 MiB, LL128 ~4.6 MiB, LL 256 KiB, each twice): an upper bound; the weights group's
 # broadcast uses at most `max_ctas` channels (inflight/wire/group.py:WEIGHTS_MAX_CTAS).
 NCCL_BYTES_PER_CHANNEL = 20 << 20
+# The learner's default bucket (inflight/learn/publisher.py, --bucket-bytes): a tensor-parallel worker's receive buffer.
+LEARNER_BUCKET_BYTES = 64 << 20
+# What an update's tensor may add to the arenas beyond its bytes: its bucket offset's alignment, its trailer entry
+# (a 4-byte checksum and a 32-byte tag) and its own alignment in the arena (inflight/wire/weights.py:ALIGN each).
+ARENA_BYTES_PER_TENSOR = 3 * ALIGN
 # A tensor's layer: the name up to its block index ("model.layers.7.mlp.up_proj.weight" -> "model.layers.7").
 _LAYER = re.compile(r"^(.*?\.(?:layers|h|blocks|block)\.\d+)\.")
 
@@ -57,6 +64,7 @@ class WeightSizes:
     largest_tensor: int
     largest_layer: int
     largest_carriers: int = 0  # sliced staging: the commit's whole-shaped carriers of one vLLM layer (`rank_sizes`)
+    count: int = 0  # tensors: each costs the arenas a little alignment and trailer (`ARENA_BYTES_PER_TENSOR`)
 
 
 def weight_sizes(tensor_bytes: dict[str, int]) -> WeightSizes:
@@ -67,7 +75,7 @@ def weight_sizes(tensor_bytes: dict[str, int]) -> WeightSizes:
         key = match.group(1) if match else name
         layers[key] = layers.get(key, 0) + nbytes
     values = list(tensor_bytes.values())
-    return WeightSizes(sum(values), max(values, default=0), max(layers.values(), default=0))
+    return WeightSizes(sum(values), max(values, default=0), max(layers.values(), default=0), count=len(values))
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,24 @@ class StagingPlan:
     layer_bytes: int = 0  # `low`: the largest layer the in-place reload materialises
     comm_bytes: int = 0  # the weights group's NCCL buffers
     bucket_bytes: int = 0  # sliced staging (a tensor-parallel rank): the one reused bucket buffer; 0: whole buckets
+    receive_bytes: int = 0  # sliced staging: the part of `bucket_bytes` a bucket is received into (no carriers)
+    tensors: int = 0  # the update's tensors (the arenas' alignment and trailer: `ARENA_BYTES_PER_TENSOR` each)
+
+    @property
+    def arena_bytes(self) -> int:
+        """The worker's device arena (vllm_patches/arenas.py), the bound an update is staged within: whole staging,
+        every bucket and the trailer (1x the weights) and, with deltas, the decoded tensors (another 1x at most);
+        sliced staging, the receive buffer and the rank's kept slices."""
+        slack = self.tensors * ARENA_BYTES_PER_TENSOR + ALIGN
+        if self.bucket_bytes:
+            return self.receive_bytes + self.weight_bytes + slack
+        return self.weight_bytes * (2 if self.delta else 1) + slack
+
+    @property
+    def host_arena_bytes(self) -> int:
+        """The worker's host arena: the whole tensors (or slices) of the live version it keeps, whatever the mode (it
+        is made only once something is kept: `low`'s rollback source, a delta's base)."""
+        return self.weight_bytes + self.tensors * ARENA_BYTES_PER_TENSOR + ALIGN
 
     @property
     def host_bytes(self) -> int:
@@ -120,7 +146,28 @@ def staging_plan(
     checksum = sum31_pad_bytes(sizes.largest_tensor) + SUM31_WORKSPACE_BYTES
     buffer = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor) + sizes.largest_carriers
     comm = max_ctas * NCCL_BYTES_PER_CHANNEL
-    return StagingPlan(sizes.total, update_memory, delta, checksum, sizes.largest_layer, comm, buffer)
+    receive = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor)
+    layer = sizes.largest_layer
+    return StagingPlan(sizes.total, update_memory, delta, checksum, layer, comm, buffer, receive, sizes.count)
+
+
+def plans_deltas(full_every: int) -> bool:
+    """Whether a serve's plan counts delta updates: the learner told it (`Agreed.full_every`) that it sends them
+    (--full-every > 1). 0, a learner that did not answer, plans none: a delta that then does not fit the arena is
+    refused like any update, and the learner's next update after a failure is a full one."""
+    return full_every > 1
+
+
+def checkpoint_staging_plan(
+    model_dir: str | Path, dtype: str, tp: int, update_memory: str, delta: bool, max_ctas: int, bucket_bytes: int
+) -> StagingPlan:
+    """The staging plan of one worker serving `model_dir` in `dtype` on one of `tp` ranks: a tensor-parallel worker
+    stages only its slices through one bucket buffer sized at the learner's `bucket_bytes` (the largest whole tensor,
+    which passes through it, dominates); one worker stages whole buckets."""
+    if tp == 1:
+        return staging_plan(checkpoint_sizes(model_dir, dtype), update_memory, delta, max_ctas)
+    sizes = checkpoint_rank_sizes(model_dir, dtype, tp)
+    return staging_plan(sizes, update_memory, delta, max_ctas, bucket_bytes=bucket_bytes)
 
 
 @dataclass(frozen=True)
@@ -217,7 +264,7 @@ def rank_sizes(shapes: dict[str, list[int]], dtype_bytes: int, split: TensorPara
         whole = _count(shape) * dtype_bytes
         share = -(-whole // split.tp) if split.expert_parallel and _EXPERT.search(name) else whole
         carriers[_vllm_layer(name)] = carriers.get(_vllm_layer(name), 0) + share
-    return WeightSizes(kept.total, largest, kept.largest_layer, max(carriers.values(), default=0))
+    return WeightSizes(kept.total, largest, kept.largest_layer, max(carriers.values(), default=0), len(shapes))
 
 
 def _vllm_layer(name: str) -> str:

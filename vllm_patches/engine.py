@@ -22,7 +22,7 @@ from inflight.config import EngineSizing
 from inflight.machine import is_cuda, serve_device
 from inflight.wire.weights import UPDATE_MEMORY
 from vllm_patches.adapter import engine_lora_rank, lora_request
-from vllm_patches.device_plan import GpuMemoryPlan
+from vllm_patches.device_plan import DTYPE_BYTES, LEARNER_BUCKET_BYTES, GpuMemoryPlan, checkpoint_staging_plan
 from vllm_patches.generation import RunningRequests, ServedVersion, VersionedGeneration
 from vllm_patches.routes import check_routed_checkpoint, route_capture
 from vllm_patches.rpc import GroupJoined, rpc_result
@@ -61,6 +61,9 @@ class EngineConfig(EngineSizing):
     # --routing-replay on: the workers record every token's routed experts (vllm_patches/routes.py), which needs every
     # position fed, so prefix caching is then off whatever `enable_prefix_caching` says
     routing_replay: bool = False
+    # Each worker's device arena, every update is staged within (vllm_patches/arenas.py): None, the staging plan's
+    # `arena_bytes`; a number overrides it (tests: an arena too small, whose updates are refused).
+    arena_bytes: int | None = None
 
 
 def check_graph_safe_updates(enforce_eager: bool, update_memory: str) -> None:
@@ -171,6 +174,18 @@ def lora_kwargs(cfg: EngineConfig) -> dict:
     return {"enable_lora": True, "max_loras": 1, "max_lora_rank": engine_lora_rank(cfg.lora_rank)}
 
 
+def arena_sizes(cfg: EngineConfig) -> tuple[int, int]:
+    """Each worker's device and host arena bytes (vllm_patches/arenas.py): the CUDA plan's, or off CUDA a plan of the
+    whole checkpoint with deltas (a CPU worker can stage any update a learner sends, sliced or whole; host memory
+    is not the GPU's); `cfg.arena_bytes` overrides the device arena's. Reads the checkpoint's headers only."""
+    if cfg.gpu_plan is not None:
+        plan = cfg.gpu_plan.staging
+    else:
+        dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"  # "auto": the widest a CPU serve computes in
+        plan = checkpoint_staging_plan(cfg.model, dtype, 1, cfg.update_memory, True, 0, LEARNER_BUCKET_BYTES)
+    return (plan.arena_bytes if cfg.arena_bytes is None else cfg.arena_bytes), plan.host_arena_bytes
+
+
 def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
     """vLLM's `AsyncEngineArgs` for `cfg` on the device this process serves from (`engine_kwargs`)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -212,6 +227,7 @@ class InflightEngine:
         self.lora = lora_request(lora_dir) if lora_dir is not None else None  # every request's adapter
         self.generation = VersionedGeneration(llm, self.served, self.requests, self.lora, routes)
         self.updates = WeightUpdates(llm, self.served, self.requests, signals)
+        self.arena_sizes = (0, 0)  # each worker's device and host arena bytes (`arena_sizes`), set by `start`
 
     @classmethod
     async def start(cls, cfg: EngineConfig, version: int = 0) -> InflightEngine:
@@ -231,6 +247,8 @@ class InflightEngine:
             if cfg.routing_replay:
                 await engine.llm.collective_rpc("inflight_record_routes")
             await engine.llm.collective_rpc("inflight_set_update_memory", args=(cfg.update_memory,))
+            engine.arena_sizes = arena_sizes(cfg)
+            await engine.llm.collective_rpc("inflight_set_staging_arenas", args=engine.arena_sizes)
             await engine.llm.collective_rpc("inflight_signal_staged_to", args=(engine.signals.address,))
             await engine.llm.engine_core.call_utility_async("inflight_track_kv", version)  # also sets the version
         except BaseException:
@@ -277,8 +295,19 @@ class InflightEngine:
         return self.updates.stalled_s
 
     @property
+    def updates_refused(self) -> int:
+        """Updates a worker refused because they would not fit its staging arena (weights and decoding unharmed)."""
+        return self.updates.refused
+
+    @property
     def idle_s(self) -> float:
         return self.requests.idle_s
+
+    async def set_staging_arena(self, device_bytes: int) -> None:
+        """Every worker stages the next updates within a device arena of `device_bytes` (tests: one too small);
+        refused while an update is being received."""
+        self.arena_sizes = (device_bytes, self.arena_sizes[1])
+        await self.llm.collective_rpc("inflight_set_staging_arenas", args=self.arena_sizes)
 
     async def set_weights_key(self, key: bytes) -> None:
         """Every worker verifies updates by keyed tags under `key` from now on (inflight/wire/weights.py)."""

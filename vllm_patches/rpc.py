@@ -42,8 +42,9 @@ class StageStatus(msgspec.Struct, forbid_unknown_fields=True):
     started_at: float
     staged_at: float
     prepare_s: float = 0.0
-    bytes_kept: int = 0  # staged on this worker: its tensor-parallel slices (issue 41), or every byte
+    bytes_kept: int = 0  # staged on this worker: its tensor-parallel slices, or every byte
     full_tensors: list[str] = msgspec.field(default_factory=list)  # kept whole: their layout is not known
+    refused: bool = False  # failed because the update does not fit the worker's staging arena (nothing received)
 
 
 class StagedSignal(msgspec.Struct, forbid_unknown_fields=True):

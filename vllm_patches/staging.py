@@ -15,11 +15,17 @@ kernels queue behind nothing of them. One event is recorded there once everythin
 `ready_on_current_stream()`, called by both commit paths, makes the engine's current stream wait on it (an event, not
 a host synchronisation) and records every tensor handed across on that stream (`Tensor.record_stream`).
 
+Where an update is staged: the worker's device arena (`arenas`, vllm_patches/arenas.py:StagingArenas), one buffer
+sized by the staging plan, made once and reused by every update. Before a bucket moves the thread lays the whole
+update out in it — every bucket and the trailer, or a tensor-parallel rank's receive buffer and kept slices, and a
+delta's decoded tensors — and an update that would not fit is refused then (`ArenaFull`): its broadcasts are drained
+through the arena so the weights group stays in step, the stage fails naming both sizes, and nothing else was
+allocated (on CUDA an allocation that fails empties the caching allocator, the engine's cached blocks with it).
+
 What the worker keeps of an update after its commit (`kept`: the in-place path's rollback source, a delta's base)
-stays on the device no longer than the commit: on CUDA the staging thread copies the verified tensors into pinned
-host memory before it reports the update staged, and the device buckets go with the stage (`release`). A GPU serve
-then holds nothing of an update between two updates (vllm_patches/device_plan.py counts on it); a rollback or a
-delta reads the host copy, at PCIe speed, off the common path.
+stays in the device arena until the next update begins; that update's staging thread first copies it into the host
+arena (pinned on CUDA, one buffer of the plan's bytes), off the engine thread and only once every rank kept it, then
+receives over it. Without arenas (the wire's own tests and benchmarks) every bucket is a fresh allocation.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ import torch
 import zmq
 
 from inflight.wire.group import WeightsGroup
-from inflight.wire.transfer import receive_kept, receive_update
-from inflight.wire.weights import ManifestError, UpdateManifest, unpack_buckets
+from inflight.wire.transfer import drain_update, receive_kept, receive_update, update_buffers
+from inflight.wire.weights import DTYPES, ManifestError, UpdateManifest, unpack_buckets
+from vllm_patches.arenas import ArenaFull, DeviceArena, StagingArenas
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.rpc import StagedSignal, StageStatus
 
@@ -96,23 +103,26 @@ class StagedUpdate:
         device: torch.device | str = "cpu",
         weights_key: bytes | None = None,
         prepare: PrepareUpdate | None = None,
-        base: HeldTensors | None = None,
+        held: HeldTensors | None = None,
         on_finished: Callable[[StageStatus], None] | None = None,
         layout: SliceLayout | None = None,
+        arenas: StagingArenas | None = None,
     ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`), then
-        release the tensors unless the manifest says `keep_base`; the update is staged only once that is done. `base`:
-        the whole tensors the receiver holds, what a delta update is applied to; a delta on anything else fails the
-        stage, naming both versions. `on_finished`: handed the final status (staged or failed) once, by this thread
-        (the worker's `StagedNotifier.announce`). `layout`: keep only this rank's slices (vllm_patches/placement.py)."""
+        release the tensors unless the manifest says `keep_base`; the update is staged only once that is done. `held`:
+        the whole tensors the receiver keeps of its live version, what a delta update is applied to (a delta on
+        anything else fails the stage, naming both versions), moved into the host arena first. `on_finished`: handed
+        the final status (staged or failed) once, by this thread (the worker's `StagedNotifier.announce`). `layout`:
+        keep only this rank's slices (vllm_patches/placement.py). `arenas`: stage within the worker's device arena."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
-        self.base, self.on_finished, self.layout = base, on_finished, layout
+        self.held, self.on_finished, self.layout, self.arenas = held, on_finished, layout, arenas
+        self.base = held if manifest.is_delta else None
         self.prepare, self.prepared, self.prepare_s = prepare, None, 0.0
         self.state = StageState.RECEIVING
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
-        self.host_copy: dict[str, torch.Tensor] | None = None  # CUDA: what `kept` hands over, in pinned host memory
+        self.refused = False  # the update did not fit the device arena (ArenaFull): refused before any bucket
         self.bytes_received = self.bytes_kept = 0  # kept: what this rank staged (its slices, with a layout)
         self.started = time.perf_counter()
         self.started_at = time.time()  # wall clock, comparable with the client's token timestamps
@@ -137,14 +147,12 @@ class StagedUpdate:
         try:
             side = staging_stream(str(self.device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                self._receive_and_verify(side)
-                if side is not None and self.keeps_tensors:
-                    self.host_copy = pinned_host_copy(self.tensors)
+                into = None if self.arenas is None else stage_in_arenas(self, side)
+                self._receive_and_verify(side, into)
                 self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
                 if self.prepare is not None:
                     self.prepared = self.prepare(self.tensors)  # on the side stream too: its kernels queue there
-                    keep_here = self.manifest.keep_base and self.host_copy is None
-                    self.tensors = self.tensors if keep_here else {}
+                    self.tensors = self.tensors if self.manifest.keep_base else {}
                     self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
                 if side is not None:
                     self._ready = torch.cuda.Event()
@@ -152,6 +160,7 @@ class StagedUpdate:
             self.staged_at = time.time()
             self.state = StageState.STAGED
         except Exception as exc:  # any failure must surface as a status, never kill the worker
+            self.refused = isinstance(exc, ArenaFull)
             self.error = f"{type(exc).__name__}: {exc}"
             self.tensors = {}
             self.state = StageState.FAILED
@@ -159,19 +168,24 @@ class StagedUpdate:
             self._announce()
             self._done.set()
 
-    def _receive_and_verify(self, side: torch.cuda.Stream | None) -> None:
+    def _receive_and_verify(self, side: torch.cuda.Stream | None, into: dict[str, torch.Tensor] | None) -> None:
         if self.layout is not None:  # slices of verified tensors, no bucket kept
             keep, key = self.layout.keep, self.weights_key
-            self.tensors = receive_kept(self.group, self.manifest, keep, self.device, self._count, key)
+            kept_into = None if into is None else (into.pop("buffer"), into)
+            self.tensors = receive_kept(self.group, self.manifest, keep, self.device, self._count, key, kept_into)
             self.receive_s = time.perf_counter() - self.started
             return
-        buckets = receive_update(self.group, self.manifest, self.device, on_bucket=self._count)
+        buffers = None if into is None else [into.pop(f"buffer {i}") for i in range(len(update_buffers(self.manifest)))]
+        buckets = receive_update(self.group, self.manifest, self.device, on_bucket=self._count, into=buffers)
         if side is not None:
             side.synchronize()  # receive_s is the transfer's, not the time to queue it
             self._buckets = buckets if self.prepare is None else []  # prepared: the views go with the tensors
         self.receive_s = time.perf_counter() - self.started
-        base = None if self.base is None else (self.base.version, self.base.tensors)  # CUDA: host copies
-        self.tensors = unpack_buckets(self.manifest, buckets, verify=True, weights_key=self.weights_key, base=base)
+        base = None if self.base is None else (self.base.version, self.base.tensors)  # CUDA: the host arena's
+        key = self.weights_key
+        self.tensors = unpack_buckets(
+            self.manifest, buckets, verify=True, weights_key=key, base=base, decoded_into=into
+        )
         self.base = None  # a delta's new tensors are copies: the base is no longer needed here
         self.verify_s = time.perf_counter() - self.started - self.receive_s
 
@@ -190,12 +204,13 @@ class StagedUpdate:
         return self.prepare is None or self.manifest.keep_base
 
     def kept(self) -> dict[str, torch.Tensor]:
-        """The whole tensors to keep after the commit: the host copy on CUDA, else the verified tensors themselves."""
-        return self.host_copy if self.host_copy is not None else self.tensors
+        """The whole tensors (or slices) to keep after the commit: the verified tensors themselves, in the device
+        arena until the next update moves them to the host arena."""
+        return self.tensors
 
     def release(self) -> None:
-        """Drop the device buffers once committed (what is kept is `kept()`'s, held by the caller)."""
-        self.tensors, self._buckets, self.host_copy = {}, [], None
+        """Drop the references to the staged buffers once committed (what is kept is `kept()`'s, held by the caller)."""
+        self.tensors, self._buckets = {}, []
 
     def ready_on_current_stream(self) -> None:
         """Make the caller's current CUDA stream (the engine's, at commit) wait for everything staged — the buckets
@@ -222,20 +237,72 @@ class StagedUpdate:
         return self._done.is_set()
 
     def status(self) -> StageStatus:
-        return StageStatus(
-            version=self.manifest.version,
-            state=self.state.value,
-            error=self.error,
-            bytes_received=self.bytes_received,
-            bytes_total=self.manifest.total_bytes,
-            receive_s=self.receive_s,
-            verify_s=self.verify_s,
-            prepare_s=self.prepare_s,
-            bytes_kept=self.bytes_kept,
-            full_tensors=self.layout.full if self.layout is not None else [],
-            started_at=self.started_at,
-            staged_at=self.staged_at,
-        )
+        return stage_status(self)
+
+
+def stage_status(stage: StagedUpdate) -> StageStatus:
+    """Where `stage` stands, as the worker reports it (`StagedUpdate.status`)."""
+    return StageStatus(
+        version=stage.manifest.version,
+        state=stage.state.value,
+        error=stage.error,
+        bytes_received=stage.bytes_received,
+        bytes_total=stage.manifest.total_bytes,
+        receive_s=stage.receive_s,
+        verify_s=stage.verify_s,
+        prepare_s=stage.prepare_s,
+        bytes_kept=stage.bytes_kept,
+        full_tensors=stage.layout.full if stage.layout is not None else [],
+        refused=stage.refused,
+        started_at=stage.started_at,
+        staged_at=stage.staged_at,
+    )
+
+
+def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> dict[str, torch.Tensor]:
+    """`stage`'s place in its device arena (`lay_out_in_arena`), once the live version kept there moved to the host
+    arena (ArenaFull then: nothing received, the version stays where it was). On the staging thread."""
+    if stage.held is not None:  # the version every rank kept: out of the device arena before it is overwritten
+        stage.held.tensors = stage.arenas.hold(stage.held.tensors)
+    if side is not None:
+        torch.cuda.synchronize(stage.device)  # the engine's reads of the arena (the last commit's) are done
+    return lay_out_in_arena(stage.arenas.staging, stage.manifest, stage.layout, stage.group)
+
+
+def lay_out_in_arena(
+    arena: DeviceArena, manifest: UpdateManifest, layout: SliceLayout | None, group: WeightsGroup
+) -> dict[str, torch.Tensor]:
+    """Every piece `manifest` places in `arena` (`arena_pieces`), each a view, laid out before a bucket moves. An
+    update that does not fit is refused here: ArenaFull, once its broadcasts are drained through the arena's start
+    (the sender goes on as for any receiver; without it the group would break by its timeout)."""
+    try:
+        return arena.views(arena_pieces(manifest, layout))
+    except ArenaFull:
+        try:
+            drain_update(group, manifest, arena.empty(max(update_buffers(manifest), default=0)))
+        except Exception:
+            log.exception("could not drain refused update v%d (the weights group will time out)", manifest.version)
+        raise
+
+
+def arena_pieces(manifest: UpdateManifest, layout: SliceLayout | None) -> dict[str, torch.Tensor]:
+    """Meta tensors of everything an update places in the device arena: whole, every bucket, the trailer and a
+    delta's decoded tensors; sliced (`layout`), one receive buffer (the largest bucket) and the rank's kept slices."""
+    sizes = update_buffers(manifest)
+    if layout is not None:
+        pieces = {"buffer": _meta([max(sizes, default=0)], torch.uint8)}
+        for t in manifest.tensors:
+            kept = layout.keep(t.name, _meta(t.shape, DTYPES[t.dtype]))
+            if kept is not None:
+                pieces[t.name] = _meta(list(kept.shape), kept.dtype)
+        return pieces
+    pieces = {f"buffer {i}": _meta([n], torch.uint8) for i, n in enumerate(sizes)}
+    decoded = [t for t in manifest.tensors if t.encoding != "full"]
+    return pieces | {t.name: _meta(t.shape, DTYPES[t.dtype]) for t in decoded}
+
+
+def _meta(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def check_committable(stage: StagedUpdate | None, version: int) -> StagedUpdate:
@@ -246,16 +313,6 @@ def check_committable(stage: StagedUpdate | None, version: int) -> StagedUpdate:
         detail = f" ({stage.error})" if stage is not None and stage.error else ""
         raise ManifestError(f"cannot commit v{version}: {got} is staged{detail}")
     return stage
-
-
-def pinned_host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of device `tensors` in page-locked host memory (DMA, through the caching host allocator: reused across
-    updates), queued on the current stream and waited for."""
-    copies = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in tensors.items()}
-    for name, t in tensors.items():
-        copies[name].copy_(t, non_blocking=True)
-    torch.cuda.current_stream().synchronize()
-    return copies
 
 
 class StagedNotifier:

@@ -66,8 +66,8 @@ class UpdateReport:
     receive_s: float = 0.0
     prepare_s: float = 0.0  # loading into the processed copy off the engine thread (update_memory "double")
     bytes: int = 0
-    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices (issue 41), or `bytes`
-    full_tensors: list[str] = field(default_factory=list)  # kept whole on a worker: layout not known (issue 41)
+    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices, or `bytes`
+    full_tensors: list[str] = field(default_factory=list)  # kept whole on a worker: layout not known
     staging_window: tuple[float, float] = (0.0, 0.0)  # wall clock: receive started, all buckets verified
     parked: bool = False  # the workers waited for staging in a blocking call (paused modes: inflight_park, below)
     workers: list[CommitApplied] = field(default_factory=list)
@@ -130,6 +130,7 @@ class WeightUpdates:
     def __init__(self, llm: AsyncLLM, served: ServedVersion, requests: RunningRequests, signals: StagedSignals):
         self.llm, self.served, self.requests, self.signals = llm, served, requests, signals
         self.stalled_s = 0.0  # generation seconds lost to updates (counted only when something was generating)
+        self.refused = 0  # updates a worker refused: they would not fit its staging arena (decoding went on)
         self._lock = asyncio.Lock()
         self._tickets = itertools.count(1)  # matches each update with its workers' staged signals
 
@@ -209,6 +210,9 @@ class WeightUpdates:
             got = rpc_result(progress, list[StageStatus], "inflight_update_status")
             raise UpdateError(f"update not staged within {timeout_s:.0f}s ({exc}): {got[0]}") from exc
         failed = [s for s in statuses if s.state == "failed"]
+        if failed and failed[0].refused:
+            self.refused += 1
+            raise UpdateError(f"update v{failed[0].version} refused, weights untouched: {failed[0].error}")
         if failed:
             raise UpdateError(f"update v{failed[0].version} failed while staging: {failed[0].error}")
         return statuses[0]

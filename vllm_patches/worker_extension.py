@@ -38,6 +38,7 @@ from inflight.wire.group import GroupAddress, WeightsGroup, member_rank
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
 from vllm_patches import placement
 from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
+from vllm_patches.arenas import StagingArenas
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed
 from vllm_patches.cores import on_spare_cores
@@ -63,6 +64,7 @@ class WorkerUpdateState:
     updates: int = 0  # updates begun, from 1: the ordinal fault injection counts (vllm_patches/faults.py)
     adapter: AdapterSlot | None = None  # a serve with --lora-rank: adapter updates go there, not into the model
     staging: str = "auto"  # "sliced": keep this rank's slices; "full": whole tensors; "auto": sliced when TP/EP > 1
+    arenas: StagingArenas | None = None  # the device and host arenas every update is staged within (the plan's bytes)
 
     def begin(self, manifest: UpdateManifest, model: torch.nn.Module, ticket: int, vllm_config: Any) -> StagedUpdate:
         """Start staging `manifest` in the background; refuses (ManifestError, naming the fix) without a usable group
@@ -79,15 +81,15 @@ class WorkerUpdateState:
         self.updates += 1
         layout = self._layout(manifest, model, vllm_config)  # a contradicting shape fails here, before any bucket
         prepare = self._preparer(manifest, model, vllm_config, layout)
-        base = self.live.held if manifest.is_delta else None
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
-        stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, base, announce, layout)
+        held, arenas = self.live.held, self.arenas
+        stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas)
         self.stage = stage.start()
         return self.stage
 
     def _layout(self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any) -> SliceLayout | None:
-        """This rank's slices of a model update (issue 41), or None to stage whole tensors: an adapter update, a
+        """This rank's slices of a model update, or None to stage whole tensors: an adapter update, a
         single-rank engine (its slices are the whole tensors), or `staging` "full"."""
         parallel = getattr(vllm_config, "parallel_config", None)
         split = parallel is not None and (parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel)
@@ -104,6 +106,30 @@ class WorkerUpdateState:
         if self.live.memory == "double":
             return ShadowPreparer(model, manifest.version, self.updates, vllm_config, layout)
         return None
+
+    def set_staging(self, mode: str) -> str:
+        if mode not in ("auto", "sliced", "full"):
+            raise ManifestError(f"staging is {mode!r}, expected one of ['auto', 'sliced', 'full']")
+        self.staging = mode
+        return mode
+
+    def set_arenas(self, device_bytes: int, host_bytes: int) -> int:
+        """From now on stage every update within one device arena and keep the live version in one host arena
+        (vllm_patches/arenas.py), the device one made now, the host one once something is kept, both reused. Between
+        updates (tests: an arena too small) the version kept so far moves into the new host arena first. Returns
+        `device_bytes`."""
+        if self.stage is not None and self.stage.state == StageState.RECEIVING:
+            raise ManifestError(f"update v{self.stage.manifest.version} is being received: set the arenas after it")
+        if device_bytes < 0 or host_bytes < 0:
+            raise ManifestError(f"arena sizes must be >= 0 bytes, got {device_bytes} and {host_bytes}")
+        device = next(self.live.worker.model_runner.get_model().parameters()).device
+        arenas = StagingArenas(device_bytes, host_bytes, device)
+        if self.live.held is not None:
+            self.live.held.tensors = arenas.hold(self.live.held.tensors)
+        if self.arenas is not None:
+            self.arenas.close()  # its host buffer is unregistered (CUDA); nothing refers to either buffer now
+        self.arenas = arenas
+        return device_bytes
 
     def commit(self, version: int, rank: int) -> RankCommit:
         """Phase one: the staged update into the live adapter or model, between two engine steps, undoable until
@@ -183,18 +209,18 @@ class InflightWorkerExtension:
         return True
 
     def inflight_set_update_memory(self, mode: str) -> str:
-        """Choose the commit path for this engine's life (vllm_patches/commit.py): "double" or "low". Refused once an
-        update was staged. Returns the mode."""
+        """The commit path, "double" or "low", for the engine's life (vllm_patches/commit.py); fixed by an update."""
         state = self._inflight_state()
         return state.live.choose_memory(mode, updated=state.stage is not None)
 
     def inflight_set_staging(self, mode: str) -> str:
-        """What a worker stages of a model update (issue 41): "sliced" (its tensor-parallel slices), "full" (every
+        """What a worker stages of a model update: "sliced" (its tensor-parallel slices), "full" (every
         whole tensor, as before) or "auto" (sliced when tensor or expert parallel). Benchmarks compare the two."""
-        if mode not in ("auto", "sliced", "full"):
-            raise ManifestError(f"staging is {mode!r}, expected one of ['auto', 'sliced', 'full']")
-        self._inflight_state().staging = mode
-        return mode
+        return self._inflight_state().set_staging(mode)
+
+    def inflight_set_staging_arenas(self, device_bytes: int, host_bytes: int) -> int:
+        """The staging plan's device and host arena bytes, for every update from now on (`set_arenas`)."""
+        return self._inflight_state().set_arenas(int(device_bytes), int(host_bytes))
 
     def inflight_worker_pid(self) -> int:
         """This worker's process id (benchmarks read its resident memory from /proc)."""

@@ -12,8 +12,9 @@ The rules:
   `Introduce` that crossed its first Hello) keeps its record and its membership. The same server id under a new
   identity (the same process on a new connection) replaces its old record. A member saying Hello again breaks the
   group: its old ranks are gone.
-- `Ask` (a serve before its engine starts): its contract checked by the same `check`; answered `Agreed`, or
-  `Refused` as a Hello would be. The asker is not a serve yet: nothing is recorded but a refusal's log line.
+- `Ask` (a serve before its engine starts): its contract checked by the same `check`; answered `agreed` (with the
+  learner's `full_every`: whether deltas come, which the serve's staging plan counts), or `Refused` as a Hello would
+  be. The asker is not a serve yet: nothing is recorded but a refusal's log line.
 - Anything else from an unknown sender draws an `Introduce`, at most once a second per sender.
 - `Status`, `Joined`, `UpdateDone` from a known serve refresh `last_seen` and record what they say.
 - Forming: `plan` names every accepted serve and its first rank; `settle` marks them members if the group formed and
@@ -110,7 +111,7 @@ class Membership:
     one every Hello is accepted."""
 
     def __init__(self, check: Callable[[Hello | Ask], str] | None = None):
-        self.check = check or (lambda hello: "")
+        self.check, self.agreed = check or (lambda hello: ""), Agreed()  # an Ask's answer (the publisher's full_every)
         self.serves: dict[bytes, Serve] = {}  # ZeroMQ identity -> serve, in acceptance order
         self.refused: dict[str, str] = {}  # server id -> why (the latest reason)
         self.generation = 0  # weights groups planned so far: each gets a new name
@@ -123,7 +124,7 @@ class Membership:
             return self._hello(identity, message, now)
         if isinstance(message, Ask):
             problem = self.check(message)
-            return self._refuse(identity, message.server_id, problem) if problem else [Send(identity, Agreed())]
+            return self._refuse(identity, message.server_id, problem) if problem else [Send(identity, self.agreed)]
         serve = self.serves.get(identity)
         if serve is None:
             return self._introduce(identity, now)

@@ -41,7 +41,7 @@ from inflight.learn.membership import Send, Serve
 from inflight.learn.rendezvous import GroupRendezvous
 from inflight.learn.snapshot import LatestWeights
 from inflight.wire.checksum import checksum_kind_for
-from inflight.wire.control import ControlServer, UpdateWeights
+from inflight.wire.control import Agreed, ControlServer, UpdateWeights
 from inflight.wire.group import WeightsGroupError
 from inflight.wire.transfer import StreamSender, TransferStats, send_update
 from inflight.wire.weights import (
@@ -198,6 +198,7 @@ class WeightPublisher:
         self.sums = checksum_kind_for(self.device)  # where the buckets are: a GPU's are summed there, not copied out
         self.latest = LatestWeights()
         self.deltas = DeltaBase(full_every)
+        plane.membership.agreed = Agreed(full_every=full_every)  # told to a serve that asks: its plan counts deltas
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int, retries: int = 1) -> PublishReport:
         """Send the whole `state` as `version` to every member (a delta when `DeltaBase.base_for` allows); after a

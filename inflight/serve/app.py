@@ -38,12 +38,11 @@ from inflight.wire.group import WEIGHTS_MAX_CTAS
 from inflight.wire.rollouts import RolloutStream
 from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
 from vllm_patches.device_plan import (
-    StagingPlan,
-    checkpoint_rank_sizes,
-    checkpoint_sizes,
+    LEARNER_BUCKET_BYTES,
+    checkpoint_staging_plan,
     cpu_threads_bind,
     plan_gpu_memory,
-    staging_plan,
+    plans_deltas,
 )
 
 if TYPE_CHECKING:  # annotations only: vLLM is imported when a serve starts (see `serve`)
@@ -99,11 +98,14 @@ async def serve(cfg: ServeConfig) -> int:
     model_path = resolve_model(cfg.model)
     # what the learner checks at Hello, asked before the engine starts: a refused serve stops before loading its model
     contract = cfg.contract(checkpoint_fingerprint(model_path) if cfg.lora_rank else "")
-    config = served_engine_config(cfg, model_path)
+    config = served_engine_config(cfg, model_path)  # no deltas planned yet: a refused flag answers at once
     secret = read_secret(cfg.secret_file) if cfg.secret_file else None
     keys = derive_keys(secret) if secret is not None else None
-    if not await _asked(cfg, contract, keys):
+    asked, full_every = await _asked(cfg, contract, keys)
+    if not asked:
         return 1
+    if config.gpu_plan is not None and plans_deltas(full_every):  # the learner sends deltas: the plan counts them
+        config = served_engine_config(cfg, model_path, delta=True)
     work = load_work(cfg)
     engine = await InflightEngine.start(config, version=cfg.version)
     try:
@@ -139,9 +141,10 @@ async def serve(cfg: ServeConfig) -> int:
         engine.shutdown()
 
 
-def served_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
+def served_engine_config(cfg: ServeConfig, model_path: Path, delta: bool = False) -> EngineConfig:
     """The config the patched vLLM engine (vllm_patches/engine.py:InflightEngine) starts with, checked: a flag the
-    engine refuses ends the serve here, in one line naming it, before anything waits or loads."""
+    engine refuses ends the serve here, in one line naming it, before anything waits or loads. `delta`: the learner
+    said it sends delta updates (its `Agreed`), which the staging plan then counts."""
     from vllm_patches.engine import engine_kwargs  # vLLM: see `serve`
 
     device = serve_device()
@@ -153,7 +156,7 @@ def served_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # read by the workers vLLM spawns
         log.info("CPU tensor parallelism: worker cores %s (VLLM_CPU_OMP_THREADS_BIND)", bind)
     try:
-        config = engine_config(cfg, model_path, device, gpu.total_bytes if gpu else 0)
+        config = engine_config(cfg, model_path, device, gpu.total_bytes if gpu else 0, delta)
         engine_kwargs(config, device)  # every refusal of the engine's config, before vLLM starts
     except ValueError as exc:  # a refused flag, said in one line (the message names the flag and the fix)
         raise SystemExit(f"inflight.serve: {exc}") from None
@@ -162,32 +165,23 @@ def served_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
     return config
 
 
-DEFAULT_BUCKET_BYTES = 64 << 20  # the learner's (inflight/learn/publisher.py)
-
-
-def _staging(cfg: ServeConfig, model_path: Path, update_memory: str) -> StagingPlan:
-    """The staging plan of one worker: a tensor-parallel worker stages only its slices (issue 41) through one bucket
-    buffer, sized at the learner's default bucket (the largest whole tensor, which passes through it, dominates)."""
-    if cfg.tensor_parallel_size == 1:
-        sizes = checkpoint_sizes(model_path, cfg.dtype)
-        return staging_plan(sizes, update_memory, delta=False, max_ctas=WEIGHTS_MAX_CTAS)
-    sizes = checkpoint_rank_sizes(model_path, cfg.dtype, cfg.tensor_parallel_size)
-    return staging_plan(sizes, update_memory, False, WEIGHTS_MAX_CTAS, bucket_bytes=DEFAULT_BUCKET_BYTES)
-
-
-def engine_config(cfg: ServeConfig, model_path: Path, device: str, device_bytes: int) -> EngineConfig:
+def engine_config(
+    cfg: ServeConfig, model_path: Path, device: str, device_bytes: int, delta: bool = False
+) -> EngineConfig:
     """The engine's config on `device`: --enforce-eager and --update-memory resolved for it and, on CUDA, the
-    staging plan made from the checkpoint's weight bytes (a ValueError naming the numbers and the flags when the
-    GPU cannot hold an update beside the engine). `cfg.dtype` is already resolved (`main`)."""
+    staging plan made from the checkpoint's weight bytes, counting deltas' decoded tensors when `delta` (a ValueError
+    naming the numbers and the flags when the GPU cannot hold an update beside the engine). `cfg.dtype` is already
+    resolved (`main`). One worker stages whole buckets; a tensor-parallel worker its slices through one
+    buffer of the learner's default bucket."""
     from vllm_patches.engine import EngineConfig  # vLLM: see `serve`
 
     mode = cfg.engine_mode(device)
     plan = None
     if is_cuda(device):
-        # The plan is made before the serve asks the learner, so it cannot know whether deltas will come (the
-        # learner's --full-every): it counts none (issue 40, point 4: to be learnt through Ask), and `low`'s held
-        # copy of the last update is the same size as a delta base would be.
-        staging = _staging(cfg, model_path, mode.update_memory)
+        tp = cfg.tensor_parallel_size
+        staging = checkpoint_staging_plan(
+            model_path, cfg.dtype, tp, mode.update_memory, delta, WEIGHTS_MAX_CTAS, LEARNER_BUCKET_BYTES
+        )
         plan = plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization)
     return EngineConfig(
         **cfg.sizing(),  # the engine's size: the same knobs (inflight/config.py:EngineSizing)
@@ -223,19 +217,21 @@ def served_adapter(cfg: ServeConfig, model_path: Path) -> str | None:
     return cfg.lora_init
 
 
-async def _asked(cfg: ServeConfig, contract: RunContract, keys: CurveKeys | None) -> bool:
-    """False when the learner refused this serve's run contract (logged with its reason), asked before the engine
-    starts; True when it agreed or did not answer (its Hello is checked after the engine starts all the same)."""
+async def _asked(cfg: ServeConfig, contract: RunContract, keys: CurveKeys | None) -> tuple[bool, int]:
+    """(False, 0) when the learner refused this serve's run contract (logged with its reason), asked before the
+    engine starts; (True, its --full-every) when it agreed, (True, 0) when it did not answer (its Hello is checked
+    after the engine starts all the same)."""
     from inflight.serve.control import RefusedError, ask_learner  # the driver's module: vLLM, see `serve`
 
     try:
         agreed = await ask_learner(cfg.control, Ask(server_id=cfg.resolved_server_id(), contract=contract), keys)
     except RefusedError as exc:
         log.error("%s", exc)
-        return False
-    if not agreed:
+        return False, 0
+    if agreed is None:
         log.info("no learner answered at %s yet: the contract is checked at Hello, once the engine runs", cfg.control)
-    return True
+        return True, 0
+    return True, agreed.full_every
 
 
 async def _maybe_http(cfg: ServeConfig, engine: InflightEngine, model_path: Path) -> asyncio.Task | None:

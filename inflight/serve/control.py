@@ -46,10 +46,13 @@ class RefusedError(RuntimeError):
 ASK_WAIT_S = 2.0  # how long a serve waits for the learner's answer to `Ask` before it starts its engine anyway
 
 
-async def ask_learner(address: str, ask: Ask, keys: CurveKeys | None = None, wait_s: float = ASK_WAIT_S) -> bool:
-    """The learner's answer to this serve's run contract, asked before the engine starts: True once it `Agreed`; False
-    when no learner answered within `wait_s` (not up yet, or of another version: the `Hello` after the engine starts
-    is checked in full all the same); raises RefusedError, naming the learner's reason, when it `Refused`."""
+async def ask_learner(
+    address: str, ask: Ask, keys: CurveKeys | None = None, wait_s: float = ASK_WAIT_S
+) -> Agreed | None:
+    """The learner's answer to this serve's run contract, asked before the engine starts: its `Agreed` (which says
+    whether it sends delta updates: the serve's staging plan counts them); None when no learner answered within
+    `wait_s` (not up yet, or of another version: the `Hello` after the engine starts is checked in full all the
+    same); raises RefusedError, naming the learner's reason, when it `Refused`."""
     ctx, sock = connect_control_dealer(address, keys)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
@@ -64,8 +67,8 @@ async def ask_learner(address: str, ask: Ask, keys: CurveKeys | None = None, wai
             if isinstance(message, Refused):
                 raise RefusedError(f"the learner refused this serve: {message.reason}")
             if isinstance(message, Agreed):
-                return True
-        return False
+                return message
+        return None
     finally:
         sock.close(linger=0)
         ctx.term()

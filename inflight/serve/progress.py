@@ -67,6 +67,7 @@ class ProgressReporter:
             env_error_kinds=dict(d.stats.env_error_kinds),
             groups_dropped=d.stats.groups_dropped,
             untrained_episodes=d.stats.untrained_episodes,
+            updates_refused=d.engine.updates_refused,
         )
 
     def update_event(self, done) -> None:

@@ -94,7 +94,7 @@ class UpdateDone(_Message, tag="update_done"):
     stall_s: float = 0.0
     commit_s: float = 0.0
     receive_s: float = 0.0
-    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices (issue 41)
+    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices
     full_tensors: list[str] = msgspec.field(default_factory=list)  # kept whole on a worker: layout not known
 
 
@@ -129,7 +129,10 @@ class Refused(_Message, tag="refused"):
 
 
 class Agreed(_Message, tag="agreed"):
-    """The learner would take the run contract a serve sent in `Ask`."""
+    """The learner would take the run contract a serve sent in `Ask`. `full_every`: its --full-every (> 1: it sends
+    delta updates, whose decoded tensors the serve's staging plan must count); 0 from a learner that does not say."""
+
+    full_every: int = 0
 
 
 class Introduce(_Message, tag="introduce"):

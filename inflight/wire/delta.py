@@ -60,15 +60,21 @@ def encode(new: torch.Tensor, base: torch.Tensor) -> tuple[str, int, torch.Tenso
     return encoding, count, torch.cat([where, values])
 
 
-def decode(encoding: str, count: int, payload: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """A new tensor: `base` with the changed elements of `payload` (flat uint8, `payload_nbytes` long) applied.
+def decode(
+    encoding: str, count: int, payload: torch.Tensor, base: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A new tensor (or `out`, contiguous, of `base`'s shape and dtype on the payload's device: a worker's arena):
+    `base` with the changed elements of `payload` (flat uint8, `payload_nbytes` long) applied.
     Raises ValueError when the payload contradicts itself (an index out of range, a bitmask whose set bits are not
     `count`)."""
     numel, itemsize = base.numel(), base.element_size()
     want = payload_nbytes(encoding, numel, itemsize, count)
     if payload.numel() != want:
         raise ValueError(f"{encoding} payload of {payload.numel()} bytes, expected {want} for {count} changed elements")
-    out = base.detach().to(payload.device, copy=True).contiguous()  # a GPU serve holds its base in host memory
+    if out is None:
+        out = base.detach().to(payload.device, copy=True).contiguous()  # a GPU serve holds its base in host memory
+    else:
+        out.copy_(base.detach())
     flat = out.view(-1)
     if encoding == "full":
         flat.view(torch.uint8)[:] = payload  # (bool: the same single bytes)

@@ -143,6 +143,8 @@ class ServeProgress(
     # inflight/serve/driver.py:dropped), and those episodes
     groups_dropped: int = 0
     untrained_episodes: int = 0
+    # Weight updates a worker refused because they did not fit its staging arena (the plan's bytes); decoding went on
+    updates_refused: int = 0
 
 
 class UpdateEvent(
@@ -159,7 +161,7 @@ class UpdateEvent(
     total_s: float  # pause (if any), receive, commit
     receive_s: float  # receiving and verifying every bucket
     commit_s: float  # the engine-step gap of the commit
-    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices (issue 41), else every byte
+    bytes_kept: int = 0  # what one worker staged: its tensor-parallel slices, else every byte
     full_tensors: list[str] = msgspec.field(default_factory=list)  # kept whole on a TP worker: layout not known
 
 

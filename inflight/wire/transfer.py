@@ -159,20 +159,34 @@ def receive_update(
     manifest: UpdateManifest,
     device: torch.device | str = "cpu",
     on_bucket: Callable[[int, int], None] | None = None,
+    into: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Receive every bucket of `manifest` into fresh staging buffers; `on_bucket(index, bytes)` reports progress."""
-    buckets = []
+    """Receive every bucket of `manifest` (and its trailer) into `into` (`update_buffers`' sizes, e.g. views of a
+    worker's arena) or else fresh staging buffers; `on_bucket(index, bytes)` reports progress."""
+    buckets = (
+        into
+        if into is not None
+        else [torch.empty(n, dtype=torch.uint8, device=device) for n in update_buffers(manifest)]
+    )
     for i, size in enumerate(manifest.bucket_sizes):
-        buf = torch.empty(size, dtype=torch.uint8, device=device)
-        group.broadcast(buf, what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
-        buckets.append(buf)
+        group.broadcast(buckets[i], what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
         if on_bucket is not None:
             on_bucket(i, size)
     if manifest.trailer:  # the checksums, after the buckets (inflight/wire/weights.py:UpdateManifest.trailer)
-        trailer = torch.empty(manifest.trailer_nbytes, dtype=torch.uint8, device=device)
-        group.broadcast(trailer, what=f"trailer of version {manifest.version}")
-        buckets.append(trailer)
+        group.broadcast(buckets[-1], what=f"trailer of version {manifest.version}")
     return buckets
+
+
+def update_buffers(manifest: UpdateManifest) -> list[int]:
+    """The bytes of every buffer `receive_update` receives `manifest` into: its buckets, then its trailer if any."""
+    return list(manifest.bucket_sizes) + ([manifest.trailer_nbytes] if manifest.trailer else [])
+
+
+def drain_update(group: WeightsGroup, manifest: UpdateManifest, buffer: torch.Tensor) -> None:
+    """Receive and drop every broadcast of `manifest` through `buffer` (at least its largest): a receiver that refused
+    the update (it would not fit its arena) keeps the group in step with the sender instead of breaking it."""
+    for i, size in enumerate(update_buffers(manifest)):
+        group.broadcast(buffer[:size], what=f"broadcast {i} of refused version {manifest.version}")
 
 
 Keep = Callable[[str, torch.Tensor], "torch.Tensor | None"]
@@ -185,12 +199,14 @@ def receive_kept(
     device: torch.device | str = "cpu",
     on_bucket: Callable[[int, int], None] | None = None,
     weights_key: bytes | None = None,
+    into: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Receive `manifest`'s buckets one at a time into one reused buffer and keep only what `keep(name, whole tensor)`
     returns of each tensor (a tensor-parallel rank's slice: vllm_patches/placement.py), copied out before the next
     bucket overwrites it; None keeps nothing. Every whole tensor is digested as it streams through and checked against
     the manifest (or its trailer) once all arrived: what is kept is a slice of a tensor that verified. Raises
-    ManifestError naming the first tensor that does not. A delta needs whole base tensors: refused."""
+    ManifestError naming the first tensor that does not. A delta needs whole base tensors: refused. `into`: the
+    buffer (the largest bucket, or more) and a tensor for each kept piece to copy it to (a worker's arena)."""
     if manifest.is_delta:
         raise ManifestError(
             f"update v{manifest.version} is a delta, and this worker keeps slices, not the whole tensors a delta "
@@ -201,7 +217,7 @@ def receive_kept(
     by_bucket: dict[int, list] = {}
     for t in manifest.tensors:
         by_bucket.setdefault(t.bucket, []).append(t)
-    buffer = torch.empty(max(manifest.bucket_sizes, default=0), dtype=torch.uint8, device=device)
+    buffer, out = into if into is not None else (_empty(max(manifest.bucket_sizes, default=0), device), {})
     for i, size in enumerate(manifest.bucket_sizes):
         bucket = buffer[:size]
         group.broadcast(bucket, what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
@@ -211,13 +227,21 @@ def receive_kept(
             whole = bucket[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).reshape(t.shape)
             piece = keep(t.name, whole)
             if piece is not None:
-                kept[t.name] = piece.clone(memory_format=torch.contiguous_format)
+                kept[t.name] = out[t.name].copy_(piece) if t.name in out else piece.clone(memory_format=_CONTIGUOUS)
         if on_bucket is not None:
             on_bucket(i, size)
     if manifest.trailer:
-        trailer = torch.empty(manifest.trailer_nbytes, dtype=torch.uint8, device=device)
+        n = manifest.trailer_nbytes  # the buckets are digested: the buffer is free
+        trailer = buffer[:n] if n <= buffer.numel() else _empty(n, device)
         group.broadcast(trailer, what=f"trailer of version {manifest.version}")
         manifest = manifest.with_trailer(trailer)
     for t in manifest.tensors:
         check_digest(t, digests[t.name], key, kind)
     return kept
+
+
+_CONTIGUOUS = torch.contiguous_format
+
+
+def _empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -326,12 +326,13 @@ def unpack_buckets(
     verify: bool = True,
     weights_key: bytes | None = None,
     base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+    decoded_into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the update: for a full entry a view inside the received buckets (no copy), for a delta entry a
-    new tensor, `base`'s (version, tensors) with the delta applied. Checks sizes and, if asked, checksums of the whole
-    tensors: with `weights_key` every tensor's keyed tag (a tensor without one is refused), else its checksum of the
-    manifest's kind (a `sum31` on the buckets' own device, no host copy). A delta
-    update without `base` at its `base_version` is refused, naming both versions."""
+    new tensor (or its tensor in `decoded_into`: a worker's arena), `base`'s (version, tensors) with the delta
+    applied. Checks sizes and, if asked, checksums of the whole tensors: with `weights_key` every tensor's keyed tag
+    (a tensor without one is refused), else its checksum of the manifest's kind (a `sum31` on the buckets' own
+    device, no host copy). A delta update without `base` at its `base_version` is refused, naming both versions."""
     if manifest.trailer:  # the checksums came after the buckets
         if len(buckets) != len(manifest.bucket_sizes) + 1:
             raise ManifestError(
@@ -357,7 +358,7 @@ def unpack_buckets(
     for t in manifest.tensors:
         raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
         if t.encoding != "full":
-            out[t.name] = _apply_delta(t, raw, base[1])
+            out[t.name] = _apply_delta(t, raw, base[1], (decoded_into or {}).get(t.name))
             if verify:
                 _verify(t, _as_bytes(out[t.name]), key, kind)
             continue
@@ -369,12 +370,14 @@ def unpack_buckets(
     return out
 
 
-def _apply_delta(t: TensorEntry, payload: torch.Tensor, base: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _apply_delta(
+    t: TensorEntry, payload: torch.Tensor, base: Mapping[str, torch.Tensor], out: torch.Tensor | None
+) -> torch.Tensor:
     held = base.get(t.name)
     if held is None or list(held.shape) != t.shape or held.dtype != DTYPES[t.dtype]:
         raise ManifestError(f"tensor {t.name}: the delta's base is not held in {t.dtype}{t.shape}")
     try:
-        return delta.decode(t.encoding, t.count, payload, held)
+        return delta.decode(t.encoding, t.count, payload, held, out)
     except ValueError as exc:
         raise ManifestError(f"tensor {t.name}: {exc} (corrupted in transit)") from exc
 

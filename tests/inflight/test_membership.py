@@ -105,6 +105,15 @@ def test_an_ask_before_the_engine_starts_is_answered_agreed_or_refused_and_recor
     assert membership.serves == {} and sends(membership.receive(A, Status(), now=3.0)) == [(A, Introduce())]
 
 
+def test_an_agreed_ask_carries_the_learners_full_every_so_the_serves_staging_plan_counts_deltas():
+    from vllm_patches.device_plan import plans_deltas
+
+    membership = Membership()
+    membership.agreed = Agreed(full_every=4)  # what the publisher sets from its --full-every
+    assert sends(membership.receive(A, Ask(server_id="good"), now=1.0)) == [(A, Agreed(full_every=4))]
+    assert plans_deltas(4) and not plans_deltas(1) and not plans_deltas(0)  # 0: a learner that did not say
+
+
 # -- unknown senders --------------------------------------------------------------------------------------------------
 
 

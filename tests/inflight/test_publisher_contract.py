@@ -16,6 +16,7 @@ from inflight.learn.publisher import WeightPublisher, open_publisher
 from inflight.serve.control import RefusedError, ask_learner
 from inflight.wire.contract import RunContract
 from inflight.wire.control import (
+    Agreed,
     Ask,
     ControlServer,
     Hello,
@@ -89,11 +90,11 @@ def test_a_serve_with_the_learners_contract_is_accepted(publisher):
     assert publisher.plane.membership.refused == {}
 
 
-def ask(publisher: WeightPublisher, contract: RunContract) -> bool:
+def ask(publisher: WeightPublisher, contract: RunContract) -> Agreed | None:
     """`ask_learner` against the learner's real control socket, the learner pumping it meanwhile (as it does while it
     waits for rollouts)."""
 
-    async def both() -> bool:
+    async def both() -> Agreed | None:
         pumping = asyncio.get_running_loop().run_in_executor(None, publisher.plane.pump, 3.0)
         try:
             return await ask_learner(publisher.plane.control.address, Ask(server_id="infer3", contract=contract))
@@ -114,16 +115,26 @@ def test_a_serve_that_asks_before_its_engine_starts_is_refused_naming_the_differ
 
 
 def test_a_serve_that_asks_with_the_learners_contract_is_told_agreed_and_is_a_serve_only_after_its_hello(publisher):
-    assert ask(publisher, LEARNER) is True
+    assert ask(publisher, LEARNER) == Agreed(full_every=1)  # the publisher's --full-every: no deltas
     assert publisher.plane.serves == {} and publisher.plane.membership.refused == {}
     assert isinstance(say_hello(publisher, LEARNER), Progress)
+
+
+def test_a_learner_sending_deltas_says_so_to_a_serve_that_asks():
+    pub = open_publisher(ControlServer(), timeout_s=5.0, full_every=4)
+    pub.check.set_model(STATE, LEARNER)
+    try:
+        assert ask(pub, LEARNER) == Agreed(full_every=4)  # the serve's staging plan then counts decoded tensors
+    finally:
+        pub.close()
+        pub.plane.control.close()
 
 
 def test_a_serve_that_asks_with_no_learner_listening_goes_on_after_its_wait():
     nobody = ControlServer()
     address = nobody.address
     nobody.close()  # the port a learner was bound to, now closed: the Ask waits, unanswered
-    assert asyncio.run(ask_learner(address, Ask(server_id="infer3", contract=LEARNER), wait_s=0.3)) is False
+    assert asyncio.run(ask_learner(address, Ask(server_id="infer3", contract=LEARNER), wait_s=0.3)) is None
 
 
 ADAPTER = {

@@ -127,6 +127,9 @@ def test_a_cuda_serve_plans_its_updates_memory_from_the_checkpoint_and_hands_vll
     fraction = engine_kwargs(config, "cuda")["gpu_memory_utilization"]
     assert fraction == pytest.approx(0.9 - plan.staging.peak_bytes / (8 << 30))
     assert "staging plan: weights 0.25 GiB, --update-memory low" in plan.describe()
+    deltas = engine_config(cfg, model_dir("smollm2"), "cuda", device_bytes=8 << 30, delta=True).gpu_plan.staging
+    assert deltas.delta and deltas.peak_bytes - plan.staging.peak_bytes == plan.staging.weight_bytes  # decoded
+    assert deltas.arena_bytes - plan.staging.arena_bytes == plan.staging.weight_bytes  # the arena holds them too
 
 
 def test_a_gpu_too_small_for_an_update_beside_the_engine_is_refused_before_vllm_starts() -> None:

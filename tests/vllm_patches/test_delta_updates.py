@@ -82,5 +82,25 @@ def test_twenty_delta_updates_leave_the_engine_bitwise_where_full_updates_do(loo
         by_full = loop.run_until_complete(greedy(engine, tok, tag="full"))
         assert same_outputs(by_deltas, by_full), "20 deltas and one full update of the same weights serve differently"
         assert held(loop, engine).version == (STEPS + 1 if update_memory == "low" else -1)  # no keep_base asked
+        if update_memory == "low":
+            refused_when_it_outgrows_the_arena(loop, engine, sender, states, by_full, tok, model_dir)
     finally:
         stop_engine(loop, engine)
+
+
+def refused_when_it_outgrows_the_arena(loop, engine, sender, states, by_full, tok, model_dir) -> None:
+    """The worker's device arena sized for whole updates only (the plan without deltas): a delta, whose decoded
+    tensors come on top of its payloads, is refused before any bucket is kept — counted, the weights, the held
+    version and the outputs untouched, the group in step (drained) — and the next full update commits."""
+    from vllm_patches.device_plan import checkpoint_staging_plan
+
+    whole = checkpoint_staging_plan(model_dir, "bfloat16", 1, "low", False, 0, 0)
+    loop.run_until_complete(engine.set_staging_arena(whole.arena_bytes))
+    version = engine.version
+    with pytest.raises(UpdateError, match=r"refused, weights untouched: ArenaFull: .* need \d+ bytes of device arena"):
+        loop.run_until_complete(sender.push(engine, states[-2], version + 1, base=(version, states[-1])))
+    assert engine.updates_refused == 1 and engine.version == version
+    assert held(loop, engine).crc32 == {n: tensor_checksum(t, "crc32") for n, t in states[-1].items()}
+    assert same_outputs(loop.run_until_complete(greedy(engine, tok, tag="refused")), by_full)
+    loop.run_until_complete(sender.push(engine, states[-2], version + 1, keep_base=True))  # whole: it fits
+    assert {v for o in loop.run_until_complete(greedy(engine, tok, tag="after")) for v in o.versions} == {version + 1}

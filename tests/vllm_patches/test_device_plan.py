@@ -231,3 +231,36 @@ def test_a_sliced_plan_counts_one_bucket_buffer_as_big_as_the_largest_tensor_and
     sliced = staging_plan(sizes, "low", False, max_ctas=0, bucket_bytes=64 << 20)
     whole = staging_plan(sizes, "low", False, max_ctas=0)
     assert sliced.peak_bytes - whole.peak_bytes == 2 * GIB + GIB  # the buffer, and one layer's whole-shaped carriers
+
+
+def _arena_needs(manifest) -> int:
+    """The device-arena bytes a worker lays `manifest` out in (vllm_patches/staging.py:arena_pieces)."""
+    from vllm_patches.arenas import arena_offsets
+    from vllm_patches.staging import arena_pieces
+
+    pieces = arena_pieces(manifest, None)
+    return arena_offsets([t.numel() * t.element_size() for t in pieces.values()])[1]
+
+
+def test_the_device_arena_holds_a_whole_update_and_only_a_plan_with_deltas_holds_a_deltas_decoded_tensors_too():
+    """Issue 40, point 4: the arena the plan sizes is the bound staging lays an update out in; a delta's decoded
+    tensors come beside its payloads, so a plan without deltas refuses it (the serve plans deltas when its learner
+    says --full-every > 1: tests/inflight/test_membership.py)."""
+    import torch
+
+    from inflight.wire.weights import plan_update
+    from vllm_patches.device_plan import weight_sizes
+
+    base = {f"model.layers.{i}.mlp.w": torch.randn(64, 64).to(torch.bfloat16) for i in range(6)}
+    base["model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    new = {name: t.clone() for name, t in base.items()}
+    for t in new.values():
+        t.view(-1)[::7] += 1.0  # a seventh of the elements changed: bitmask encodings
+    sizes = weight_sizes({name: t.nbytes for name, t in base.items()})
+    whole, deltas = (staging_plan(sizes, "low", delta, max_ctas=0) for delta in (False, True))
+    full, _ = plan_update(new, 2, 8 << 10)
+    delta, _ = plan_update(new, 2, 8 << 10, base=(1, base))
+    assert all(t.encoding == "bitmask" for t in delta.tensors)
+    assert _arena_needs(full) <= whole.arena_bytes and _arena_needs(delta) > whole.arena_bytes
+    assert _arena_needs(delta) <= deltas.arena_bytes <= 2 * sizes.total + sizes.count * 3 * 64 + 64
+    assert whole.host_arena_bytes == whole.arena_bytes  # the held version: the update's tensors, once

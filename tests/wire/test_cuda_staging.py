@@ -81,7 +81,7 @@ def send_payloads(address: GroupAddress, manifest: bytes, payloads: dict[str, to
     group.close()
 
 
-def stage_from_sender(manifest, payloads, base=None):
+def stage_from_sender(manifest, payloads, held=None, arenas=None):
     """Receive `manifest` into CUDA buckets from a real sender process: the StagedUpdate once staged."""
     from vllm_patches.staging import StagedUpdate
 
@@ -91,7 +91,7 @@ def stage_from_sender(manifest, payloads, base=None):
     sender = mp.get_context("spawn").Process(target=send_payloads, args=args, daemon=True)
     sender.start()
     group = WeightsGroup(address, 1, store)
-    stage = StagedUpdate(manifest, group, "cuda", base=base).start()
+    stage = StagedUpdate(manifest, group, "cuda", held=held, arenas=arenas).start()
     assert stage.wait(120), "the update was not staged within 120 s"
     sender.join(60)
     group.close()
@@ -99,24 +99,37 @@ def stage_from_sender(manifest, payloads, base=None):
     return stage
 
 
-def test_an_in_place_update_keeps_its_tensors_in_pinned_host_memory_and_leaves_nothing_on_the_device():
-    state = make_state(4)
-    params = {name: torch.zeros_like(t, device="cuda") for name, t in state.items()}
-    before = torch.cuda.memory_allocated()
-    manifest = plan_manifest(state, 2, 256 << 10, checksum_kind="sum31")
-    stage = stage_from_sender(manifest, state)
-    assert stage.keeps_tensors and torch.cuda.memory_allocated() > before  # the buckets, on the device
-    kept = stage.kept()
-    assert all(t.device.type == "cpu" and t.is_pinned() and torch.equal(t, state[n]) for n, t in kept.items())
+def arenas_for(state: dict[str, torch.Tensor], delta: bool = False):
+    """A worker's arenas at the plan's bytes for updates of `state` (vllm_patches/device_plan.py)."""
+    from vllm_patches.arenas import StagingArenas
+    from vllm_patches.device_plan import staging_plan, weight_sizes
+
+    plan = staging_plan(weight_sizes({n: t.nbytes for n, t in state.items()}), "low", delta, max_ctas=0)
+    return StagingArenas(plan.arena_bytes, plan.host_arena_bytes, "cuda")
+
+
+def test_an_in_place_update_is_staged_in_the_device_arena_and_the_next_one_moves_it_to_the_pinned_host_arena():
+    from vllm_patches.staging import HeldTensors
+
+    first, second = make_state(4), make_state(6)
+    arenas = arenas_for(first)
+    params = {name: torch.zeros_like(t, device="cuda") for name, t in first.items()}
+    stage = stage_from_sender(plan_manifest(first, 2, 256 << 10, checksum_kind="sum31"), first, arenas=arenas)
+    allocated = torch.cuda.memory_allocated()
+    assert all(arenas.staging.holds(t) for t in stage.kept().values())  # the buckets are the arena's
     stage.ready_on_current_stream()
     [params[name].copy_(view) for name, view in stage.tensors.items()]  # the in-place commit's, on the engine's stream
+    held = HeldTensors(2, stage.kept())
     stage.release()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before  # between updates nothing of this one is on the device
-    assert all(torch.equal(params[n].cpu(), t) for n, t in state.items())
+    following = stage_from_sender(plan_manifest(second, 3, 256 << 10, "sum31"), second, held=held, arenas=arenas)
+    assert all(t.device.type == "cpu" and t.is_pinned() and torch.equal(t, first[n]) for n, t in held.tensors.items())
+    assert all(torch.equal(following.tensors[n].cpu(), t) for n, t in second.items())
+    assert torch.cuda.memory_allocated() == allocated  # nothing staged outside the arena
+    assert all(torch.equal(params[n].cpu(), t) for n, t in first.items())
+    arenas.close()
 
 
-def test_a_delta_on_a_base_held_in_host_memory_decodes_on_the_device_bit_exact():
+def test_a_delta_on_a_base_held_in_host_memory_decodes_into_the_device_arena_bit_exact():
     from inflight.wire.weights import plan_update
     from vllm_patches.staging import HeldTensors
 
@@ -124,7 +137,8 @@ def test_a_delta_on_a_base_held_in_host_memory_decodes_on_the_device_bit_exact()
     new["layers.0.weight"][3:5] += 1.0  # a few rows changed: an indices or bitmask encoding
     manifest, payloads = plan_update(new, 6, 256 << 10, base=(5, base), keep_base=True, checksum_kind="sum31")
     assert any(t.encoding != "full" for t in manifest.tensors)
-    held = HeldTensors(5, {n: t.pin_memory() for n, t in base.items()})
-    stage = stage_from_sender(manifest, payloads, base=held)
-    assert all(stage.tensors[n].is_cuda and torch.equal(stage.tensors[n].cpu(), t) for n, t in new.items())
-    assert all(torch.equal(t, new[n]) for n, t in stage.kept().items())  # the next base, on the host again
+    arenas = arenas_for(base, delta=True)
+    held = HeldTensors(5, arenas.hold(base))  # the live version, in the (pinned) host arena
+    stage = stage_from_sender(manifest, payloads, held=held, arenas=arenas)
+    assert all(arenas.staging.holds(t) and torch.equal(t.cpu(), new[n]) for n, t in stage.kept().items())
+    arenas.close()
