@@ -88,6 +88,7 @@ OWN_FLAGS = {
     "benchmarks.fused_loss": {"device"},  # where the kernels are timed
     "benchmarks.gpu_learner": {"replay", "steps", "bucket_mb", "learn_args", "backend", "device"},  # a CUDA learner
     "benchmarks.head_precision": {"model", "max_tokens"},
+    "benchmarks.low_commit": {"model", "dtype"},  # the checkpoint and dtype whose commit is timed
     "benchmarks.lora_swap": {"kv_cache_gib"},  # a small KV cache: the swap is measured, not generation
     "benchmarks.publish_memory": {"model", "bucket_mb", "dtype"},
     "benchmarks.routing_replay": {"dtype", "max_tokens"},
