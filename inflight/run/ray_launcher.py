@@ -159,7 +159,11 @@ def connect(ray, cfg: RunConfig) -> str:
             # `ray start` of 2.60 enabled from ~/.ray/auth_token; an explicit address is passed as it is
             ray.init(address=address or None if address in ("", "auto") else found, **common)
         except Exception as exc:  # a token refused, a version mismatch: Ray's own words, after ours
-            raise LaunchError(f"the Ray cluster at {found!r} refused the connection ({exc})") from None
+            raise LaunchError(
+                f"the Ray cluster at {found!r} refused the connection ({exc}); a cluster with token authentication "
+                "(Ray 2.60's default) is joined at an explicit address only with RAY_AUTH_MODE=token and its token "
+                "(~/.ray/auth_token from the head, or RAY_AUTH_TOKEN)"
+            ) from None
         return f"Ray: joined the cluster at {found}"
     cpus = max(os.cpu_count() or 1, int(demand(cfg, cfg.serves)["CPU"]))  # logical CPUs: placement, not pinning
     mine = sorted(os.sched_getaffinity(0))
