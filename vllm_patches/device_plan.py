@@ -56,7 +56,6 @@ class WeightSizes:
     total: int
     largest_tensor: int
     largest_layer: int
-    largest_carriers: int = 0  # sliced staging: the commit's whole-shaped carriers of one vLLM layer (`rank_sizes`)
 
 
 def weight_sizes(tensor_bytes: dict[str, int]) -> WeightSizes:
@@ -115,10 +114,10 @@ def staging_plan(
     """The staging plan of a checkpoint of `sizes` on CUDA: every device byte an update may hold (the module's list),
     `delta` when the learner may send deltas (its --full-every > 1), `max_ctas` the weights group's channel cap.
     `bucket_bytes`: a tensor-parallel rank's sliced staging (`sizes` from `rank_sizes`) with the learner's bucket
-    size; its one buffer holds a bucket or the largest whole tensor, whichever is bigger, and the commit's carriers
-    of one vLLM layer (on CUDA their untouched bytes are allocated all the same)."""
+    size; its one buffer holds a bucket or the largest whole tensor, whichever is bigger (the commit hands vLLM's
+    loaders the slices themselves: vllm_patches/placement.py:SliceCarrier allocates nothing)."""
     checksum = sum31_pad_bytes(sizes.largest_tensor) + SUM31_WORKSPACE_BYTES
-    buffer = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor) + sizes.largest_carriers
+    buffer = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor)
     comm = max_ctas * NCCL_BYTES_PER_CHANNEL
     return StagingPlan(sizes.total, update_memory, delta, checksum, sizes.largest_layer, comm, buffer)
 
@@ -206,26 +205,11 @@ def rank_numel(name: str, shape: list[int], split: TensorParallel) -> int:
 
 def rank_sizes(shapes: dict[str, list[int]], dtype_bytes: int, split: TensorParallel) -> WeightSizes:
     """`WeightSizes` of what one rank keeps of an update of `shapes` (name -> shape): `total` and `largest_layer` its
-    share; `largest_tensor` whole (it passes through the bucket buffer whole and is checksummed whole);
-    `largest_carriers`: the commit hands vLLM's layerwise loader checkpoint-shaped carriers of the slices, which it
-    buffers until a vLLM layer (qkv_proj, gate_up_proj, a block's experts) is complete
-    (vllm_patches/placement.py:SliceLayout.carriers); under expert parallelism only the rank's experts."""
+    share (under expert parallelism only the rank's experts); `largest_tensor` whole (it passes through the bucket
+    buffer whole and is checksummed whole)."""
     kept = weight_sizes({n: rank_numel(n, s, split) * dtype_bytes for n, s in shapes.items()})
     largest = max((_count(s) * dtype_bytes for s in shapes.values()), default=0)
-    carriers: dict[str, int] = {}
-    for name, shape in shapes.items():
-        whole = _count(shape) * dtype_bytes
-        share = -(-whole // split.tp) if split.expert_parallel and _EXPERT.search(name) else whole
-        carriers[_vllm_layer(name)] = carriers.get(_vllm_layer(name), 0) + share
-    return WeightSizes(kept.total, largest, kept.largest_layer, max(carriers.values(), default=0))
-
-
-def _vllm_layer(name: str) -> str:
-    """The vLLM layer a checkpoint tensor loads into: fused q/k/v and gate/up share one, a block's experts one."""
-    module = name.rpartition(".")[0]
-    if match := _EXPERT.search(name):
-        return name[: match.start()] + ".experts"
-    return re.sub(r"\.(q|k|v)_proj$", ".qkv_proj", re.sub(r"\.(gate|up)_proj$", ".gate_up_proj", module))
+    return WeightSizes(kept.total, largest, kept.largest_layer)
 
 
 def checkpoint_rank_sizes(model_dir: str | Path, dtype: str, tp: int) -> WeightSizes:
