@@ -114,6 +114,7 @@ class StagedUpdate:
         self.tensors: dict[str, torch.Tensor] = {}
         self.host_copy: dict[str, torch.Tensor] | None = None  # CUDA: what `kept` hands over, in pinned host memory
         self.bytes_received = self.bytes_kept = 0  # kept: what this rank staged (its slices, with a layout)
+        self.whole: list[str] = []  # without a layout on a split engine: the tensors staged whole, for the report
         self.started = time.perf_counter()
         self.started_at = time.time()  # wall clock, comparable with the client's token timestamps
         self.staged_at = 0.0
@@ -232,7 +233,7 @@ class StagedUpdate:
             verify_s=self.verify_s,
             prepare_s=self.prepare_s,
             bytes_kept=self.bytes_kept,
-            full_tensors=self.layout.full if self.layout is not None else [],
+            full_tensors=self.layout.full if self.layout is not None else self.whole,
             started_at=self.started_at,
             staged_at=self.staged_at,
         )
