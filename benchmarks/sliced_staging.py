@@ -38,8 +38,13 @@ async def _one_update(engine, sender, state, pids: list[int]) -> dict:
     finally:
         for meter in meters:
             meter.__exit__(None, None, None)
-    return {"bytes": report.bytes, "bytes_kept": report.bytes_kept, "full_tensors": report.full_tensors,
-            "peak_rss_extra": [m.extra for m in meters], "receive_s": report.receive_s}  # fmt: skip
+    return {
+        "bytes": report.bytes,
+        "bytes_kept": report.bytes_kept,
+        "full_tensors": report.full_tensors,
+        "peak_rss_extra": [m.extra for m in meters],
+        "receive_s": report.receive_s,
+    }
 
 
 async def run(engine, sender, states, repeats: int) -> dict[str, list[dict]]:
@@ -59,9 +64,14 @@ def summary(runs: dict[str, list[dict]]) -> dict:
 
     rss = {mode: med(mode, lambda r: max(r["peak_rss_extra"])) for mode in runs}
     kept = {mode: med(mode, lambda r: r["bytes_kept"]) for mode in runs}
-    return {"update_bytes": runs["full"][0]["bytes"], "bytes_kept": kept, "peak_rss_extra": rss,
-            "kept_ratio": kept["sliced"] / kept["full"], "rss_ratio": rss["sliced"] / max(rss["full"], 1),
-            "full_tensors": runs["sliced"][0]["full_tensors"]}  # fmt: skip
+    return {
+        "update_bytes": runs["full"][0]["bytes"],
+        "bytes_kept": kept,
+        "peak_rss_extra": rss,
+        "kept_ratio": kept["sliced"] / kept["full"],
+        "rss_ratio": rss["sliced"] / max(rss["full"], 1),
+        "full_tensors": runs["sliced"][0]["full_tensors"],
+    }
 
 
 def main() -> None:
@@ -89,11 +99,22 @@ def main() -> None:
             runs = loop.run_until_complete(run(engine, sender, states, args.repeats))
         finally:
             stop_engine(loop, engine)
-    result = {"model": args.model, "update_memory": args.update_memory, "runs": runs, "summary": summary(runs)}
+    from inflight.machine import cpu_label
+
+    result = {
+        "model": args.model,
+        "update_memory": args.update_memory,
+        "cpu": cpu_label(),
+        "runs": runs,
+        "summary": summary(runs),
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"sliced_staging-{args.model}-{args.update_memory}.json").write_text(json.dumps(result, indent=1))
     s = result["summary"]
-    print(f"{args.model}, TP=2, --update-memory {args.update_memory}: update {s['update_bytes'] / 2**20:.1f} MiB")
+    print(
+        f"{result['cpu']}\n{args.model}, TP=2, --update-memory {args.update_memory}: "
+        f"update {s['update_bytes'] / 2**20:.1f} MiB"
+    )
     for mode in ("full", "sliced"):
         kept, grown = s["bytes_kept"][mode] / 2**20, s["peak_rss_extra"][mode] / 2**20
         print(f"  {mode:6s}: staged per worker {kept:7.2f} MiB, peak resident growth {grown:7.2f} MiB (median, larger)")

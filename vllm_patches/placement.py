@@ -304,6 +304,17 @@ class SliceLayout:
             yield name, SliceCarrier(p, kept)
 
 
+# What a SliceCarrier answers itself (its method's name), before any dispatch.
+_CARRIER_OWN = {
+    torch.Tensor.narrow: "_narrowed",
+    torch.narrow: "_narrowed",
+    torch.Tensor.unsqueeze: "_unsqueezed",
+    torch.unsqueeze: "_unsqueezed",
+    torch.Tensor.unbind: "_unbound",
+    torch.unbind: "_unbound",
+}
+
+
 class SliceCarrier(torch.Tensor):
     """A checkpoint-shaped tensor with no storage of its own, holding one rank's kept slice: what the commit paths hand
     vLLM's weight loaders (through its layerwise reload, which buffers every argument until a layer is complete).
@@ -330,10 +341,8 @@ class SliceCarrier(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        own = {torch.Tensor.narrow: "_narrowed", torch.narrow: "_narrowed", torch.Tensor.unsqueeze: "_unsqueezed",
-               torch.unsqueeze: "_unsqueezed", torch.Tensor.unbind: "_unbound", torch.unbind: "_unbound"}  # fmt: skip
-        if func in own and isinstance(args[0], SliceCarrier):
-            return getattr(args[0], own[func])(*args[1:], **kwargs)
+        if (own := _CARRIER_OWN.get(func)) is not None and isinstance(args[0], SliceCarrier):
+            return getattr(args[0], own)(*args[1:], **kwargs)
         with torch._C.DisableTorchFunctionSubclass():  # metadata (shape, dtype, device, `to` itself) needs no data
             return func(*args, **kwargs)
 
@@ -351,8 +360,8 @@ class SliceCarrier(torch.Tensor):
     def _narrowed(self, dim: int, start: int, length: int) -> torch.Tensor:
         p = self.placement
         if self.lead or (dim % len(p.shape), int(start), int(length)) != (p.dim, p.start, p.length):
-            raise self._refused(f"narrows dim {dim} at {start} for {length} (this rank kept dim {p.dim} at {p.start} "
-                                f"for {p.length}) of")  # fmt: skip
+            kept = f"this rank kept dim {p.dim} at {p.start} for {p.length}"
+            raise self._refused(f"narrows dim {dim} at {start} for {length} ({kept}) of")
         return self.kept
 
     def _unsqueezed(self, dim: int) -> SliceCarrier:

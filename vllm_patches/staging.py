@@ -117,8 +117,7 @@ class StagedUpdate:
         self.whole: list[str] = []  # without a layout on a split engine: the tensors staged whole, for the report
         self.started = time.perf_counter()
         self.started_at = time.time()  # wall clock, comparable with the client's token timestamps
-        self.staged_at = 0.0
-        self.receive_s = self.verify_s = 0.0
+        self.staged_at = self.receive_s = self.verify_s = 0.0
         self._done = threading.Event()
         self._ready: torch.cuda.Event | None = None  # CUDA: recorded on the side stream once everything is staged
         self._buckets: list[torch.Tensor] = []
