@@ -17,7 +17,8 @@ to its full-tensor fallback; here they are sliced per part the way vLLM's loader
 `weight_loader`'s q/k/v sizes and kv-head replicas, MergedColumnParallelLinear's `output_sizes`, FusedMoE's
 `_load_w13`/`_load_w2`), and so is a vocab-parallel embedding or head (its unpadded vocabulary range). Shapes are
 resolved against the layer's checkpoint-format parameters (what vLLM's layerwise reload recorded at first load),
-not the live ones, which a CPU backend repacks.
+not the live ones, which a CPU backend repacks. At commit (vllm_patches/commit.py, vllm_patches/prepared.py) each
+kept slice reaches vLLM's loaders inside a `SliceCarrier`, which has the checkpoint's shape and no storage.
 """
 
 from __future__ import annotations
