@@ -10,6 +10,7 @@ manifest order, as the learner gathers them, so rank 0 never holds more than the
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -201,7 +202,7 @@ def receive_kept(
     by_bucket: dict[int, list] = {}
     for t in manifest.tensors:
         by_bucket.setdefault(t.bucket, []).append(t)
-    buffer = torch.empty(max(manifest.bucket_sizes, default=0), dtype=torch.uint8, device=device)
+    buffer = receive_buffer(max(manifest.bucket_sizes, default=0), device)
     for i, size in enumerate(manifest.bucket_sizes):
         bucket = buffer[:size]
         group.broadcast(bucket, what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
@@ -221,3 +222,13 @@ def receive_kept(
     for t in manifest.tensors:
         check_digest(t, digests[t.name], key, kind)
     return kept
+
+
+def receive_buffer(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """`receive_kept`'s one bucket buffer. In host memory it is its own anonymous mapping, unmapped the moment the
+    receipt drops it. Why: a bucket holds the largest tensor whole (an embedding or head: half of a small model); from
+    malloc's heap, freed, it stays resident until the next trim, under the commit that follows — and a rank staging
+    slices then peaked as high as one staging everything (issue 41, benchmarks/sliced_staging.py)."""
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
