@@ -9,9 +9,9 @@ pushes `--repeats` never-stop updates per staging mode (`inflight_set_staging`),
 order, the checkpoints A and B alternating, and records per update the bytes each worker staged
 (`UpdateReport.bytes_kept`, exact) and each worker's resident memory peak, absolute and above its value before the
 update (`/proc/<pid>/statm`, polled every 10 ms: benchmarks/weight_swap.py:PeakRss), with the heap trimmed after every
-update so that an update's buffers cannot hide in pages the previous one freed. Medians and their ratios are printed and written to
-benchmarks/results/sliced_staging-<model>-<update memory>.json. Counts are exact; the resident figures are one
-run's, on a 2-core machine other jobs share.
+update so that an update's buffers cannot hide in pages the previous one freed. Medians and their ratios are printed
+and written to benchmarks/results/sliced_staging-<model>-<update memory>.json. Counts are exact; the resident figures
+are one run's, on a 2-core machine other jobs share.
 """
 
 from __future__ import annotations
