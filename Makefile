@@ -33,6 +33,10 @@ NUMERIC_TESTS := tests/learner/test_step.py tests/learner/test_logprobs.py tests
 	tests/learner/test_model.py tests/learner/test_losses.py tests/inflight/test_advantages.py \
 	tests/inflight/test_logprob_parity.py
 
+# Two pytest-xdist workers, each given whole modules (a module's engine starts once): on 2 cores the suite's engine
+# starts and subprocess waits overlap (tests/conftest.py orders the engine modules first). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+
 test: models
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mkdocs build --strict  # not --quiet: with it mkdocs 1.6 drops the warnings that --strict counts
@@ -41,7 +45,8 @@ test: models
 		$(AVX2_ONLY) $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS); \
 	else echo "== no AVX-512 on this CPU: the whole suite below runs the numerically sensitive tests on AVX2 kernels =="; fi
 	@echo "== the whole suite =="
-	$(PY) -m pytest -q -p no:cacheprovider tests benchmarks/micro -m "not engine_bench" --durations=40
+	$(PY) -m pytest -q -p no:cacheprovider tests benchmarks/micro -m "not engine_bench" -n $(TEST_WORKERS) \
+		--dist loadfile --durations=40
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not engine"

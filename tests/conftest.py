@@ -1,5 +1,6 @@
 """Shared fixtures: the prepared models (idempotent; `make test` prepares them first) and, for real-engine tests, one
-event loop per module, so engines started on it outlive a single test."""
+event loop per module, so engines started on it outlive a single test. Runs in each pytest process (`make test` runs
+two, pytest-xdist's workers, each given whole modules: a module's engine is started once, on one worker)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,11 @@ def loop():
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Modules that start an engine first, the rest after: under `-n 2 --dist loadfile` a worker takes the next
+    module when it is free, so the seconds-long modules fill the gap the last engine module leaves, rather than a
+    minutes-long module starting last on one worker while the other idles."""
+    engine_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("engine")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in engine_modules)  # stable: order within a module stays

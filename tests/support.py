@@ -86,15 +86,21 @@ class Sender:
         thread.start()
         return thread, result
 
+    async def plan(self, state, version: int, **kw) -> tuple:
+        """The update's manifest and payloads (push's `planned=`), planned on a thread (checksums of every tensor):
+        on the event loop it held up the client's other requests, a cost of the test harness that benchmarks would
+        book against the update."""
+        return await asyncio.to_thread(plan_update, state, version, kw.get("bucket_bytes", 1 << 20),
+                                       base=kw.get("base"), keep_base=kw.get("keep_base", False),
+                                       adapter=kw.get("adapter"))  # fmt: skip
+
     async def push(self, engine, state, version: int, mode: str = "never-stop", kv: str = "keep", **kw):
         """Send `state` as `version` and update the engine; `base=(version, tensors)` sends it as a delta on that
         version, `keep_base=True` asks the engine to keep it as the next delta's base, `adapter=AdapterSpec` sends
-        `state` as that LoRA adapter's update."""
-        base, keep, adapter = kw.pop("base", None), kw.pop("keep_base", False), kw.pop("adapter", None)
-        # Planned on a thread (checksums of every tensor): on the event loop it held up the client's other requests,
-        # a cost of the test harness that benchmarks would book against the update.
-        manifest, payloads = await asyncio.to_thread(plan_update, state, version, kw.pop("bucket_bytes", 1 << 20),
-                                                     base=base, keep_base=keep, adapter=adapter)  # fmt: skip
+        `state` as that LoRA adapter's update; `planned=` what `plan` returned, planned ahead of a race."""
+        manifest, payloads = kw.pop("planned", None) or await self.plan(state, version, **kw)
+        for key in ("base", "keep_base", "adapter", "bucket_bytes"):
+            kw.pop(key, None)
         thread, result = self.send_in_thread(manifest, payloads)
         report = await engine.update(manifest.encode(), mode=mode, kv=kv, **kw)
         await asyncio.to_thread(thread.join, self.timeout_s)

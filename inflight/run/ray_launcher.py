@@ -1,8 +1,9 @@
 """`python -m inflight.run --launcher ray`: the same run as the local launcher, its sides as Ray actors on a cluster.
 
 Called by inflight/run/app.py:main (the driver process), imported only when `--launcher ray` is asked for, so `--help`
-and the local launcher never import Ray. `ray.init(address=$RAY_ADDRESS)`: the user's cluster when it is set (also
-under `ray job submit`), else a local Ray started here and stopped at the end.
+and the local launcher never import Ray. The cluster is the one Ray's own `ray.init()` would join
+(RAY_ADDRESS, set by `ray job submit` too; unset, a `ray start` cluster on this machine), else a local Ray started here
+and stopped at the end (find_cluster).
 
 Placement: one placement group for the learner, its ranks packed (`--learn-gpus` / `--learn-procs` bundles, one GPU
 or one CPU each); one for the serves, `--serves` bundles spread over the nodes, each holding one serve's GPUs
@@ -101,36 +102,65 @@ def check_capacity(cfg: RunConfig, have: dict[str, float]) -> None:
         )
 
 
-def _check_answers(address: str, timeout_s: float = 5.0) -> None:
-    """LaunchError unless something listens at RAY_ADDRESS (ray.init would retry for a minute before saying so)."""
+def _check_answers(address: str, named: str, timeout_s: float = 5.0) -> None:
+    """LaunchError unless something listens at `address` (ray.init would retry for a minute before saying so);
+    `named` says where the address came from, for the message."""
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
         raise LaunchError(
-            f"RAY_ADDRESS={address!r} is not HOST:PORT: set it to the head node's address (e.g. 10.0.0.1:6379), "
-            "or unset it to run on a local Ray"
+            f"{named}={address!r} is not HOST:PORT: set RAY_ADDRESS to the head node's address (e.g. 10.0.0.1:6379), "
+            "or to `local` to start a Ray for this run"
         )
     try:
         socket.create_connection((host, int(port)), timeout_s).close()
     except OSError as exc:
+        fix = "start the cluster there (`ray start --head`), fix the address"
+        if named != "RAY_ADDRESS":  # found on this machine: a `ray start` whose cluster has since died
+            fix = "`ray stop` clears it"
         raise LaunchError(
-            f"RAY_ADDRESS={address!r} does not answer ({exc.strerror or exc}): start the cluster there "
-            "(`ray start --head`), fix the address, or unset RAY_ADDRESS to run on a local Ray"
+            f"{named}={address!r} does not answer ({exc.strerror or exc}): {fix}, "
+            "or set RAY_ADDRESS=local to start a Ray for this run"
         ) from None
 
 
-def connect(ray, cfg: RunConfig) -> bool:
-    """`ray.init`: the cluster at RAY_ADDRESS, else a local Ray started here (True: we started it, so we stop it)."""
+def find_cluster(address: str) -> str | None:
+    """The cluster Ray's own `ray.init()` would join for RAY_ADDRESS=`address`, or None to start a local Ray.
+
+    As Ray itself resolves it (its `canonicalize_bootstrap_address`, ray==2.60 pinned): an address is that cluster;
+    unset, the cluster `ray start` left running on this machine, if any; `auto`, that or any Ray running here, else
+    a refusal; `local`, none (a Ray of this run's own, even beside a running one)."""
+    if address and address not in ("auto", "local"):
+        return address
+    if address == "local":
+        return None
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        return canonicalize_bootstrap_address(address or None)
+    except ConnectionError:
+        raise LaunchError(
+            "RAY_ADDRESS=auto, and no Ray runs on this machine: start one (`ray start --head`), set RAY_ADDRESS to "
+            "the head node's HOST:PORT, or unset it to start a local Ray for this run"
+        ) from None
+
+
+def connect(ray, cfg: RunConfig) -> str:
+    """`ray.init` on the cluster `find_cluster` names, else on a local Ray started here (stopped by `ray.shutdown()`
+    at the end); the line saying which, for the run's log."""
     address = os.environ.get("RAY_ADDRESS", "")
     namespace = f"inflight-{uuid.uuid4().hex[:8]}"
     common = {"namespace": namespace, "log_to_driver": False, "configure_logging": False}
-    if address and address not in ("auto", "local"):
-        _check_answers(address)
+    found = find_cluster(address)
+    if found is not None:
+        _check_answers(found, "RAY_ADDRESS" if found == address else "the Ray cluster `ray start` left on this machine")
         try:
-            ray.init(address=address, **common)
+            # a found cluster is joined as Ray finds it (None/"auto"): only then does Ray take up the token a
+            # `ray start` of 2.60 enabled from ~/.ray/auth_token; an explicit address is passed as it is
+            ray.init(address=address or None if address in ("", "auto") else found, **common)
         except Exception as exc:  # a token refused, a version mismatch: Ray's own words, after ours
-            raise LaunchError(f"RAY_ADDRESS={address!r}: Ray refused the connection ({exc})") from None
-        return False
+            raise LaunchError(f"the Ray cluster at {found!r} refused the connection ({exc})") from None
+        return f"Ray: joined the cluster at {found}"
     cpus = max(os.cpu_count() or 1, int(demand(cfg, cfg.serves)["CPU"]))  # logical CPUs: placement, not pinning
     mine = sorted(os.sched_getaffinity(0))
     system = ray_system_cores(mine, side_env(cfg, "serve")[1])
@@ -139,10 +169,11 @@ def connect(ray, cfg: RunConfig) -> bool:
     # steps (on 2 cores they tripled the commit stall). Each side's process then pins itself to its own cores.
     os.sched_setaffinity(0, system)
     try:
-        ray.init(address=address or None, num_cpus=cpus, include_dashboard=False, **common)
+        # "local": a new Ray, never a cluster that appeared since find_cluster looked (num_cpus would be refused)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **common)
     finally:
         os.sched_setaffinity(0, mine)
-    return not address
+    return f"Ray: started a local Ray for this run ({cpus} CPUs), stopped with it"
 
 
 def ray_system_cores(mine: list[int], serve_cores: list[int] | None) -> list[int]:
@@ -155,7 +186,7 @@ def main(cfg: RunConfig, tables: dict[str, dict], run_dir: Path, interrupted: li
     """The run under Ray (inflight/run/app.py:main writes the config before and the report after); the exit code."""
     try:
         ray = import_ray()
-        connect(ray, cfg)
+        print(f"[run] {connect(ray, cfg)}", file=sys.stderr, flush=True)
     except LaunchError as exc:
         print(f"[run] {exc}", file=sys.stderr, flush=True)
         return 1

@@ -127,7 +127,7 @@ def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
     from inflight.wire.control import UpdateDone
 
     engine = SimpleNamespace(tokens_generated=40, version=3, idle_s=1.5, stalled_s=0.25, resubmitted=1,
-                             recomputed_tokens=7)  # fmt: skip
+                             recomputed_tokens=7, updates_refused=1)  # fmt: skip
     stream = SimpleNamespace(outbox=[b"r"], retained_records=4, resent=0, sent=12)
     stats = SimpleNamespace(rollouts_made=8, requests_inflight=2, groups_admitted=3, rewards_sum=2.0, reward_errors=1,
                             reward_means=RewardMeans(), turns=11, env_s=2.5, env_errors=1, tool_errors=2,

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,6 +100,61 @@ def test_more_gpus_than_the_cluster_has_are_refused_naming_the_flags_and_nothing
     out = refused(tmp_path / "run", "--serve-gpus", "0", "--learn-gpus", "1,2", env={"RAY_ADDRESS": ""})
     assert "--learn-gpus '1,2' and --serve-gpus '0' (x --serves 1) ask for 3 GPUs; the Ray cluster has 0" in out
     assert_nothing_left(before)
+
+
+@pytest.fixture
+def ray_started():
+    """A cluster a user left running with `ray start --head` (1 CPU); `ray stop` after, as the user would."""
+    pytest.importorskip("ray")
+    if ray_processes():
+        pytest.skip("a Ray already runs on this machine: plain ray.init() would join it, not the one started here")
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = [ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "1",
+             "--include-dashboard", "false", "--disable-usage-stats"]  # fmt: skip
+    subprocess.run(start, check=True, capture_output=True, timeout=120)
+    head = ray_processes()
+    try:
+        yield {"address": f"127.0.0.1:{port}", "processes": head}
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+    assert_nothing_left(set())
+
+
+@pytest.mark.parametrize("address", ["", "auto"])
+def test_with_a_ray_start_cluster_running_an_unset_or_auto_address_joins_it_and_leaves_it_running(
+    tmp_path, ray_started, address
+):
+    out = refused_beside(ray_started, tmp_path / "run", "--serve-gpus", "0", "--learn-gpus", "1,2", address=address)
+    port = ray_started["address"].rsplit(":", 1)[1]  # Ray records the head under the node's own address
+    assert re.search(rf"Ray: joined the cluster at \S+:{port}\n", out), out
+    assert "the Ray cluster has 0" in out and "num_cpus" not in out
+
+
+def test_local_starts_a_ray_of_the_runs_own_beside_a_running_cluster_and_stops_only_that_one(tmp_path, ray_started):
+    out = refused_beside(ray_started, tmp_path / "run", "--serve-gpus", "0", "--learn-gpus", "1,2", address="local")
+    assert "Ray: started a local Ray for this run" in out and "joined" not in out
+
+
+def test_auto_with_no_ray_running_is_refused_naming_the_three_fixes(tmp_path):
+    pytest.importorskip("ray")
+    if ray_processes():
+        pytest.skip("a Ray already runs on this machine")
+    out = refused(tmp_path / "run", env={"RAY_ADDRESS": "auto"})
+    assert "RAY_ADDRESS=auto, and no Ray runs on this machine: start one (`ray start --head`)" in out
+
+
+def refused_beside(cluster: dict, run_dir: Path, *flags: str, address: str) -> str:
+    """A run refused after connecting (RAY_ADDRESS=`address`): the cluster's processes all still run, no other Ray
+    process is left, and the process's output is returned."""
+    before = {p.pid for p in side_processes()}
+    proc = launcher(run_dir, *FAST, *flags, env={"RAY_ADDRESS": address})
+    assert proc.proc.wait(120) == 1, proc.tail()
+    assert_nothing_left(before | cluster["processes"])
+    assert ray_processes() == cluster["processes"], "the run stopped the cluster it joined, or left its own Ray"
+    return proc.tail()
 
 
 def test_several_serves_need_the_ray_launcher(tmp_path):

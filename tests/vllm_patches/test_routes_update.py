@@ -61,11 +61,14 @@ def commit_during(env, loop, rid: str, kv: str, mode: str):
     engine, sender = env["engine"], env["sender"]
 
     async def run():
+        # planned before the request starts: the checksums of every tensor took longer than the request on a busy
+        # machine (two test workers on two cores), and the commit then landed after it
+        planned = await sender.plan(env["b"], engine.version + 1)
         params = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
         task = asyncio.ensure_future(engine.generation.generate(env["prompt"], params, rid))
         await asyncio.sleep(0.5)
         assert not task.done(), "the request finished before the update: make it longer"
-        report = await sender.push(engine, env["b"], engine.version + 1, mode=mode, kv=kv)
+        report = await sender.push(engine, env["b"], engine.version + 1, mode=mode, kv=kv, planned=planned)
         done = await task
         await sender.push(engine, {n: t.float() for n, t in env["a"].items()}, engine.version + 1)  # back to A
         return done, report
