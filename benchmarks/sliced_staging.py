@@ -7,11 +7,11 @@ Runs on the driver; starts one real engine (`tensor_parallel_size=2`, a core per
 0 itself (tests/support.py:Sender, gloo). After one warm-up update (a fresh engine's first is the costly one) it
 pushes `--repeats` never-stop updates per staging mode (`inflight_set_staging`), the modes interleaved in alternating
 order, the checkpoints A and B alternating, and records per update the bytes each worker staged
-(`UpdateReport.bytes_kept`,
-exact) and each worker's resident memory peak above its value before the update (`/proc/<pid>/statm`, polled every
-10 ms: benchmarks/weight_swap.py:PeakRss). Medians and their ratios are printed and written to
-benchmarks/results/sliced_staging-<model>-<update memory>.json. Counts are exact; the resident figures are one
-run's, on a 2-core machine other jobs share.
+(`UpdateReport.bytes_kept`, exact) and each worker's resident memory peak, absolute and above its value before the
+update (`/proc/<pid>/statm`, polled every 10 ms: benchmarks/weight_swap.py:PeakRss), with the heap trimmed after every
+update so that an update's buffers cannot hide in pages the previous one freed. Medians and their ratios are printed
+and written to benchmarks/results/sliced_staging-<model>-<update memory>.json. Counts are exact; the resident figures
+are one run's, on a 2-core machine other jobs share.
 """
 
 from __future__ import annotations
@@ -38,8 +38,14 @@ async def _one_update(engine, sender, state, pids: list[int]) -> dict:
     finally:
         for meter in meters:
             meter.__exit__(None, None, None)
-    return {"bytes": report.bytes, "bytes_kept": report.bytes_kept, "full_tensors": report.full_tensors,
-            "peak_rss_extra": [m.extra for m in meters], "receive_s": report.receive_s}  # fmt: skip
+    return {
+        "bytes": report.bytes,
+        "bytes_kept": report.bytes_kept,
+        "full_tensors": report.full_tensors,
+        "peak_rss_extra": [m.extra for m in meters],
+        "peak_rss": [m.base + m.extra for m in meters],
+        "receive_s": report.receive_s,
+    }
 
 
 async def run(engine, sender, states, repeats: int) -> dict[str, list[dict]]:
@@ -50,6 +56,7 @@ async def run(engine, sender, states, repeats: int) -> dict[str, list[dict]]:
         for mode in ("sliced", "full") if i % 2 == 0 else ("full", "sliced"):
             await engine.llm.collective_rpc("inflight_set_staging", args=(mode,))
             out[mode].append(await _one_update(engine, sender, states[len(out[mode]) % 2], pids))
+            await asyncio.sleep(0.5)  # the worker's background heap trim after the commit (INFLIGHT_TRIM_EVERY_S=0)
     return out
 
 
@@ -58,10 +65,18 @@ def summary(runs: dict[str, list[dict]]) -> dict:
         return statistics.median(key(r) for r in runs[mode])
 
     rss = {mode: med(mode, lambda r: max(r["peak_rss_extra"])) for mode in runs}
+    absolute = {mode: med(mode, lambda r: max(r["peak_rss"])) for mode in runs}
     kept = {mode: med(mode, lambda r: r["bytes_kept"]) for mode in runs}
-    return {"update_bytes": runs["full"][0]["bytes"], "bytes_kept": kept, "peak_rss_extra": rss,
-            "kept_ratio": kept["sliced"] / kept["full"], "rss_ratio": rss["sliced"] / max(rss["full"], 1),
-            "full_tensors": runs["sliced"][0]["full_tensors"]}  # fmt: skip
+    return {
+        "update_bytes": runs["full"][0]["bytes"],
+        "bytes_kept": kept,
+        "peak_rss_extra": rss,
+        "peak_rss": absolute,
+        "kept_ratio": kept["sliced"] / kept["full"],
+        "rss_ratio": rss["sliced"] / max(rss["full"], 1),
+        "absolute_ratio": absolute["sliced"] / max(absolute["full"], 1),
+        "full_tensors": runs["sliced"][0]["full_tensors"],
+    }
 
 
 def main() -> None:
@@ -73,6 +88,9 @@ def main() -> None:
     import os
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    # The heap trimmed after every update (inflight/wire/memory.py): otherwise an update's buffers reuse the pages the
+    # previous one freed, still resident, and the growth measured says how much was freed before, not what it needs.
+    os.environ.setdefault("INFLIGHT_TRIM_EVERY_S", "0")
     sys.path.insert(0, str(TESTS_DIR))
     from support import Sender, load_state, perturbed_checkpoint, start_engine, stop_engine
 
@@ -89,16 +107,33 @@ def main() -> None:
             runs = loop.run_until_complete(run(engine, sender, states, args.repeats))
         finally:
             stop_engine(loop, engine)
-    result = {"model": args.model, "update_memory": args.update_memory, "runs": runs, "summary": summary(runs)}
+    from inflight.machine import cpu_label
+
+    result = {
+        "model": args.model,
+        "update_memory": args.update_memory,
+        "cpu": cpu_label(),
+        "runs": runs,
+        "summary": summary(runs),
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"sliced_staging-{args.model}-{args.update_memory}.json").write_text(json.dumps(result, indent=1))
     s = result["summary"]
-    print(f"{args.model}, TP=2, --update-memory {args.update_memory}: update {s['update_bytes'] / 2**20:.1f} MiB")
+    print(
+        f"{result['cpu']}\n{args.model}, TP=2, --update-memory {args.update_memory}: "
+        f"update {s['update_bytes'] / 2**20:.1f} MiB"
+    )
     for mode in ("full", "sliced"):
-        kept, grown = s["bytes_kept"][mode] / 2**20, s["peak_rss_extra"][mode] / 2**20
-        print(f"  {mode:6s}: staged per worker {kept:7.2f} MiB, peak resident growth {grown:7.2f} MiB (median, larger)")
+        kept, grown, peak = (s[k][mode] / 2**20 for k in ("bytes_kept", "peak_rss_extra", "peak_rss"))
+        print(
+            f"  {mode:6s}: staged per worker {kept:7.2f} MiB, peak resident growth {grown:7.2f} MiB, "
+            f"peak resident {peak:7.1f} MiB (medians, larger worker)"
+        )
     whole = s["full_tensors"] or "none"
-    print(f"  sliced/full: staged {s['kept_ratio']:.3f}, peak resident {s['rss_ratio']:.3f}; kept whole: {whole}")
+    print(
+        f"  sliced/full: staged {s['kept_ratio']:.3f}, peak resident growth {s['rss_ratio']:.3f}, peak resident "
+        f"{s['absolute_ratio']:.3f}; kept whole: {whole}"
+    )
 
 
 if __name__ == "__main__":

@@ -88,6 +88,8 @@ OWN_FLAGS = {
     "benchmarks.fused_loss": {"device"},  # where the kernels are timed
     "benchmarks.gpu_learner": {"replay", "steps", "bucket_mb", "learn_args", "backend", "device"},  # a CUDA learner
     "benchmarks.head_precision": {"model", "max_tokens"},
+    # the serve ranks of its one gloo world (not a run's serves) and the bucket both link designs stream through
+    "benchmarks.learner_links": {"serves", "bucket_mb"},
     "benchmarks.low_commit": {"model", "dtype"},  # the checkpoint and dtype whose commit is timed
     "benchmarks.lora_swap": {"kv_cache_gib"},  # a small KV cache: the swap is measured, not generation
     "benchmarks.publish_memory": {"model", "bucket_mb", "dtype"},

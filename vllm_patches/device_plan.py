@@ -63,7 +63,6 @@ class WeightSizes:
     total: int
     largest_tensor: int
     largest_layer: int
-    largest_carriers: int = 0  # sliced staging: the commit's whole-shaped carriers of one vLLM layer (`rank_sizes`)
     count: int = 0  # tensors: each costs the arenas a little alignment and trailer (`ARENA_BYTES_PER_TENSOR`)
 
 
@@ -90,7 +89,6 @@ class StagingPlan:
     layer_bytes: int = 0  # `low`: the largest layer the in-place reload materialises
     comm_bytes: int = 0  # the weights group's NCCL buffers
     bucket_bytes: int = 0  # sliced staging (a tensor-parallel rank): the one reused bucket buffer; 0: whole buckets
-    receive_bytes: int = 0  # sliced staging: the part of `bucket_bytes` a bucket is received into (no carriers)
     tensors: int = 0  # the update's tensors (the arenas' alignment and trailer: `ARENA_BYTES_PER_TENSOR` each)
 
     @property
@@ -100,7 +98,7 @@ class StagingPlan:
         sliced staging, the receive buffer and the rank's kept slices."""
         slack = self.tensors * ARENA_BYTES_PER_TENSOR + ALIGN
         if self.bucket_bytes:
-            return self.receive_bytes + self.weight_bytes + slack
+            return self.bucket_bytes + self.weight_bytes + slack
         return self.weight_bytes * (2 if self.delta else 1) + slack
 
     @property
@@ -141,14 +139,13 @@ def staging_plan(
     """The staging plan of a checkpoint of `sizes` on CUDA: every device byte an update may hold (the module's list),
     `delta` when the learner may send deltas (its --full-every > 1), `max_ctas` the weights group's channel cap.
     `bucket_bytes`: a tensor-parallel rank's sliced staging (`sizes` from `rank_sizes`) with the learner's bucket
-    size; its one buffer holds a bucket or the largest whole tensor, whichever is bigger, and the commit's carriers
-    of one vLLM layer (on CUDA their untouched bytes are allocated all the same)."""
+    size; its one buffer holds a bucket or the largest whole tensor, whichever is bigger (the commit hands vLLM's
+    loaders the slices themselves: vllm_patches/placement.py:SliceCarrier allocates nothing)."""
     checksum = sum31_pad_bytes(sizes.largest_tensor) + SUM31_WORKSPACE_BYTES
-    buffer = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor) + sizes.largest_carriers
+    buffer = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor)
     comm = max_ctas * NCCL_BYTES_PER_CHANNEL
-    receive = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor)
     layer = sizes.largest_layer
-    return StagingPlan(sizes.total, update_memory, delta, checksum, layer, comm, buffer, receive, sizes.count)
+    return StagingPlan(sizes.total, update_memory, delta, checksum, layer, comm, buffer, sizes.count)
 
 
 def plans_deltas(full_every: int) -> bool:
@@ -253,26 +250,11 @@ def rank_numel(name: str, shape: list[int], split: TensorParallel) -> int:
 
 def rank_sizes(shapes: dict[str, list[int]], dtype_bytes: int, split: TensorParallel) -> WeightSizes:
     """`WeightSizes` of what one rank keeps of an update of `shapes` (name -> shape): `total` and `largest_layer` its
-    share; `largest_tensor` whole (it passes through the bucket buffer whole and is checksummed whole);
-    `largest_carriers`: the commit hands vLLM's layerwise loader checkpoint-shaped carriers of the slices, which it
-    buffers until a vLLM layer (qkv_proj, gate_up_proj, a block's experts) is complete
-    (vllm_patches/placement.py:SliceLayout.carriers); under expert parallelism only the rank's experts."""
+    share (under expert parallelism only the rank's experts); `largest_tensor` whole (it passes through the bucket
+    buffer whole and is checksummed whole)."""
     kept = weight_sizes({n: rank_numel(n, s, split) * dtype_bytes for n, s in shapes.items()})
     largest = max((_count(s) * dtype_bytes for s in shapes.values()), default=0)
-    carriers: dict[str, int] = {}
-    for name, shape in shapes.items():
-        whole = _count(shape) * dtype_bytes
-        share = -(-whole // split.tp) if split.expert_parallel and _EXPERT.search(name) else whole
-        carriers[_vllm_layer(name)] = carriers.get(_vllm_layer(name), 0) + share
-    return WeightSizes(kept.total, largest, kept.largest_layer, max(carriers.values(), default=0), len(shapes))
-
-
-def _vllm_layer(name: str) -> str:
-    """The vLLM layer a checkpoint tensor loads into: fused q/k/v and gate/up share one, a block's experts one."""
-    module = name.rpartition(".")[0]
-    if match := _EXPERT.search(name):
-        return name[: match.start()] + ".experts"
-    return re.sub(r"\.(q|k|v)_proj$", ".qkv_proj", re.sub(r"\.(gate|up)_proj$", ".gate_up_proj", module))
+    return WeightSizes(kept.total, largest, kept.largest_layer, count=len(shapes))
 
 
 def checkpoint_rank_sizes(model_dir: str | Path, dtype: str, tp: int) -> WeightSizes:

@@ -6,8 +6,9 @@ fails half-way through preparing its processed copy, and the second fails half-w
 tensor-parallel rank 1 alone (the other ranks commit, and must then be rolled back: vllm_patches/update_enginecore.py).
 Phases: `prepare` (loading into the shadow, `--update-memory double`), `swap` (installing the prepared layers), `apply`
 (the in-place reload, `--update-memory low`), `rollback` (undoing a commit the other ranks could not make: the engine
-must then stop). `n` counts the updates this worker began, from 1. In production `PLANNED` is empty and each phase
-pays one dict lookup.
+must then stop), `slice` (a tensor-parallel rank resolves one tensor to another rank's rows: `misplaced`, a layout
+resolved wrong, which must fail the update, never load those rows). `n` counts the updates this worker began, from 1.
+In production `PLANNED` is empty and each phase pays one dict lookup.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-PHASES = ("prepare", "swap", "apply", "rollback")
+import msgspec
+
+PHASES = ("prepare", "swap", "apply", "rollback", "slice")
 
 
 class InjectedFault(RuntimeError):
@@ -54,3 +57,11 @@ def half_way(items: list, phase: str, update: int, rank: int = 0) -> Iterator:
         raise InjectedFault(
             f"injected fault: update {update} failed half-way through {phase} ({stop}/{len(items)}) on rank {rank}"
         )
+
+
+def misplaced(placements: dict) -> dict:
+    """`placements` (name -> vllm_patches/placement.py:Placement) with the first tensor split over ranks moved onto
+    the next rows of its dim (another rank's), its shape unchanged: the `slice` fault."""
+    name, p = next((n, p) for n, p in placements.items() if p.kind == "slice" and p.length < p.shape[p.dim])
+    start = p.start + p.length if p.start + 2 * p.length <= p.shape[p.dim] else 0
+    return {**placements, name: msgspec.structs.replace(p, start=start)}

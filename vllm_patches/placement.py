@@ -17,7 +17,8 @@ to its full-tensor fallback; here they are sliced per part the way vLLM's loader
 `weight_loader`'s q/k/v sizes and kv-head replicas, MergedColumnParallelLinear's `output_sizes`, FusedMoE's
 `_load_w13`/`_load_w2`), and so is a vocab-parallel embedding or head (its unpadded vocabulary range). Shapes are
 resolved against the layer's checkpoint-format parameters (what vLLM's layerwise reload recorded at first load),
-not the live ones, which a CPU backend repacks.
+not the live ones, which a CPU backend repacks. At commit (vllm_patches/commit.py, vllm_patches/prepared.py) each
+kept slice reaches vLLM's loaders inside a `SliceCarrier`, which has the checkpoint's shape and no storage.
 """
 
 from __future__ import annotations
@@ -292,9 +293,8 @@ class SliceLayout:
         return self.placements[name].take(whole)
 
     def carriers(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """`items` (name, kept tensor) as vLLM's loaders take them: a slice in a tensor of the checkpoint's shape,
-        made one at a time, at its place, so the loader's own narrow reads exactly it. The rest of the carrier is
-        never written or read (`torch.empty`: on Linux a large allocation's untouched pages are never resident)."""
+        """`items` (name, kept tensor) as vLLM's loaders take them: each slice inside a `SliceCarrier` of the
+        checkpoint's shape, which allocates nothing and answers the loader's own narrow with the kept slice itself."""
         for name, kept in items:
             p = self.placements[name]
             if p.kind != "slice":
@@ -302,6 +302,75 @@ class SliceLayout:
                 continue
             if tuple(kept.shape) != p.kept_shape:
                 raise ManifestError(f"{name}: kept {list(kept.shape)}, the layout says {list(p.kept_shape)}")
-            carrier = torch.empty(p.shape, dtype=kept.dtype, device=kept.device)
-            carrier.narrow(p.dim, p.start, p.length).copy_(kept)
-            yield name, carrier
+            yield name, SliceCarrier(p, kept)
+
+
+# What a SliceCarrier answers itself (its method's name), before any dispatch.
+_CARRIER_OWN = {
+    torch.Tensor.narrow: "_narrowed",
+    torch.narrow: "_narrowed",
+    torch.Tensor.unsqueeze: "_unsqueezed",
+    torch.unsqueeze: "_unsqueezed",
+    torch.Tensor.unbind: "_unbound",
+    torch.unbind: "_unbound",
+}
+
+
+class SliceCarrier(torch.Tensor):
+    """A checkpoint-shaped tensor with no storage of its own, holding one rank's kept slice: what the commit paths hand
+    vLLM's weight loaders (through its layerwise reload, which buffers every argument until a layer is complete).
+
+    Why: the loaders take the whole checkpoint tensor and narrow it to the rank's part themselves. A real tensor of the
+    whole shape would cost the rank the whole layer again at every commit (the 1.26x resident peak that issue 41's
+    first measurement showed); this one answers shape, dtype and device like the whole tensor, and its `narrow` returns
+    the kept slice when asked for exactly the placement's rows. Besides narrow it takes what vLLM's MoE layer does to
+    one expert's tensor before its loader narrows it (`unsqueeze(0)` then `unbind()`: a leading dim of one, `lead`).
+    Any other narrow, or any operation that would read data (a copy, arithmetic, a transpose), raises, naming the
+    tensor: a loader that slices differently from the placement fails the commit or the preparation (both leave the
+    live weights as they were), never loads wrong rows."""
+
+    @staticmethod
+    def __new__(cls, placement: Placement, kept: torch.Tensor, lead: int = 0) -> SliceCarrier:
+        shape = (1,) * lead + tuple(placement.shape)
+        carrier = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=kept.dtype, device=kept.device)
+        carrier.placement, carrier.kept, carrier.lead = placement, kept, lead
+        return carrier
+
+    def __repr__(self) -> str:  # Tensor's repr reads the data this carrier does not have
+        return f"SliceCarrier({self.placement.name}, {list(self.shape)}, keeps {list(self.kept.shape)})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (own := _CARRIER_OWN.get(func)) is not None and isinstance(args[0], SliceCarrier):
+            return getattr(args[0], own)(*args[1:], **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():  # metadata (shape, dtype, device, `to` itself) needs no data
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        carrier = next(a for a in args if isinstance(a, SliceCarrier))
+        raise carrier._refused(f"applied {func} to")
+
+    def _refused(self, what: str) -> ManifestError:
+        return ManifestError(
+            f"{self.placement.name}: vLLM's loader {what} the checkpoint tensor, which this rank keeps only a slice "
+            f"of: its layout is not the one resolved (vllm_patches/placement.py)"
+        )
+
+    def _narrowed(self, dim: int, start: int, length: int) -> torch.Tensor:
+        p = self.placement
+        if self.lead or (dim % len(p.shape), int(start), int(length)) != (p.dim, p.start, p.length):
+            kept = f"this rank kept dim {p.dim} at {p.start} for {p.length}"
+            raise self._refused(f"narrows dim {dim} at {start} for {length} ({kept}) of")
+        return self.kept
+
+    def _unsqueezed(self, dim: int) -> SliceCarrier:
+        if dim != 0:
+            raise self._refused(f"unsqueezes dim {dim} of")
+        return SliceCarrier(self.placement, self.kept, self.lead + 1)
+
+    def _unbound(self, dim: int = 0) -> tuple[SliceCarrier, ...]:
+        if dim != 0 or not self.lead:
+            raise self._refused(f"unbinds dim {dim} of")
+        return (SliceCarrier(self.placement, self.kept, self.lead - 1),)

@@ -124,10 +124,10 @@ class StagedUpdate:
         self.tensors: dict[str, torch.Tensor] = {}
         self.refused = False  # the update did not fit the device arena (ArenaFull): refused before any bucket
         self.bytes_received = self.bytes_kept = 0  # kept: what this rank staged (its slices, with a layout)
+        self.whole: list[str] = []  # without a layout on a split engine: the tensors staged whole, for the report
         self.started = time.perf_counter()
         self.started_at = time.time()  # wall clock, comparable with the client's token timestamps
-        self.staged_at = 0.0
-        self.receive_s = self.verify_s = 0.0
+        self.staged_at = self.receive_s = self.verify_s = 0.0
         self._done = threading.Event()
         self._ready: torch.cuda.Event | None = None  # CUDA: recorded on the side stream once everything is staged
         self._buckets: list[torch.Tensor] = []
@@ -252,7 +252,7 @@ def stage_status(stage: StagedUpdate) -> StageStatus:
         verify_s=stage.verify_s,
         prepare_s=stage.prepare_s,
         bytes_kept=stage.bytes_kept,
-        full_tensors=stage.layout.full if stage.layout is not None else [],
+        full_tensors=stage.layout.full if stage.layout is not None else stage.whole,
         refused=stage.refused,
         started_at=stage.started_at,
         staged_at=stage.staged_at,

@@ -36,7 +36,7 @@ import torch
 
 from inflight.wire.group import GroupAddress, WeightsGroup, member_rank
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
-from vllm_patches import placement
+from vllm_patches import faults, placement
 from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
 from vllm_patches.arenas import StagingArenas
 from vllm_patches.checkpoint import ServedCheckpoint
@@ -85,17 +85,22 @@ class WorkerUpdateState:
         announce = functools.partial(self.notifier.announce, ticket)
         held, arenas = self.live.held, self.arenas
         stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas)
+        if self.adapter is not None and _split(vllm_config):  # vLLM's LoRA layers slice A/B at commit: named whole
+            stage.whole = sorted(t.name for t in manifest.tensors)
         self.stage = stage.start()
         return self.stage
 
     def _layout(self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any) -> SliceLayout | None:
-        """This rank's slices of a model update, or None to stage whole tensors: an adapter update, a
-        single-rank engine (its slices are the whole tensors), or `staging` "full"."""
-        parallel = getattr(vllm_config, "parallel_config", None)
-        split = parallel is not None and (parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel)
-        if self.adapter is not None or self.staging == "full" or (self.staging == "auto" and not split):
+        """This rank's slices of a model update, or None to stage whole tensors: an adapter update (a few
+        MB; vLLM's LoRA layers slice A and B per rank at commit, `slice_lora_a`/`slice_lora_b`, and the update's
+        report names every adapter tensor as kept whole), a single-rank engine (its slices are the whole tensors), or
+        `staging` "full"."""
+        if self.adapter is not None or self.staging == "full" or (self.staging == "auto" and not _split(vllm_config)):
             return None
-        return SliceLayout.resolve(model, manifest)
+        layout = SliceLayout.resolve(model, manifest)
+        if faults.fails("slice", self.updates, self.live.worker.rank):
+            layout.placements = faults.misplaced(layout.placements)
+        return layout
 
     def _preparer(
         self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any, layout: SliceLayout | None
@@ -308,3 +313,9 @@ class InflightWorkerExtension:
     def inflight_take_routes(self, request_id: str) -> RoutedExperts | None:
         """A finished request's recorded routes, handed over once; None when routes are not recorded."""
         return None if self._inflight_routes is None else self._inflight_routes.take(request_id)
+
+
+def _split(vllm_config: Any) -> bool:
+    """Whether the engine's weights are split over ranks (tensor or expert parallelism)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return parallel is not None and (parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel)

@@ -10,6 +10,7 @@ manifest order, as the learner gathers them, so rank 0 never holds more than the
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -206,7 +207,8 @@ def receive_kept(
     bucket overwrites it; None keeps nothing. Every whole tensor is digested as it streams through and checked against
     the manifest (or its trailer) once all arrived: what is kept is a slice of a tensor that verified. Raises
     ManifestError naming the first tensor that does not. A delta needs whole base tensors: refused. `into`: the
-    buffer (the largest bucket, or more) and a tensor for each kept piece to copy it to (a worker's arena)."""
+    buffer (the largest bucket, or more) and a tensor for each kept piece to copy it to (a worker's arena); without
+    it, the buffer is `receive_buffer`'s and each kept piece its own clone."""
     if manifest.is_delta:
         raise ManifestError(
             f"update v{manifest.version} is a delta, and this worker keeps slices, not the whole tensors a delta "
@@ -217,7 +219,7 @@ def receive_kept(
     by_bucket: dict[int, list] = {}
     for t in manifest.tensors:
         by_bucket.setdefault(t.bucket, []).append(t)
-    buffer, out = into if into is not None else (_empty(max(manifest.bucket_sizes, default=0), device), {})
+    buffer, out = into if into is not None else (receive_buffer(max(manifest.bucket_sizes, default=0), device), {})
     for i, size in enumerate(manifest.bucket_sizes):
         bucket = buffer[:size]
         group.broadcast(bucket, what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
@@ -245,3 +247,13 @@ _CONTIGUOUS = torch.contiguous_format
 
 def _empty(nbytes: int, device: torch.device | str) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def receive_buffer(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """`receive_kept`'s one bucket buffer. In host memory it is its own anonymous mapping, unmapped the moment the
+    receipt drops it. Why: a bucket holds the largest tensor whole (an embedding or head: half of a small model); from
+    malloc's heap, freed, it stays resident until the next trim, under the commit that follows — and a rank staging
+    slices then peaked as high as one staging everything (issue 41, benchmarks/sliced_staging.py)."""
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return _empty(nbytes, device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)

