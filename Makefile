@@ -46,7 +46,7 @@ test: models
 	else echo "== no AVX-512 on this CPU: the whole suite below runs the numerically sensitive tests on AVX2 kernels =="; fi
 	@echo "== the whole suite =="
 	$(PY) -m pytest -q -p no:cacheprovider tests benchmarks/micro -m "not engine_bench" -n $(TEST_WORKERS) \
-		--dist loadfile --no-loadscope-reorder --durations=40
+		--dist loadfile --durations=40
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not engine"

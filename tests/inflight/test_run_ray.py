@@ -37,39 +37,21 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def ours(*marks: str) -> list[psutil.Process]:
-    """Running processes of this test process whose command line holds one of `marks` (zombies excluded)."""
+    """Running processes whose command line holds one of `marks` (zombies excluded)."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        live = p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid()
-        if live and any(m in cmd for m in marks) and of_this_worker(p):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and any(m in cmd for m in marks) and p.pid != os.getpid():
             found.append(p)
     return found
-
-
-def of_this_worker(p: psutil.Process) -> bool:
-    """Under pytest-xdist (`make test`: two workers) only the processes this worker started, or that started from
-    them (Ray's included): each inherits the worker's PYTEST_XDIST_WORKER; the other worker's serves are not ours."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        return True
-    try:
-        return p.environ().get("PYTEST_XDIST_WORKER") == worker
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
 
 
 def side_processes() -> list[psutil.Process]:
     return ours("-m inflight.serve", "-m inflight.learn", "EngineCore")
 
 
-def any_ray_here() -> bool:
-    """Whether any Ray runs on this machine, whoever started it (what `ray.init()` and `auto` would find)."""
-    return any(p.info["name"] in RAY_PROCESSES for p in psutil.process_iter(["name"]))
-
-
 def ray_processes() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in RAY_PROCESSES and of_this_worker(p)}
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in RAY_PROCESSES}
 
 
 def assert_nothing_left(before: set[int], timeout_s: float = 30.0, ray: bool = True) -> None:
@@ -124,7 +106,7 @@ def test_more_gpus_than_the_cluster_has_are_refused_naming_the_flags_and_nothing
 def ray_started():
     """A cluster a user left running with `ray start --head` (1 CPU); `ray stop` after, as the user would."""
     pytest.importorskip("ray")
-    if any_ray_here():
+    if ray_processes():
         pytest.skip("a Ray already runs on this machine: plain ray.init() would join it, not the one started here")
     ray_cli = str(Path(sys.executable).parent / "ray")
     with socket.socket() as s:
@@ -158,7 +140,7 @@ def test_local_starts_a_ray_of_the_runs_own_beside_a_running_cluster_and_stops_o
 
 def test_auto_with_no_ray_running_is_refused_naming_the_three_fixes(tmp_path):
     pytest.importorskip("ray")
-    if any_ray_here():
+    if ray_processes():
         pytest.skip("a Ray already runs on this machine")
     out = refused(tmp_path / "run", env={"RAY_ADDRESS": "auto"})
     assert "RAY_ADDRESS=auto, and no Ray runs on this machine: start one (`ray start --head`)" in out
