@@ -42,8 +42,7 @@ def loop():
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Modules that start an engine first, the rest after: under `-n 2 --dist loadfile` a worker takes the next
-    module when it is free, so the seconds-long modules fill the gap the last engine module leaves, rather than a
-    minutes-long module starting last on one worker while the other idles."""
+    """Modules that start an engine first, the rest after. In one process (TEST_WORKERS=0) that is the run's order;
+    under `make test`'s two xdist workers, xdist hands out modules with the most tests first (its own reorder)."""
     engine_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("engine")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in engine_modules)  # stable: order within a module stays
