@@ -157,7 +157,8 @@ def connect(ray, cfg: RunConfig) -> str:
         try:
             # a found cluster is joined as Ray finds it (None/"auto"): only then does Ray take up the token a
             # `ray start` of 2.60 enabled from ~/.ray/auth_token; an explicit address is passed as it is
-            ray.init(address=address or None if address in ("", "auto") else found, **common)
+            explicit = found == address
+            ray.init(address=found if explicit else address or None, **common)
         except Exception as exc:  # a token refused, a version mismatch: Ray's own words, after ours
             raise LaunchError(
                 f"the Ray cluster at {found!r} refused the connection ({exc}); a cluster with token authentication "
