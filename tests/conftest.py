@@ -5,7 +5,10 @@ two, pytest-xdist's workers, each given whole modules: a module's engine is star
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,26 @@ def _destroy_unlingering(self) -> None:
 import zmq  # noqa: E402
 
 zmq.Context.__del__ = _destroy_unlingering
+
+
+# The most the suite holds at once under the temp dir: session fixtures (FSDP shards, prepared models) plus a smollm2
+# run's checkpoint on each worker; measured with `du` during a two-worker run (see docs/quickstart.md)
+NEEDS_FREE_GIB = 6
+
+
+def pytest_sessionstart(session) -> None:
+    """Refuse to start on a disk that cannot hold the run: a full disk half way through fails every later engine start
+    with a hundred unrelated-looking errors (one CI run ended so, 31 minutes in)."""
+    if hasattr(session.config, "workerinput") or os.environ.get("INFLIGHT_TEST_SKIP_DISK_CHECK"):
+        return  # xdist's controller checked once for all workers
+    tmp = Path(tempfile.gettempdir())
+    free_gib = shutil.disk_usage(tmp).free / 2**30
+    if free_gib < NEEDS_FREE_GIB:
+        raise pytest.UsageError(
+            f"{tmp} has {free_gib:.1f} GiB free; the suite needs about {NEEDS_FREE_GIB} GiB there. Free space "
+            "(old runs: rm -rf /tmp/pytest-of-$USER) or point TMPDIR at a larger disk; "
+            "INFLIGHT_TEST_SKIP_DISK_CHECK=1 runs regardless"
+        )
 
 
 @pytest.fixture(scope="session")
