@@ -1,17 +1,26 @@
-"""The demo through both launchers, side by side in one run: `inflight.run --launcher local` then `--launcher ray`.
+"""The demo through both launchers, side by side in one run: `inflight.run --launcher local`, the same beside an idle
+local Ray, and `--launcher ray`.
 
-    python -m benchmarks.launchers [--duration-s 180] [--out benchmarks/results/launchers] [-- RUN FLAGS]
+    python -m benchmarks.launchers [--duration-s 180] [--repeats 1] [--out benchmarks/results/launchers] [-- RUN FLAGS]
 
-Each launcher runs the demo's never-stop job (inflight/run/demo.py: SmolLM2 + arithmetic, its flags) for the same
-budget in `<out>/<launcher>/`, one after the other in this process; then one table (`<out>/LAUNCHERS.md`, also
-printed): learner steps, committed updates, commit stall mean / p99, generated tokens/s, and the start-up (seconds from
-calling the launcher to both sides ready, the launcher's `ready` event; under Ray: Ray's own start, placement and the
-actors included). The budget counts from `ready`, so steps and stall compare the runs themselves.
+Each arm runs the demo's never-stop job (inflight/run/demo.py: SmolLM2 + arithmetic, its flags) for the same budget in
+`<out>/<arm>-<repeat>/`, one after the other in this process, the arms interleaved repeat by repeat; then one table
+(`<out>/LAUNCHERS.md`, also printed): learner steps, committed updates, commit stall mean / p99, generated tokens/s,
+the start-up (seconds from calling the launcher to both sides ready, the launcher's `ready` event; under Ray: Ray's own
+start, placement and the actors included) and the CPU Ray's own processes used (GCS, raylet, its idle workers and
+agents; the actors that host the sides are not counted) over the run, in cores. The budget counts from `ready`, so
+steps and stall compare the runs themselves.
+
+The middle arm, `local+ray`, is the local launcher with a local Ray started beside it the way `--launcher ray` starts
+one (inflight/run/ray_launcher.py:connect, off the serve's cores) and left idle: it separates what Ray's processes cost
+a 2-core machine from what running the sides as Ray actors costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,41 +29,108 @@ from inflight.run.app import main as run_main
 from inflight.run.demo import DEMO_FLAGS, split_run_flags
 from inflight.run.report import ready_time, write_report
 
-LAUNCHERS = ("local", "ray")
+ARMS = ("local", "local+ray", "ray")
+_NUMERIC = ("startup_s", "steps", "updates", "stall_mean_s", "stall_p99_s", "gen_tokens_per_s", "ray_cores")
+# Ray's own processes by their command line (lower case): the GCS, the raylet, its agents and monitors, pooled workers
+RAY_DAEMONS = ("gcs_server", "raylet", "dashboard", "log_monitor", "autoscaler", "runtimeenv", "ray::idle")
+RAY_DAEMONS += ("default_worker",)
 
 
-def run_one(launcher: str, duration_s: float, out: Path, extra: list[str]) -> dict:
-    run_dir = out / launcher
+def ray_daemon_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by the live processes whose command line names a Ray daemon."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").lower()
+            if not any(name in cmdline for name in RAY_DAEMONS) or "processhost" in cmdline:
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while it was read
+    return total
+
+
+def start_idle_ray(flags: list[str]):
+    """A local Ray started as `--launcher ray` starts one (its processes off the serve's cores), then left idle."""
+    import ray
+
+    from inflight.run.config_file import parse_run_args
+    from inflight.run.ray_launcher import connect
+
+    cfg, _ = parse_run_args(flags, "python -m benchmarks.launchers", "")
+    before = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = "local"  # a Ray of its own, as the ray arm's driver starts one
+    try:
+        print(f"[bench] {connect(ray, cfg)}", file=sys.stderr, flush=True)
+    finally:
+        os.environ.pop("RAY_ADDRESS") if before is None else os.environ.update(RAY_ADDRESS=before)
+    return ray
+
+
+def run_one(arm: str, repeat: int, duration_s: float, out: Path, extra: list[str]) -> dict:
+    run_dir = out / f"{arm}-{repeat}"
+    launcher = "ray" if arm == "ray" else "local"
     flags = ["--run-dir", str(run_dir), "--launcher", launcher, "--mode", "never-stop", "--duration-s", str(duration_s)]
-    started = time.time()
-    code = run_main([*flags, *DEMO_FLAGS, *extra, "--plots", "false"])
+    flags += [*DEMO_FLAGS, *extra, "--plots", "false"]
+    ray = start_idle_ray(flags) if arm == "local+ray" else None
+    cpu0, started = ray_daemon_cpu_s(), time.time()
+    try:
+        code = run_main(flags)
+    finally:
+        wall, ray_cpu = time.time() - started, ray_daemon_cpu_s() - cpu0
+        if ray is not None:
+            ray.shutdown()
     ready = ready_time(run_dir)
     summary = write_report(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
-    return {"launcher": launcher, "code": code, "startup_s": (ready - started) if ready else float("nan"), **summary}
+    row = {"arm": arm, "repeat": repeat, "code": code, "startup_s": (ready - started) if ready else float("nan")}
+    return row | {"ray_cores": ray_cpu / wall} | summary
+
+
+def _cells(r: dict) -> list[str]:
+    nan = float("nan")
+    return [
+        f"{r['startup_s']:.1f}",
+        f"{r.get('steps', 0)}",
+        f"{r.get('updates', 0)}",
+        f"{1e3 * r.get('stall_mean_s', nan):.1f} / {1e3 * r.get('stall_p99_s', nan):.1f}",
+        f"{r.get('gen_tokens_per_s', nan):.1f}",
+        f"{r['ray_cores']:.2f}",
+    ]
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| launcher | exit | start-up s | steps | updates | stall ms (mean/p99) | gen tok/s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        stall = f"{1e3 * r.get('stall_mean_s', float('nan')):.1f} / {1e3 * r.get('stall_p99_s', float('nan')):.1f}"
-        lines.append(
-            f"| {r['launcher']} | {r['code']} | {r['startup_s']:.1f} | {r.get('steps', 0)} | {r.get('updates', 0)} | "
-            f"{stall} | {r.get('gen_tokens_per_s', float('nan')):.1f} |"
-        )
+    """One line per run, then one per arm with the mean over its repeats (and the stall's spread: min-max of means)."""
+    head = "| arm | run | exit | start-up s | steps | updates | stall ms (mean/p99) | gen tok/s | Ray's CPU (cores) |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['arm']} | {r['repeat']} | {r['code']} | " + " | ".join(_cells(r)) + " |" for r in rows]
+    for arm in ARMS:
+        mine = [r for r in rows if r["arm"] == arm]
+        if len(mine) > 1:
+            stalls = [1e3 * r.get("stall_mean_s", float("nan")) for r in mine]
+            mean = {k: statistics.fmean(r.get(k, float("nan")) for r in mine) for k in _NUMERIC}
+            cells = _cells(mean | {"arm": arm})
+            cells[3] = (
+                f"{statistics.fmean(stalls):.1f} ({min(stalls):.1f}-{max(stalls):.1f}) / {cells[3].split('/ ')[1]}"
+            )
+            lines.append(f"| **{arm}** | mean of {len(mine)} | | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv, extra = split_run_flags(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.launchers", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration-s", type=float, default=180.0, help="training budget per launcher (default 180)")
-    parser.add_argument("--out", default="benchmarks/results/launchers", help="parent of the two run directories")
+    parser.add_argument("--duration-s", type=float, default=180.0, help="training budget per run (default 180)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per arm, the arms interleaved (default 1)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"which arms, comma-separated (default {ARMS})")
+    parser.add_argument("--out", default="benchmarks/results/launchers", help="parent of the run directories")
     args = parser.parse_args(argv)
+    arms = args.arms.split(",")
+    if unknown := sorted(set(arms) - set(ARMS)):
+        parser.error(f"--arms {args.arms!r}: {unknown} is no arm; choose from {', '.join(ARMS)}")
     out = Path(args.out)
-    rows = [run_one(launcher, args.duration_s, out, extra) for launcher in LAUNCHERS]
+    rows = [run_one(arm, i, args.duration_s, out, extra) for i in range(args.repeats) for arm in arms]
     text = table(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "LAUNCHERS.md").write_text(text + "\n")
