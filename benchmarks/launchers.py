@@ -32,8 +32,9 @@ from inflight.run.report import ready_time, write_report
 ARMS = ("local", "local+ray", "ray")
 _NUMERIC = ("startup_s", "steps", "updates", "stall_mean_s", "stall_p99_s", "gen_tokens_per_s", "ray_cores")
 # Ray's own processes by their command line (lower case): the GCS, the raylet, its agents and monitors, pooled workers
-RAY_DAEMONS = ("gcs_server", "raylet", "dashboard", "log_monitor", "autoscaler", "runtimeenv", "ray::idle")
-RAY_DAEMONS += ("default_worker",)
+RAY_DAEMONS = (
+    "gcs_server", "raylet", "dashboard", "log_monitor", "autoscaler", "runtimeenv", "ray::idle", "default_worker",
+)  # fmt: skip
 
 
 def ray_daemon_cpu_s() -> float:
