@@ -1,4 +1,4 @@
-"""What checking a GPU update and snapshotting it cost, with the host round trips and without them.
+"""What checking a GPU update costs, with the host round trips and without them.
 
     python -m benchmarks.host_round_trips [--layers 28] [--json out.json]     (needs CUDA; prints one table)
 
@@ -6,9 +6,7 @@ Measured side by side in one run on Qwen2.5-1.5B-shaped bf16 tensors (benchmarks
 - sender: `plan_manifest` of the GPU state, which checksums every tensor — `sum31` on the GPU (a GPU learner's kind,
   inflight/wire/checksum.py) against CRC32 from a pageable host copy of each tensor (what a GPU learner did before);
 - receiver: `unpack_buckets` over GPU buckets with verification — `sum31` on the device against CRC32 from a pinned
-  host copy of each bucket (what a GPU serve did before) — and with none, the floor;
-- the learner's late-serve snapshot: every tensor copied into pageable host memory (synchronous) against
-  non-blocking copies into pinned memory and one wait (inflight/learn/snapshot.py).
+  host copy of each bucket (what a GPU serve did before) — and with none, the floor.
 """
 
 from __future__ import annotations
@@ -45,17 +43,6 @@ def receiver_buckets(state: dict[str, torch.Tensor], kind: str):
     return manifest, buckets
 
 
-def snapshot_copy(state: dict[str, torch.Tensor], pinned: bool) -> dict[str, torch.Tensor]:
-    dest = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for n, t in state.items()}
-
-    def copy() -> None:
-        for name, t in state.items():
-            dest[name].copy_(t, non_blocking=pinned)
-        torch.cuda.current_stream().synchronize()
-
-    return copy
-
-
 def measure(layers: int) -> dict:
     state = model_state(layers, "cuda")
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -65,11 +52,8 @@ def measure(layers: int) -> dict:
         manifest, buckets = receiver_buckets(state, kind)
         row[f"receive_{kind}_s"] = seconds(lambda m=manifest, b=buckets: unpack_buckets(m, b, verify=True))
     row["receive_unverified_s"] = seconds(lambda: unpack_buckets(manifest, buckets, verify=False))
-    row["snapshot_pageable_s"] = seconds(snapshot_copy(state, pinned=False))
-    row["snapshot_pinned_s"] = seconds(snapshot_copy(state, pinned=True))
     row["send_speedup"] = row["send_crc32_s"] / row["send_sum31_s"]
     row["receive_speedup"] = row["receive_crc32_s"] / row["receive_sum31_s"]
-    row["snapshot_speedup"] = row["snapshot_pageable_s"] / row["snapshot_pinned_s"]
     return row
 
 
@@ -83,14 +67,9 @@ def report(row: dict) -> None:
         ("receive_crc32_s", "receiver: CRC32 via pinned bucket copies"),
         ("receive_sum31_s", "receiver: sum31 on the GPU"),
         ("receive_unverified_s", "receiver: no check (floor)"),
-        ("snapshot_pageable_s", "snapshot: pageable copies"),
-        ("snapshot_pinned_s", "snapshot: pinned non-blocking copies"),
     ):
         print(f"{label:<44} {row[key]:>8.3f} {gb / row[key]:>8.1f}")
-    print(
-        f"speed-ups: sender x{row['send_speedup']:.1f}, receiver x{row['receive_speedup']:.1f}, "
-        f"snapshot x{row['snapshot_speedup']:.1f}"
-    )
+    print(f"speed-ups: sender x{row['send_speedup']:.1f}, receiver x{row['receive_speedup']:.1f}")
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ WeightPublisher; a spawned receiver process plays the serve (benchmarks/receiver
 checkpoint's tensors in `--dtype`, joins the weights group and unpacks + verifies every update as a serve's staging
 thread does (checksums from the update itself, or its trailer when streamed), then reports each tensor's CRC32. Per
 mode `--repeats` versions are published, each into a `PeakMeter` (inflight/wire/memory.py: the process's resident
-high-water mark on CPU); the first publish of the run allocates the host snapshot the publisher keeps for serves that
-join later, so the figure is the median of the later ones. Written to `--out` (JSON) and printed.
+high-water mark on CPU); the first publish of the run also allocates the buckets and the group's buffers, so the
+figure is the median of the later ones. Written to `--out` (JSON) and printed.
 """
 
 from __future__ import annotations

@@ -67,6 +67,15 @@ def checkpoint_named(hf_model: torch.nn.Module, name: str, t: torch.Tensor) -> d
     return revert_weight_conversion(hf_model, {name: t})
 
 
+def hf_layout(model: PolicyModel) -> dict[str, torch.Tensor]:
+    """`full_hf_state`'s names, in its order, each with a shape-only (meta) tensor of its dtype and full shape: what a
+    serve is checked against, gathering nothing (a sharded parameter's DTensor knows its full shape)."""
+    layout: dict[str, torch.Tensor] = {}
+    for hf_name, t in local_hf_state(model):
+        layout.update(checkpoint_named(model.hf, hf_name, torch.empty(t.shape, dtype=t.dtype, device="meta")))
+    return layout
+
+
 class Piece(NamedTuple):
     """Rows `start` .. `start + len(tensor)` of the full tensor `name` of shape `shape` (all of it when `start` is 0 and
     `tensor.shape == shape`, always so for a 0-d tensor)."""

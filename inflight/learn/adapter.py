@@ -3,8 +3,9 @@ of full weights — the adapter, each publish and in `hf-final`.
 
 `inflight/learn/app.py:Learner` builds an `AdapterOutputs` when the policy has adapters (learner/lora.py): its `spec`
 goes to the publisher, which marks every update as an adapter update (the serves check it against the adapter they
-serve), and `Learner._publish` sends `learner/lora.py:adapter_state` — PEFT's saved names, what the serve's adapter
-slot loads (vllm_patches/adapter.py) — in place of the full weights; `AdapterOutputs.export` writes `hf-final`.
+serve), and `RankSender.publish` (inflight/learn/publisher.py) sends `learner/lora.py:adapter_state` — PEFT's saved
+names, what the serve's adapter slot loads (vllm_patches/adapter.py) — in place of the full weights;
+`AdapterOutputs.export` writes `hf-final`.
 """
 
 from __future__ import annotations

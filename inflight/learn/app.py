@@ -5,7 +5,8 @@ runs is one `learner/world.py:World`, built once in `main`. This module is what 
 optimizer, the step loop, checkpoints, the final export. Rank 0's network side (sockets, rollout buffer, journal,
 weight publisher, metrics file) is `LearnerService` (inflight/learn/service.py): every step rank 0 asks it for
 `groups_per_step` complete groups, staleness-gated (`next_groups`), and broadcasts the samples; all ranks train on
-their slice; the new full weights go out as `version + 1` (`publish`). The loop is visible in `Learner.run`.
+their slice; the new full weights go out as `version + 1` (inflight/learn/publisher.py:RankSender). The loop is visible
+in `Learner.run`.
 
 The step's samples reach the other ranks by `broadcast_samples`: msgpack bytes in a uint8 tensor over the default
 group (never pickle), on that group's device (`learner/world.py:World.device`: NCCL moves GPU memory only); every rank
@@ -20,8 +21,10 @@ import gc
 import logging
 import shutil
 import signal
+import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -33,17 +36,15 @@ from safetensors.torch import save_file
 from inflight.config import declared_values, parse_dataclass, setup_logging, write_resolved
 from inflight.learn.adapter import AdapterOutputs, counted_parameters, lora_spec
 from inflight.learn.config import LearnConfig, PolicyLossKnobs, TrainStepKnobs
-from inflight.learn.publisher import PublishReport
+from inflight.learn.publisher import CATCH_UP, RankSender
 from inflight.learn.samples import GatedSample, GateStats
 from inflight.learn.service import LearnerService
 from inflight.learn.tracking import Reporting
 from inflight.machine import resolve_precision
 from inflight.models import resolve_model
-from inflight.wire.memory import PeakMeter, trim_after_update
 from inflight.wire.records import StepMetrics
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
-from learner.export import full_hf_state, iter_full_pieces
-from learner.lora import adapter_state
+from learner.export import full_hf_state
 from learner.losses import LossConfig
 from learner.model import PolicyModel, load_policy, shard_policy
 from learner.routing_replay import RoutingReplay, RoutingReplayError
@@ -65,13 +66,17 @@ class Resumed:
     by_server: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def broadcast_samples(samples: list[GatedSample] | None, world: World) -> list[GatedSample]:
-    """Rank 0's `samples` on every rank ([] = stop). A no-op in a world of one. Collective: every rank calls it."""
+def broadcast_samples(samples: list[GatedSample] | None, world: World, catch_up: Callable) -> list[GatedSample]:
+    """Rank 0's `samples` on every rank ([] = stop); the other ranks `catch_up()` each time rank 0 orders it first
+    (inflight/learn/publisher.py:order_catch_up). A no-op in a world of one. Collective: every rank calls it."""
     if world.size == 1:
         return samples or []
     payload = msgspec.msgpack.encode(samples or []) if world.rank == 0 else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=world.device)
     dist.broadcast(size, 0)
+    while world.rank != 0 and int(size) == CATCH_UP:
+        catch_up()
+        dist.broadcast(size, 0)
     if world.rank == 0:
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(world.device)
     else:
@@ -131,9 +136,10 @@ class Learner:
         self.optimizer = make_optimizer(self.model, self.train_cfg)
         resumed = resume(self.run_dir, self.model, self.optimizer) if cfg.resume else Resumed()
         self.version, self.step = resumed.version, resumed.step
-        self.stop_requested = False  # set by SIGTERM/SIGINT: rank 0 stops waiting for groups, every rank then stops
+        self.stopping = threading.Event()  # SIGTERM/SIGINT: rank 0 stops waiting for groups, every rank then stops
         self.reporting = open_reporting(cfg) if world.rank == 0 else None  # before the service binds
-        state = self._served_state()  # collective: every rank gathers
+        self.sender = RankSender(self.model, world, self.adapter is not None, cfg.full_every)
+        state = self.sender.service_state()  # collective when gathered
         adapter = self.adapter.spec() if self.adapter is not None else None
         self.service = (
             LearnerService(cfg, state, self.version, resumed.consumed, resumed.by_server, world.weights_device, adapter)
@@ -141,11 +147,7 @@ class Learner:
             else None
         )
         # rank 0 hands each version straight to the service's publisher (it reads no socket of the loop's)
-        self.publisher = self.service.publisher if self.service is not None else None
-
-    def _served_state(self) -> dict[str, torch.Tensor]:
-        """What the serves get (collective): the adapter alone with --lora-rank, else the full weights."""
-        return adapter_state(self.model) if self.adapter is not None else full_hf_state(self.model)
+        self.sender.publisher = self.service.publisher if self.service is not None else None
 
     def run(self) -> int:
         """Every rank, until `--steps` (0: until stopped): groups, train step, publish (`--publish-every`), metrics
@@ -157,15 +159,16 @@ class Learner:
         gc.freeze()
         while not self.cfg.steps or self.step < self.cfg.steps:
             started = time.perf_counter()
-            batch = self.service.next_groups(self.version, lambda: self.stop_requested) if self.rank == 0 else None
+            catch_up = partial(self.sender.catch_up, self.version)  # every rank streams to a serve that joined late
+            batch = self.service.next_groups(self.version, self.stopping.is_set, catch_up) if self.rank == 0 else None
             waited = time.perf_counter() - started
-            samples = broadcast_samples(batch.samples if batch is not None else None, self.placement)
+            samples = broadcast_samples(batch.samples if batch is not None else None, self.placement, catch_up)
             if not samples:
                 break
             metrics = self._train(samples)
             self.version += 1
             self.step += 1
-            publish = self._publish() if self.version % self.cfg.publish_every == 0 else {}
+            publish = self.sender.publish(self.version) if self.version % self.cfg.publish_every == 0 else {}
             if self.rank == 0:
                 lengths = [len(s.completion_ids) for s in samples]
                 record = self._log(batch.stats, metrics, publish, waited, time.perf_counter() - started, lengths)
@@ -197,30 +200,6 @@ class Learner:
         metrics["train_s"] = time.perf_counter() - start
         metrics["train_tokens"] = step.tokens
         return _ratios(metrics)
-
-    def _publish(self) -> dict:
-        """Every rank gathers the full weights; rank 0 sends them as `version`: the StepMetrics `publish_*` fields.
-        A full update streams piece by piece (rank 0 holds two buckets, not the model): every rank walks
-        `iter_full_pieces` to its end in lockstep, its gathers being collectives, and rank 0 hands each piece to the
-        serves (the contract: inflight/learn/publisher.py). A delta update (`--full-every` > 1) compares whole states,
-        so it gathers the whole model first."""
-        start = time.perf_counter()
-        if self.adapter is not None or self.cfg.full_every > 1:  # an adapter (a few MB), or a delta on whole states
-            state = self._served_state()  # collective: every rank gathers, rank 0 keeps the tensors
-            return published_fields(self.publisher.publish(state, self.version), start) if self.rank == 0 else {}
-        if self.rank != 0:
-            for _ in iter_full_pieces(self.model):  # this rank's part of each gather; rank 0 gets the pieces
-                pass
-            return {}
-        # A CUDA learner over gloo: the buckets are in host memory, the gathered pieces on its GPU; both are measured.
-        own = self.placement.device if self.placement.device != self.placement.weights_device else None
-        with PeakMeter(self.placement.weights_device) as peak, PeakMeter(own) if own else nullcontext() as on_gpu:
-            report = self.publisher.publish_stream(iter_full_pieces(self.model), self.version)
-        fields = published_fields(report, start)
-        fields["publish_peak_bytes"] = peak.extra_bytes if peak.measured else None
-        if on_gpu is not None and on_gpu.measured:
-            fields["publish_device_peak_bytes"] = on_gpu.extra_bytes
-        return fields
 
     def _log(
         self, gate: GateStats, metrics: dict, publish: dict, waited: float, step_s: float, lengths: list[int]
@@ -303,13 +282,6 @@ def train_config(cfg: LearnConfig) -> TrainConfig:
     )
 
 
-def published_fields(report: PublishReport, started: float) -> dict:
-    """A publish's StepMetrics `publish_*` fields, `publish_s` counted from `started` (a `time.perf_counter()` reading
-    taken before the weights were gathered); the freed snapshots and buckets go back to the OS first."""
-    trim_after_update()  # INFLIGHT_TRIM_EVERY_S
-    return report.fields(time.perf_counter() - started)
-
-
 def step_values(gate: GateStats, metrics: dict, waited: float, step_s: float, lengths: list[int]) -> dict:
     """A step's StepMetrics fields from the gate's statistics and train_step's metrics (all but step, version and
     the publish report)."""
@@ -382,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"inflight.learn: {exc}") from None
 
     for stop in (signal.SIGTERM, signal.SIGINT):  # stop after the step in progress, checkpointed and exported
-        signal.signal(stop, lambda *_: setattr(learner, "stop_requested", True))
+        signal.signal(stop, lambda *_: learner.stopping.set())
     clean = False
     try:
         code = learner.run()

@@ -1,4 +1,13 @@
-"""WeightPublisher: learner rank 0's side of one weight update — plan it, announce it, move its buckets.
+"""The learner's side of one weight update: `RankSender`, every rank's part, and `WeightPublisher`, rank 0's — plan
+it, announce it, move its buckets. Runs in the learner process (WeightPublisher on rank 0's main thread only).
+
+Every rank (`RankSender`): a full update streams from the shards — every rank walks `learner/export.py:iter_full_pieces`
+to its end in lockstep (on a sharded model its gathers are collectives) and rank 0 hands each piece to its
+`WeightPublisher`, holding two buckets, not the model. An adapter (a few MB) or a delta (`--full-every` > 1, which
+compares whole states) is gathered whole to rank 0 first (`full_hf_state`). Nothing of a streamed update is kept
+anywhere: a serve that joins later (a restart, a new serve, a resumed learner's first serve) is streamed the weights
+again by every rank (`RankSender.catch_up`); rank 0 finds it while it waits for groups and tells the other ranks, which
+wait in inflight/learn/app.py:broadcast_samples, with `order_catch_up`.
 
 Flow (docs/ARCHITECTURE.md "The weight path"), one way: the control plane (inflight/learn/control.py:ControlPlane)
 says who the members are, forming the group first when membership changed; the publisher casts or streams the tensors
@@ -14,7 +23,7 @@ Contract of a streamed publish (every learner rank, in lockstep, or the ranks de
 `learner/export.py:iter_full_pieces` to its end, in the same order — on a sharded model each piece is a collective
 gather — and rank 0 hands each piece to `StreamedUpdate.put` as it comes, then calls `finish_stream`. `put` never
 raises a broadcast error: a broadcast that fails part-way only stops the sending (the serves that missed the version
-are dropped afterwards), the pieces still go into the snapshot and the walk goes on, so no rank is left in a gather.
+are dropped afterwards), and the walk goes on, so no rank is left in a gather.
 Other errors are bugs and end rank 0 (torchrun then ends the others).
 
 Delta updates (`full_every` > 1): when every member reported the commit of the previous version sent, the next update
@@ -23,17 +32,23 @@ tensors' checksums; a full update goes out every `full_every` versions, after an
 or missed one. The cast tensors of the last version sent stay here as the base (one copy in the serves' dtype).
 
 A serve that dies mid-transfer breaks the broadcast within the group's timeout: the control plane drops the serves
-that went quiet and a whole-state publish sends the same version again to the rest. A serve that (re)joins late gets
-the latest weights (`latest`, inflight/learn/snapshot.py) from `catch_up`.
+that went quiet and a whole-state publish sends the same version again to the rest. A serve that (re)joins late is sent
+the weights at once: after a whole-state publish, the state kept (`latest`, inflight/learn/snapshot.py) by `catch_up`;
+after a streamed one nothing is kept (no rank holds a copy of the model for late joiners): every learner rank streams
+its weights again (`RankSender.catch_up`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from inflight.learn.admission import ServeCheck, TensorLayout
 from inflight.learn.control import ControlPlane
@@ -43,6 +58,7 @@ from inflight.learn.snapshot import LatestWeights
 from inflight.wire.checksum import checksum_kind_for
 from inflight.wire.control import Agreed, ControlServer, UpdateWeights
 from inflight.wire.group import WeightsGroupError
+from inflight.wire.memory import PeakMeter, trim_after_update
 from inflight.wire.transfer import StreamSender, TransferStats, send_update
 from inflight.wire.weights import (
     DTYPES,
@@ -53,6 +69,12 @@ from inflight.wire.weights import (
     plan_layout,
     plan_update,
 )
+from learner.export import full_hf_state, hf_layout, iter_full_pieces
+from learner.lora import adapter_state
+from learner.model import PolicyModel
+from learner.world import World
+
+log = logging.getLogger("inflight.learn")
 
 
 @dataclass
@@ -127,39 +149,29 @@ class StreamOutcome:
 
     version: int
     serves: int
-    snapshot: dict[str, torch.Tensor]
     stats: TransferStats | None = None
     error: WeightsGroupError | None = None
 
 
 class StreamedUpdate:
-    """One version on its way: into `sender` (None when there is no serve to send to) and into `snapshot`, the host
-    copy in the serves' dtypes a later joiner gets. `serves` members were sent the manifest."""
+    """One version on its way into `sender` (None when there is no serve to send to); `serves` members were sent the
+    manifest. Nothing is kept: each piece is cast into a bucket and the learner's next piece may reuse its memory."""
 
-    def __init__(self, version: int, serves: int, sender: StreamSender | None, snapshot: dict[str, torch.Tensor]):
-        self.version, self.serves, self.sender, self.snapshot = version, serves, sender, snapshot
+    def __init__(self, version: int, serves: int, sender: StreamSender | None):
+        self.version, self.serves, self.sender = version, serves, sender
         self.error: WeightsGroupError | None = None
-        self.copying = False  # device-to-host copies into the (pinned) snapshot still queued on the current stream
 
     def put(self, piece: WeightPiece) -> None:
-        """The next piece, in manifest order, into the stream (while it is healthy) and the snapshot."""
-        source = piece.tensor
+        """The next piece, in manifest order, into the stream while it is healthy (never raises a broadcast error)."""
         if self.sender is not None and self.error is None:
-            try:  # the snapshot copies the bucket's host rows, already cast: no second trip from the device
-                source = self.sender.put(piece.name, piece.tensor, piece.start)
+            try:
+                self.sender.put(piece.name, piece.tensor, piece.start)
             except WeightsGroupError as exc:
                 self.error = exc
-        dest = self.snapshot[piece.name]
-        # Pinned: queued, not waited for (the bucket is refilled two buckets later on this same stream, after it).
-        asynchronous = source.is_cuda and dest.is_pinned()
-        copy_rows(dest, piece.start, source, non_blocking=asynchronous)
-        self.copying |= asynchronous
 
     def finish(self) -> StreamOutcome:
         """The trailer after the last bucket (or, after a failure, nothing more sent); the outcome."""
-        if self.copying:  # the snapshot is read (a late serve's catch-up) only once every copy has landed
-            torch.cuda.current_stream().synchronize()
-        outcome = StreamOutcome(self.version, self.serves, self.snapshot, error=self.error)
+        outcome = StreamOutcome(self.version, self.serves, error=self.error)
         if self.sender is None:
             return outcome
         if self.error is not None:
@@ -239,24 +251,24 @@ class WeightPublisher:
     def begin_stream(self, version: int) -> StreamedUpdate:
         """Start sending `version` as a full update streamed in the learner's order (`check.expected`): the members
         ready, the manifest planned from names, dtypes and shapes alone (`plan_layout`) and announced. Feed it every
-        piece (`StreamedUpdate.put`), then `finish_stream`. With no serve it only fills the snapshot."""
+        piece (`StreamedUpdate.put`), then `finish_stream`. With no serve it sends nothing (the version is still the
+        latest: the first serve to join is streamed the weights then)."""
         members = self._members_ready(self.latest.version)
         if not members:
-            layout = self.check.expected or {}
-            return StreamedUpdate(version, 0, None, self.latest.writable(layout))
+            return StreamedUpdate(version, 0, None)
         served = _served(members)
         layout = {name: served[name] for name in (self.check.expected or served)}  # the learner's order, serve dtypes
         manifest = plan_layout(layout, version, self.bucket_bytes, self.sums)
         self._announce(manifest, members, served)
         sender = StreamSender(self.plane.group, manifest, self.device, self.weights_key)
-        return StreamedUpdate(version, len(members), sender, self.latest.writable(layout))
+        return StreamedUpdate(version, len(members), sender)
 
     def finish_stream(self, update: StreamedUpdate) -> PublishReport:
-        """The trailer sent; the snapshot becomes `latest` (complete even when the broadcast failed part-way: the serves
-        that missed the version get it from there). No retry: a failed broadcast drops the serves that went quiet, the
+        """The trailer sent; the version becomes `latest`, its tensors not kept (the serves that missed it are streamed
+        the weights when they rejoin: `catch_up`). No retry: a failed broadcast drops the serves that went quiet, the
         others get the next version."""
         outcome = update.finish()
-        self.latest.keep(outcome.version, outcome.snapshot)
+        self.latest.keep(outcome.version, {})
         self.deltas.forget()
         report = PublishReport(outcome.version)
         if outcome.error is not None:
@@ -273,12 +285,15 @@ class WeightPublisher:
             update.put(piece)
         return self.finish_stream(update)
 
-    def catch_up(self) -> PublishReport | None:
-        """If a serve joined after the latest publish, send it (and everyone) the latest weights now."""
+    def catch_up(self, stream: Callable[[], object]) -> None:
+        """If a serve joined after the latest publish, send it (and everyone) the latest weights now: the state a
+        whole-state publish kept, else `stream()`, by which every learner rank streams its weights again (collective
+        on a sharded model: `RankSender.catch_up` tells the other ranks first)."""
         version = self.plane.membership.catch_up(self.latest.version)
-        if version is None:
-            return None
-        return self.publish(self.latest.tensors, version)
+        if version is not None and self.latest.tensors:
+            self.publish(self.latest.tensors, version)
+        elif version is not None:
+            stream()
 
     def close(self) -> None:
         """Wait (up to the plane's `timeout_s`) until every member has answered the last published update, then break
@@ -325,17 +340,84 @@ def open_publisher(
     return WeightPublisher(plane, check, **options)
 
 
-def copy_rows(dest: torch.Tensor, start: int, rows: torch.Tensor, non_blocking: bool = False) -> None:
-    """`rows` into `dest` from row `start` (all of `dest` when the shapes agree)."""
-    if rows.shape == dest.shape and start == 0:
-        dest.copy_(rows, non_blocking=non_blocking)
-    else:
-        dest[start : start + rows.shape[0]].copy_(rows, non_blocking=non_blocking)
-
-
 def _served(members: list[Serve]) -> TensorLayout:
     """Name -> (dtype, shape) of what the serves hold (all members announced the same: checked at Hello)."""
     return {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
+
+
+CATCH_UP = -1  # broadcast where a batch's size goes: every rank streams its weights to a late serve, then waits again
+
+
+class RankSender:
+    """One rank's sending of `model`: streamed, unless it is an adapter or `full_every` > 1. `publisher` is rank 0's
+    (set once its service is up), None on the other ranks."""
+
+    def __init__(self, model: PolicyModel, world: World, adapter: bool, full_every: int):
+        self.model, self.world, self.adapter = model, world, adapter
+        self.streams = not adapter and full_every == 1
+        self.publisher: WeightPublisher | None = None
+
+    def service_state(self) -> dict[str, torch.Tensor]:
+        """What rank 0's service checks serves against: the layout alone (meta tensors, nothing gathered) when
+        streaming, else the served state, which a whole-state publisher also sends a serve joining a resumed learner
+        (collective: every rank calls it)."""
+        return hf_layout(self.model) if self.streams else self.served_state()
+
+    def served_state(self) -> dict[str, torch.Tensor]:
+        """What the serves get, whole on rank 0 (collective): the adapter alone with --lora-rank, else the weights."""
+        return adapter_state(self.model) if self.adapter else full_hf_state(self.model)
+
+    def publish(self, version: int) -> dict:
+        """Every rank: send the weights as `version`; rank 0's StepMetrics `publish_*` fields ({} elsewhere), with its
+        peak extra memory when streamed."""
+        start = time.perf_counter()
+        if not self.streams:
+            state = self.served_state()  # collective: every rank gathers, rank 0 keeps the tensors
+            return published_fields(self.publisher.publish(state, version), start) if self.world.rank == 0 else {}
+        if self.world.rank != 0:
+            return stream_weights(self.model, self.world, None, version) or {}
+        # A CUDA learner over gloo: the buckets are in host memory, the gathered pieces on its GPU; both are measured.
+        own = self.world.device if self.world.device != self.world.weights_device else None
+        with PeakMeter(self.world.weights_device) as peak, PeakMeter(own) if own else nullcontext() as on_gpu:
+            report = stream_weights(self.model, self.world, self.publisher, version)
+        fields = published_fields(report, start)
+        fields["publish_peak_bytes"] = peak.extra_bytes if peak.measured else None
+        if on_gpu is not None and on_gpu.measured:
+            fields["publish_device_peak_bytes"] = on_gpu.extra_bytes
+        return fields
+
+    def catch_up(self, version: int) -> None:
+        """Every rank: stream the current weights as `version` to a serve that joined after the latest streamed
+        publish. Rank 0 calls it from its wait for groups and tells the other ranks first (`order_catch_up`)."""
+        if self.world.rank == 0:
+            order_catch_up(self.world)
+        if report := stream_weights(self.model, self.world, self.publisher, version):
+            log.info("caught up: v%d streamed to %d serve(s), %d bytes", report.version, report.serves, report.bytes)
+
+
+def stream_weights(
+    model: PolicyModel, world: World, publisher: WeightPublisher | None, version: int
+) -> PublishReport | None:
+    """Every rank walks `iter_full_pieces` to its end in lockstep; rank 0 streams each piece as `version`: a report."""
+    pieces = iter_full_pieces(model)
+    if world.rank == 0:
+        return publisher.publish_stream(pieces, version)
+    for _ in pieces:  # this rank's part of each gather; rank 0 gets the pieces
+        pass
+    return None
+
+
+def order_catch_up(world: World) -> None:
+    """Rank 0: tell every other rank, waiting in `broadcast_samples`, to stream its weights now. A no-op alone."""
+    if world.size > 1:
+        dist.broadcast(torch.tensor([CATCH_UP], dtype=torch.int64, device=world.device), 0)
+
+
+def published_fields(report: PublishReport, started: float) -> dict:
+    """A publish's StepMetrics `publish_*` fields, `publish_s` counted from `started` (a `time.perf_counter()` reading
+    taken before the weights were gathered); the freed buckets go back to the OS first."""
+    trim_after_update()  # INFLIGHT_TRIM_EVERY_S
+    return report.fields(time.perf_counter() - started)
 
 
 __all__ = ["WeightPublisher", "PublishReport", "ManifestError", "open_publisher"]

@@ -133,11 +133,17 @@ class RolloutIntake:
             self.journal.close()
 
 
+def _shape_only(state: dict[str, torch.Tensor]) -> bool:
+    """A layout (learner/export.py:hf_layout), not weights: nothing to send a late serve from."""
+    return any(t.is_meta for t in state.values())
+
+
 class LearnerService:
     """Binds the rollout and control sockets and the weights store on `cfg.host` (ready when this returns, which it
     prints as `inflight.learn ready: ...`), and opens the journal: replayed on `--resume`, else emptied. `state` is
     the learner's full weights (what serves must serve, and what a serve joining a resumed learner at `version` > 0
-    gets); `consumed`/`by_server` come from the checkpoint; `weights_device` is where published tensors must be for
+    gets) or, for a learner that streams its updates, their layout alone (meta tensors: such a serve is streamed the
+    weights); `consumed`/`by_server` come from the checkpoint; `weights_device` is where published tensors must be for
     the weights group's backend (`learner/world.py:World.weights_device`). Rank 0 only; not thread-safe."""
 
     def __init__(
@@ -171,7 +177,7 @@ class LearnerService:
         self.plane = self.publisher.plane
         self.publisher.check.set_model(state, cfg.contract())  # serves that differ are refused at Hello
         if version > 0:  # serves start from the base checkpoint: they get the resumed weights when they join
-            self.publisher.latest.keep(version, state)
+            self.publisher.latest.keep(version, {} if _shape_only(state) else state)
         self.stepped = False  # whether next_groups returned groups yet (--wait-for-serves holds only the first step)
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         self._announce()
@@ -191,17 +197,17 @@ class LearnerService:
                 log.warning("--replay: %s differs from the recording", difference)
 
     # -- the wait for a step's groups -----------------------------------------------------------------------------
-    def next_groups(self, version: int, stop: Callable[[], bool]) -> GatedBatch | None:
+    def next_groups(self, version: int, stop: Callable[[], bool], catch_up: Callable) -> GatedBatch | None:
         """Block until `groups_per_step` complete groups are here; mark them consumed, acknowledge and return them as
         samples gated at the learner's `version` (inflight/learn/samples.py:build_samples). None once `stop()` is
         true, or once a replayed journal has no step's worth of groups left. Until the first groups are returned, also
-        wait for `--wait-for-serves` serves to have said Hello."""
+        wait for `--wait-for-serves` serves to have said Hello; a serve joining meanwhile is caught up (`catch_up`)."""
         last_progress = 0.0
         while not stop():
             if not self._collect():
                 return None  # the replayed recording is used up: the run ends as at --steps
             self.plane.pump(0)
-            self.publisher.catch_up()
+            self.publisher.catch_up(catch_up)
             groups = None if self._waiting_for_serves() else self.intake.take(self.cfg.groups_per_step)
             if groups is not None:
                 self.stepped = True

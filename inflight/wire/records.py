@@ -75,7 +75,7 @@ class StepMetrics(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     mismatch_lag0_unreplayed: float | None = None  # mismatch_lag0 without replay (mismatch_lag0 is with it)
     route_bytes_per_token: float | None = None  # the routes' encoded bytes / prompt + completion tokens of the batch
     train_tokens: int  # trained tokens of the whole batch (all ranks)
-    # From `inflight/learn/app.py:Learner._publish`, only on steps that published (--publish-every):
+    # From `inflight/learn/publisher.py:RankSender.publish`, only on steps that published (--publish-every):
     publish_s: float | None = None  # gather the full weights and send the update
     publish_bytes: int | None = None
     publish_serves: int | None = None  # serves the update went to

@@ -82,52 +82,62 @@ def test_torchrun_two_gloo_ranks_train_like_one_process(model_dirs, tmp_path):
 
 
 @pytest.mark.engine
-def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_and_it_then_answers_like_the_export(
+def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_catch_a_resumed_serve_up_and_it_answers_right(
     model_dirs, tmp_path
 ):
-    """Issue 16's publish on CPU: `torchrun --nproc-per-node 2 -m inflight.learn` (gloo, FSDP2) trains SmolLM2 on a
-    real serve's rollouts and streams each update from its shards (learner/export.py:iter_full_pieces) into the serve.
-    Rank 0's peak extra memory during the second publish (the first also allocates the host snapshot kept for late
-    serves) stays within three buckets, as its metrics line says; the serve commits the last version and then
-    greedy-decodes exactly what transformers decodes from the learner's exported weights (prompts with a clear greedy
-    choice), the same check as test_learn.py makes for one rank."""
+    """Issues 16 and 41's publish on CPU: `torchrun --nproc-per-node 2 -m inflight.learn` (gloo, FSDP2) trains SmolLM2
+    on a real serve's rollouts and streams each update from its shards (learner/export.py:iter_full_pieces) into the
+    serve. Rank 0's peak extra memory during every publish stays within three buckets, as its metrics lines say: no
+    rank keeps a copy of the model for serves that join late. A second life of the learner (`--resume true`) finds the
+    serve, which joins its group late, and every rank streams it the resumed weights at once
+    (inflight/learn/publisher.py:RankSender.catch_up); it then trains a third step. The serve commits the last version
+    and greedy-decodes exactly what transformers decodes from the learner's exported weights (prompts with a clear
+    greedy choice), the same check as test_learn.py makes for one rank."""
     from serve_support import ServeProcess
     from test_learn import assert_serve_answers_like_the_export
 
     path, ports, http = model_dirs["smollm2"], [free_port() for _ in range(3)], free_port()
     bucket_mb = 128  # >= the largest tensor in fp32 (the 113-MiB embedding): a bucket holds any whole tensor
-    torchrun = (os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2", "--master-port",
-                str(free_port()), "--no-python")  # fmt: skip
-    learn = ServeProcess(["--model", str(path), "--steps", "2", "--groups-per-step", "2", "--group-size", "4",
-                          "--run-dir", str(tmp_path), "--rollouts-port", str(ports[0]), "--control-port", str(ports[1]),
-                          "--weights-port", str(ports[2]), "--bucket-mb", str(bucket_mb), "--timeout-s", "120",
-                          "--lr", "1e-5", "--max-lag", "1"], module="inflight.learn", prefix=torchrun,
-                         env={"OMP_NUM_THREADS": "1"})  # fmt: skip
-    serve = None
-    try:
-        learn.wait_for("inflight.learn ready", timeout_s=180)
-        serve = ServeProcess(["--model", str(path), "--rollouts", f"tcp://127.0.0.1:{ports[0]}", "--control",
-                              f"tcp://127.0.0.1:{ports[1]}", "--group-size", "4", "--max-tokens", "12",
-                              "--groups-per-step", "2", "--admit-lag", "1", "--reward", "serve_rewards:text_length",
-                              "--http-port", str(http)])  # fmt: skip
+
+    def learner(steps: int, *extra: str) -> ServeProcess:
+        torchrun = (os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
+                    "--master-port", str(free_port()), "--no-python")  # fmt: skip
+        return ServeProcess(["--model", str(path), "--steps", str(steps), "--groups-per-step", "2", "--group-size",
+                             "4", "--run-dir", str(tmp_path), "--rollouts-port", str(ports[0]), "--control-port",
+                             str(ports[1]), "--weights-port", str(ports[2]), "--bucket-mb", str(bucket_mb),
+                             "--timeout-s", "120", "--lr", "1e-5", "--max-lag", "1", *extra],
+                            module="inflight.learn", prefix=torchrun, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+
+    def finished(learn: ServeProcess) -> None:
         deadline = time.monotonic() + 600
         while learn.proc.poll() is None:
             assert time.monotonic() < deadline, learn.tail()
             time.sleep(0.5)
         assert learn.proc.returncode == 0, learn.tail()
-        steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        peak = steps[1]["publish_peak_bytes"]
-        if peak is None:
-            pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
-        mib, sent = 2**20, steps[1]
-        print(
-            f"\nrank 0 peak extra memory, 2nd publish: {peak / mib:.0f} MiB = {peak / (bucket_mb * mib):.2f} "
-            f"buckets of {bucket_mb} MiB ({sent['publish_bytes'] / mib:.0f} MiB, {sent['publish_s']:.2f} s)"
-        )
-        assert steps[1]["publish_serves"] == 1 and peak <= 3 * (bucket_mb << 20)
+
+    first, second, serve = learner(2), None, None
+    try:
+        first.wait_for("inflight.learn ready", timeout_s=180)
+        serve = ServeProcess(["--model", str(path), "--rollouts", f"tcp://127.0.0.1:{ports[0]}", "--control",
+                              f"tcp://127.0.0.1:{ports[1]}", "--group-size", "4", "--max-tokens", "12",
+                              "--groups-per-step", "2", "--admit-lag", "1", "--reward", "serve_rewards:text_length",
+                              "--http-port", str(http)])  # fmt: skip
+        finished(first)
         serve.wait_for("weights v2 committed", timeout_s=120)
-        assert_serve_answers_like_the_export(path, tmp_path / "hf-final", http, version=2)
+        second = learner(3, "--resume", "true")
+        finished(second)
+        assert any("caught up: v2 streamed to 1 serve(s)" in line for line in second.lines), second.tail()
+        steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [s["version"] for s in steps] == [1, 2, 3] and all(s["publish_serves"] == 1 for s in steps)
+        peaks = [s["publish_peak_bytes"] for s in steps]
+        if None in peaks:
+            pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
+        mib = 2**20
+        print(f"\nrank 0 peak extra memory per publish: {[round(p / mib) for p in peaks]} MiB, buckets of {bucket_mb}")
+        assert all(peak <= 3 * (bucket_mb << 20) for peak in peaks), peaks
+        serve.wait_for("weights v3 committed", timeout_s=120)
+        assert_serve_answers_like_the_export(path, tmp_path / "hf-final", http, version=3)
     finally:
-        if serve is not None:
-            serve.stop()
-        learn.stop()
+        for process in (serve, second, first):
+            if process is not None:
+                process.stop()

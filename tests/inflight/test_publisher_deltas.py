@@ -48,15 +48,16 @@ class ServeEnd(threading.Thread):
     (ok=False for the versions in `fail`: a failed commit, after which it keeps its previous version and, as the real
     serve does, reports that version)."""
 
-    def __init__(self, address: str, fail: frozenset[int] = frozenset()):
+    def __init__(self, address: str, fail: frozenset[int] = frozenset(), server_id: str = SERVER):
         super().__init__(daemon=True)
+        self.server_id = server_id
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.fail, self.held, self.received, self.errors, self.stop = fail, None, {}, [], threading.Event()
         self.answers = 0
         specs = [TensorSpec("w", "float32", [64, 32]), TensorSpec("b", "float32", [100])]
-        self.sock.send(encode(Hello(server_id=SERVER, model="m", workers=1, version=0, tensors=specs)))
+        self.sock.send(encode(Hello(server_id=server_id, model="m", workers=1, version=0, tensors=specs)))
 
     def run(self) -> None:
         group = None
@@ -68,7 +69,7 @@ class ServeEnd(threading.Thread):
                 address = GroupAddress(message.host, message.port, message.world_size, message.group_name,
                                        message.backend, message.timeout_s)  # fmt: skip
                 group = WeightsGroup(address, message.rank)
-                self.sock.send(encode(Joined(server_id=SERVER, group_name=message.group_name)))
+                self.sock.send(encode(Joined(server_id=self.server_id, group_name=message.group_name)))
             elif isinstance(message, UpdateWeights):
                 self._update(UpdateManifest.decode(message.manifest), group)
         if group is not None:
@@ -84,10 +85,10 @@ class ServeEnd(threading.Thread):
         self.received[manifest.version] = (manifest.is_delta, tensors)
         if tensors is not None and manifest.version not in self.fail:
             self.held = (manifest.version, tensors)
-            self.sock.send(encode(UpdateDone(server_id=SERVER, version=manifest.version)))
+            self.sock.send(encode(UpdateDone(server_id=self.server_id, version=manifest.version)))
         else:
             held = self.held[0] if self.held is not None else 0
-            self.sock.send(encode(UpdateDone(server_id=SERVER, version=held, ok=False, error="failed")))
+            self.sock.send(encode(UpdateDone(server_id=self.server_id, version=held, ok=False, error="failed")))
         self.answers += 1
 
 

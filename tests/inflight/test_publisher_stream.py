@@ -1,6 +1,7 @@
 """WeightPublisher.publish_stream (inflight/learn/publisher.py): a full update streamed piece by piece, as a sharded
-learner gathers it (learner/export.py:iter_full_pieces), arrives bitwise with its checksums in the trailer; the host
-snapshot kept for late serves is written in place, not reallocated per publish.
+learner gathers it (learner/export.py:iter_full_pieces), arrives bitwise with its checksums in the trailer; nothing of
+it is kept on rank 0 (no copy of the model for late serves): a serve that joins later is due a stream of the weights
+again (`catch_up` calls on every learner rank to stream), which reaches it bitwise.
 
 Real ZeroMQ sockets and a real gloo weights group; the serve's end is test_publisher_deltas.py's ServeEnd thread.
 """
@@ -26,41 +27,69 @@ def pieces(state: dict[str, torch.Tensor]):
     yield Piece("b", state["b"].shape, 0, state["b"])
 
 
-def test_a_streamed_update_arrives_bitwise_and_the_late_serve_snapshot_is_reused():
+def wait_for(publisher, until, timeout_s: float = 10.0) -> None:
+    start = time.monotonic()
+    while not until() and time.monotonic() - start < timeout_s:
+        publisher.plane.pump(0.05)
+
+
+def test_a_streamed_update_arrives_bitwise_keeps_no_copy_and_a_serve_joining_later_is_streamed_the_weights():
     by_version = states([1, 2])
     publisher = open_publisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, bucket_bytes=4096)
-    publisher.check.set_model({"w": by_version[1]["w"], "b": by_version[1]["b"]})
-    serve = ServeEnd(publisher.plane.control.address)
-    serve.start()
+    publisher.check.set_model({n: torch.empty_like(t, device="meta") for n, t in by_version[1].items()})  # a layout
+    first = ServeEnd(publisher.plane.control.address)
+    first.start()
+    late = None
     try:
         publisher.plane.pump(2.0)
         reports = []
         for version in (1, 2):
             reports.append(publisher.publish_stream(pieces(by_version[version]), version))
-            start = time.monotonic()
-            while serve.answers < version and time.monotonic() - start < 10.0:
-                publisher.plane.pump(0.05)
-            if version == 1:
-                snapshot = publisher.latest.tensors
+            wait_for(publisher, lambda v=version: first.answers >= v)
+        assert publisher.latest.version == 2 and publisher.latest.tensors == {}, "rank 0 kept no copy of the model"
+
+        def stream():  # what every learner rank does when asked: stream its current weights (RankSender.catch_up)
+            reports.append(publisher.publish_stream(pieces(by_version[2]), 2))
+
+        publisher.catch_up(stream)
+        assert len(reports) == 2, "every serve is in the group: nothing to catch up"
+        late = ServeEnd(publisher.plane.control.address, server_id="serve@late")
+        late.start()
+        wait_for(publisher, lambda: len(publisher.plane.serves) == 2)
+        publisher.catch_up(stream)
+        wait_for(publisher, lambda: late.answers >= 1)
+        publisher.catch_up(stream)
         publisher.close()
+    finally:
+        for serve in (first, late):
+            if serve is not None:
+                serve.stop.set()
+                serve.join(10.0)
+    assert [r.serves for r in reports] == [1, 1, 2] and not first.errors and not late.errors
+    for version in (1, 2):
+        assert all(torch.equal(first.received[version][1][n], by_version[version][n]) for n in ("w", "b"))
+    assert all(torch.equal(late.received[2][1][n], by_version[2][n]) for n in ("w", "b"))
+    assert reports[0].bytes >= 64 * 32 * 4 + 100 * 4  # every byte went through the buckets
+
+
+def test_a_streamed_publish_with_no_serve_keeps_only_the_version_and_the_first_serve_to_join_is_due_a_stream():
+    state = states([1])[1]
+    publisher = open_publisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5)
+    publisher.check.set_model(state)
+    assert publisher.publish_stream(pieces(state), 1).serves == 0
+    assert publisher.latest.version == 1 and publisher.latest.tensors == {}
+    streams = []
+    publisher.catch_up(lambda: streams.append(1))
+    serve = ServeEnd(publisher.plane.control.address)
+    serve.start()
+    try:
+        wait_for(publisher, lambda: len(publisher.plane.serves) == 1)
+        publisher.catch_up(lambda: streams.append(2))
+        assert streams == [2], "the first serve to join is due a stream of version 1"
     finally:
         serve.stop.set()
         serve.join(10.0)
-    assert [r.serves for r in reports] == [1, 1] and not serve.errors
-    for version in (1, 2):
-        assert all(torch.equal(serve.received[version][1][n], by_version[version][n]) for n in ("w", "b"))
-    assert reports[0].bytes >= 64 * 32 * 4 + 100 * 4  # every byte went through the buckets
-    assert publisher.latest.version == 2 and publisher.latest.tensors is snapshot, "the snapshot is written in place"
-    assert all(torch.equal(snapshot[n], by_version[2][n]) for n in ("w", "b"))
-
-
-def test_a_streamed_publish_with_no_serve_still_keeps_the_version_for_the_first_serve_to_join():
-    state = states([1])[1]
-    publisher = open_publisher(ControlServer(), timeout_s=20.0)
-    publisher.check.set_model(state)
-    assert publisher.publish_stream(pieces(state), 1).serves == 0
-    assert publisher.latest.version == 1 and all(torch.equal(publisher.latest.tensors[n], state[n]) for n in state)
-    publisher.close()
+        publisher.close()
 
 
 class BreaksAfterOneBucket:
@@ -84,22 +113,19 @@ class BreaksAfterOneBucket:
 
 def test_a_broadcast_failing_part_way_still_takes_every_piece_so_no_rank_is_left_in_a_gather():
     """The per-rank contract of a streamed publish (inflight/learn/publisher.py): `put` never raises a broadcast
-    error, so rank 0 walks the pieces to the end with the other ranks; the snapshot is complete and the error comes
-    out of `finish`."""
+    error, so rank 0 walks the pieces to the end with the other ranks; the error comes out of `finish`."""
     state = states([1])[1]
-    snapshot = {n: torch.zeros_like(t) for n, t in state.items()}
     sender = BreaksAfterOneBucket()
-    update = StreamedUpdate(1, 1, sender, snapshot)
-    for piece in pieces(state):
-        update.put(piece)
+    update = StreamedUpdate(1, 1, sender)
+    taken = [piece.name for piece in pieces(state) if update.put(piece) is None]
     outcome = update.finish()
+    assert taken == ["w", "w", "w", "b"], "every piece was taken"
     assert isinstance(outcome.error, WeightsGroupError) and outcome.stats is None
     assert sender.puts == 2 and sender.abandoned and not sender.finished, "nothing sent after the failure"
-    assert all(torch.equal(snapshot[n], state[n]) for n in state), "every piece reached the snapshot"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_a_gpu_learner_streams_with_device_checksums_a_cpu_serve_verifies_and_the_snapshot_is_pinned():
+def test_a_gpu_learner_streams_with_device_checksums_and_a_cpu_serve_verifies_them():
     by_version = {v: {n: t.cuda() for n, t in s.items()} for v, s in states([1]).items()}
     publisher = open_publisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, bucket_bytes=4096, device="cuda")
     publisher.check.set_model(by_version[1])
@@ -117,5 +143,3 @@ def test_a_gpu_learner_streams_with_device_checksums_a_cpu_serve_verifies_and_th
         serve.join(10.0)
     assert publisher.sums == "sum31" and report.serves == 1 and not serve.errors
     assert all(torch.equal(serve.received[1][1][n], by_version[1][n].cpu()) for n in ("w", "b"))
-    snapshot = publisher.latest.tensors
-    assert all(t.is_pinned() and torch.equal(t, by_version[1][n].cpu()) for n, t in snapshot.items())

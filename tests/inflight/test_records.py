@@ -42,12 +42,12 @@ ROUTING_FIELDS = {"route_matches", "route_total", "probe_abs_logratio_sum_unrepl
 
 
 def learner_step_lines(model_dirs, tmp_path, model_name: str = "tiny-llama", routes=None):
-    """The learner's own `_train`, `_publish` and `_log` and its service's `write_step` (sockets and the publisher
-    stubbed, a real train_step on `model_name`): (the first line as written, both lines as StepMetrics)."""
+    """The learner's own `_train`, its sender's `publish` and `_log` and its service's `write_step` (sockets and the
+    publisher stubbed, a real train_step on `model_name`): (the first line as written, both lines as StepMetrics)."""
 
     from inflight.learn.adapter import counted_parameters
     from inflight.learn.app import Learner
-    from inflight.learn.publisher import PublishReport
+    from inflight.learn.publisher import PublishReport, RankSender
     from inflight.learn.samples import build_samples
     from inflight.learn.service import LearnerService, RolloutIntake
     from inflight.wire.rollouts import Sampling, Times, make_rollout
@@ -72,17 +72,17 @@ def learner_step_lines(model_dirs, tmp_path, model_name: str = "tiny-llama", rou
     report = PublishReport(1, serves=1, bytes=64, seconds=0.5)
     # the streamed publish of a full update (the default): it walks the learner's pieces
     publisher = SimpleNamespace(publish_stream=lambda pieces, v: (list(pieces), report)[1])
+    world = SimpleNamespace(rank=0, size=1, weights_device="cpu", device="cpu")
+    sender = RankSender(model, world, adapter=False, full_every=1)
+    sender.publisher = publisher
 
     with (tmp_path / "metrics.jsonl").open("a") as metrics_file:
         learner = SimpleNamespace(rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(),
-                                  service=Socketless(metrics_file), publisher=publisher,
-                                  cfg=SimpleNamespace(full_every=1),
-                                  placement=SimpleNamespace(weights_device="cpu", device="cpu"), adapter=None,
-                                  param_counts=counted_parameters(model),
+                                  service=Socketless(metrics_file), param_counts=counted_parameters(model),
                                   replay=RoutingReplay(model.hf) if routes else None)  # fmt: skip
         learner.optimizer = make_optimizer(model, learner.train_cfg)
         metrics = Learner._train(learner, samples)
-        Learner._log(learner, gate, metrics, Learner._publish(learner), 0.5, 2.0, [3, 3])
+        Learner._log(learner, gate, metrics, sender.publish(1), 0.5, 2.0, [3, 3])
         learner.step = learner.version = 2  # a step that did not publish
         Learner._log(learner, gate, Learner._train(learner, samples), {}, 0.5, 2.0, [3, 3])
     written = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])

@@ -1,5 +1,6 @@
 """The learner hands a serve an MoE model's weights under the checkpoint's names (learner/export.py:checkpoint_named):
-transformers 5 fuses the per-expert matrices into one 3D tensor when it loads them, the serve loads the checkpoint."""
+transformers 5 fuses the per-expert matrices into one 3D tensor when it loads them, the serve loads the checkpoint.
+`hf_layout`, what a streaming learner checks serves against, names the same tensors from the shards alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from moe_models import FAMILIES, save_tiny_moe
 from safetensors.torch import load_file
 
-from learner.export import checkpoint_tensor_names, full_hf_state, iter_full_pieces
+from learner.export import checkpoint_tensor_names, full_hf_state, hf_layout, iter_full_pieces
 from learner.model import load_policy
 
 
@@ -29,6 +30,12 @@ def test_full_state_and_published_pieces_are_the_checkpoints_tensors_under_its_n
     assert set(state) == set(pieces) == checkpoint_tensor_names(moe_dir)
     for name, want in stored.items():
         assert torch.equal(state[name], want) and torch.equal(pieces[name], want), name
+    # what a streaming learner checks serves against, gathering nothing: the same names, order, dtypes and shapes
+    assert layout_of(hf_layout(model)) == layout_of(state) and all(t.is_meta for t in hf_layout(model).values())
+
+
+def layout_of(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [(name, t.dtype, tuple(t.shape)) for name, t in state.items()]
 
 
 def two_rank_pieces(rank: int, tmp: str, model_dir: str) -> None:
@@ -48,8 +55,9 @@ def two_rank_pieces(rank: int, tmp: str, model_dir: str) -> None:
         model = shard_policy(load_policy(model_dir), mesh)
         pieces = [(p.name, p.shape, p.start, p.tensor.clone()) for p in iter_full_pieces(model, 1 << 12)]
         full = full_hf_state(model)
-        if rank == 0:
-            torch.save({"pieces": pieces, "full": full}, f"{tmp}/rank0.pt")
+        if rank == 0:  # the layout of the full state, from this rank's shards alone
+            layout = layout_of(hf_layout(model))
+            torch.save({"pieces": pieces, "full": full, "layout": layout}, f"{tmp}/rank0.pt")
     finally:
         dist.destroy_process_group()
 
@@ -66,5 +74,6 @@ def test_a_sharded_learner_streams_the_experts_under_the_checkpoints_names_bitwi
         whole[start : start + len(block)] = block
     stored = {name: t.float() for name, t in load_file(model_dir / "model.safetensors").items()}
     assert set(assembled) == set(got["full"]) == set(stored)
+    assert got["layout"] == layout_of(got["full"])
     for name, want in stored.items():
         assert torch.equal(assembled[name], want) and torch.equal(got["full"][name], want), name
