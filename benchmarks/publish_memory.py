@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from benchmarks.receiver import Receiver
 
 MiB = 1 << 20
@@ -67,14 +65,13 @@ class _Rank0:
         from inflight.learn.publisher import open_publisher
         from inflight.wire.control import ControlServer
         from inflight.wire.weights import DTYPES
-        from learner.export import local_hf_state
+        from learner.export import hf_layout
 
         self.args, self.model, self.rows = args, model, []
         self.publisher = open_publisher(ControlServer(), timeout_s=300, bucket_bytes=args.bucket_mb * MiB)
         dtype = DTYPES[args.dtype]
-        # Names and shapes from the sharded model's own order (what iter_full_pieces walks), without gathering.
-        specs = {name: torch.empty(t.shape, dtype=dtype, device="meta")  # a DTensor's shape is the full one
-                 for name, t in local_hf_state(model)}  # fmt: skip
+        # Names and shapes in iter_full_pieces' order (a converted MoE layer split back), gathering nothing
+        specs = {name: t.to(dtype) for name, t in hf_layout(model).items()}
         self.model_bytes = sum(t.numel() * t.element_size() for t in specs.values())
         self.largest = max(t.numel() * t.element_size() for t in specs.values())
         self.publisher.check.set_model(specs)
