@@ -30,8 +30,8 @@ import zmq  # noqa: E402
 zmq.Context.__del__ = _destroy_unlingering
 
 
-# The most the suite holds at once under the temp dir: session fixtures (FSDP shards, prepared models) plus a smollm2
-# run's checkpoint on each worker; measured with `du` during a two-worker run (see docs/quickstart.md)
+# The most the suite holds at once under the temp dir is ~4.5 GB (session fixtures: FSDP shards, prepared models; plus
+# a SmolLM2 run's checkpoints on each worker; `du` every 20 s through a two-worker run, 2026-11-27), with a margin
 NEEDS_FREE_GIB = 6
 
 
