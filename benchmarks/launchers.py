@@ -22,6 +22,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,20 +38,43 @@ RAY_DAEMONS = (
 )  # fmt: skip
 
 
-def ray_daemon_cpu_s() -> float:
-    """CPU seconds (user + system) used so far by the live processes whose command line names a Ray daemon."""
+def ray_daemon_cpu() -> dict[int, float]:
+    """pid -> CPU seconds (user + system) used so far, for the live processes whose command line names a Ray daemon."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    used = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").lower()
             if not any(name in cmdline for name in RAY_DAEMONS) or "processhost" in cmdline:
                 continue
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+            used[int(pid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
         except (OSError, IndexError, ValueError):
             continue  # a process that ended while it was read
-    return total
+    return used
+
+
+class RayCpu(threading.Thread):
+    """The CPU Ray's own processes use while a run goes on, sampled every second (a local Ray the run starts itself is
+    stopped before the run returns: a reading at the end alone would miss it). Each process counts from the first
+    reading, or from its start if it started later."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.first = ray_daemon_cpu()
+        self.last = dict(self.first)
+        self.done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            self.last.update(ray_daemon_cpu())
+
+    def seconds(self) -> float:
+        self.done.set()
+        self.join()
+        self.last.update(ray_daemon_cpu())
+        return sum(cpu - self.first.get(pid, 0.0) for pid, cpu in self.last.items())
 
 
 def start_idle_ray(flags: list[str]):
@@ -76,11 +100,11 @@ def run_one(arm: str, repeat: int, duration_s: float, out: Path, extra: list[str
     flags = ["--run-dir", str(run_dir), "--launcher", launcher, "--mode", "never-stop", "--duration-s", str(duration_s)]
     flags += [*DEMO_FLAGS, *extra, "--plots", "false"]
     ray = start_idle_ray(flags) if arm == "local+ray" else None
-    cpu0, started = ray_daemon_cpu_s(), time.time()
+    ray_cpu, started = RayCpu(), time.time()
     try:
         code = run_main(flags)
     finally:
-        wall, ray_cpu = time.time() - started, ray_daemon_cpu_s() - cpu0
+        wall, ray_cpu = time.time() - started, ray_cpu.seconds()
         if ray is not None:
             ray.shutdown()
     ready = ready_time(run_dir)
