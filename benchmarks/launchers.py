@@ -90,7 +90,9 @@ def start_idle_ray(flags: list[str]):
     try:
         print(f"[bench] {connect(ray, cfg)}", file=sys.stderr, flush=True)
     finally:
-        os.environ.pop("RAY_ADDRESS") if before is None else os.environ.update(RAY_ADDRESS=before)
+        del os.environ["RAY_ADDRESS"]
+        if before is not None:
+            os.environ["RAY_ADDRESS"] = before
     return ray
 
 
