@@ -75,7 +75,7 @@ class RayRun:
         pg = self._group(bundles, "PACK", "--learn-gpus/--learn-procs")
         names = ["learn"] + [f"learn-{r}" for r in range(1, len(bundles))]
         self.learners = [self._actor(n, pg, r, bundles[r], 0) for r, n in enumerate(names)]
-        nodes = [self.call(a, "node") for a in self.learners]
+        nodes = [self.call(a, "node", wait_s=self.cfg.start_timeout_s) for a in self.learners]  # processes start
         for name, node in zip(names, nodes, strict=True):
             write_event(self.run_dir, "placed", actor=name, node_id=node["node_id"], ip=node["ip"])
         host = nodes[0]["ip"] if self.cfg.host == "127.0.0.1" else self.cfg.host  # --host given: the user's choice
@@ -113,7 +113,7 @@ class RayRun:
                 restart_on_exit=True,
             )
             self.serves.append({"name": name, "actor": actor, "restarts": 0, "ready": False})
-            node = self.call(actor, "node")
+            node = self.call(actor, "node", wait_s=self.cfg.start_timeout_s)  # its first call waits for its process
             write_event(self.run_dir, "placed", actor=name, node_id=node["node_id"], ip=node["ip"])
 
     def run(self) -> int:
@@ -141,9 +141,7 @@ class RayRun:
             check_serves(self.run_dir, self.serves, self.cfg.serve_restarts)
             wanted = requested_serves(self.run_dir)
             if wanted > len(self.serves):
-                print(f"[run] scale.json asks for {wanted} serves: adding {wanted - len(self.serves)}", file=sys.stderr)
-                self.add_serves(wanted - len(self.serves), spread=False)
-                write_event(self.run_dir, "scaled", serves=wanted)
+                self.scale(wanted)
             if self.cfg.duration_s and time.monotonic() - started > self.cfg.duration_s:
                 print(
                     f"[run] {self.cfg.duration_s:.0f}s budget spent: stopping the learner, then the serves",
@@ -153,6 +151,15 @@ class RayRun:
                 rc = stop_side(self, self.learners[0])
                 return 0 if rc == 0 else 1
             time.sleep(POLL_S)
+
+    def scale(self, wanted: int) -> None:
+        """Serves up to `wanted`. The request is acknowledged first (`scaling`: inflight.run.scale returns on it), since
+        placing and starting an actor's process can take minutes on a busy cluster; `scaled` once each is placed."""
+        print(f"[run] scale.json asks for {wanted} serves: adding {wanted - len(self.serves)}", file=sys.stderr)
+        write_event(self.run_dir, "scaling", serves=wanted)
+        started = time.monotonic()
+        self.add_serves(wanted - len(self.serves), spread=False)
+        write_event(self.run_dir, "scaled", serves=wanted, placed_s=round(time.monotonic() - started, 1))
 
     def learner_alive(self) -> int | None:
         """None while every learner rank runs; else the run's exit code, the failure said in one report."""

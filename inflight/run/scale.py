@@ -3,9 +3,10 @@ is going on; each new serve joins the learner's weights group at its next update
 
 Run anywhere that sees the run directory (the driver's machine, or the shared file system): it writes
 `<run_dir>/scale.json`, which the run's driver (inflight/run/ray_run.py) reads every half second, and waits for the
-driver's `scaled` event in `events.jsonl`. Serves are only added: a serve is taken away by stopping its actor
-(`ray kill`), which the learner sees as a serve that went quiet. Exit 0 once the driver took the request; 1 when no
-run of Ray goes on in that directory or the driver did not answer in `--timeout-s`.
+driver's `scaling` event in `events.jsonl` (the request taken; `scaled` follows once the new actors are placed).
+Serves are only added: a serve is taken away by stopping its actor (`ray kill`), which the learner sees as a serve
+that went quiet. Exit 0 once the driver took the request; 1 when no run of Ray goes on in that directory or the
+driver did not answer in `--timeout-s`.
 """
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.serves <= len(running):
         print(f"{run_dir}: already {len(running)} serves; serves are only added", file=sys.stderr)
         return 0
-    before = sum(e.get("event") == "scaled" for e in events)
+    before = sum(e.get("event") == "scaling" for e in events)
     (run_dir / "scale.json").write_text(json.dumps({"serves": args.serves}) + "\n")
     deadline = time.monotonic() + args.timeout_s
     while time.monotonic() < deadline:
-        scaled = [e for e in _events(run_dir) if e.get("event") == "scaled"]
-        if len(scaled) > before or scaled and scaled[-1].get("serves", 0) >= args.serves:
-            print(f"{run_dir}: {args.serves} serves", file=sys.stderr)
+        taken = [e for e in _events(run_dir) if e.get("event") == "scaling"]
+        if len(taken) > before or taken and taken[-1].get("serves", 0) >= args.serves:
+            print(f"{run_dir}: the driver is adding serves up to {args.serves}; `[serve-N] inflight.serve ready` in "
+                  "its output says each is up", file=sys.stderr)  # fmt: skip
             return 0
         time.sleep(0.5)
     print(

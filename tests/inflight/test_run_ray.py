@@ -227,6 +227,7 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_af
         assert scale.returncode == 0, scale.stderr
         run.wait_for("[serve-1] inflight.serve ready", 300)
         assert placed(run_dir)["serve-1"] == two_nodes["serve"]
+        assert [e["serves"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "scaled"] == [2]
         grown = len(read_jsonl(run_dir / "metrics.jsonl"))
         deadline = time.monotonic() + 300
         while True:  # until a step trained on a group of the added serve
@@ -325,3 +326,24 @@ def test_stopping_a_side_waits_as_long_as_its_actor_may_take_to_stop_it():
     run.ray, run.cfg = ray, RunConfig(stop_timeout_s=120.0)
     assert stop_side(run, types.SimpleNamespace(stop=method)) == 0
     assert waits == [(("stop", (120.0,)), 120.0 + CALL_TIMEOUT_S)]
+
+
+def test_scale_returns_once_the_driver_takes_the_request_and_names_the_timeout_when_it_does_not(tmp_path):
+    import threading
+
+    from inflight.run.scale import main as scale
+
+    (tmp_path / "run-config.json").write_text(json.dumps({"launcher": "ray"}))
+    (tmp_path / "events.jsonl").write_text(json.dumps({"event": "placed", "actor": "serve", "node_id": "n"}) + "\n")
+    assert scale(["--run-dir", str(tmp_path), "--serves", "2", "--timeout-s", "1"]) == 1  # no driver answers
+    assert json.loads((tmp_path / "scale.json").read_text()) == {"serves": 2}
+
+    def driver_takes_it():  # the driver acknowledges before it places anything (placing can take minutes)
+        time.sleep(1)
+        with (tmp_path / "events.jsonl").open("a") as f:
+            f.write(json.dumps({"event": "scaling", "serves": 2}) + "\n")
+
+    threading.Thread(target=driver_takes_it).start()
+    started = time.monotonic()
+    assert scale(["--run-dir", str(tmp_path), "--serves", "2", "--timeout-s", "30"]) == 0
+    assert time.monotonic() - started < 10
