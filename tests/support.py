@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -60,11 +61,17 @@ class Sender:
             "127.0.0.1", self.store.port, self.world_size, f"w{self.generation}", "gloo", self.timeout_s
         )
 
-    async def connect(self, engine) -> list:
-        """Form a fresh group with the engine's workers (ranks from 1 on); returns each worker's `GroupJoined`."""
+    async def connect(self, engine, late_s: float = 0.0) -> list:
+        """Form a fresh group with the engine's workers (ranks from 1 on), this rank joining `late_s` after them;
+        returns each worker's `GroupJoined`."""
         self.generation += 1
         addr = self.address()
-        group_task = asyncio.to_thread(WeightsGroup, addr, 0, self.store)
+
+        def rank_0() -> WeightsGroup:
+            time.sleep(late_s)
+            return WeightsGroup(addr, 0, self.store)
+
+        group_task = asyncio.to_thread(rank_0)
         join = engine.join_weights_group(addr.host, addr.port, 1, addr.world_size, group_name=addr.group_name,
                                          timeout_s=addr.timeout_s)  # fmt: skip
         self.group, joined = await asyncio.gather(group_task, join)

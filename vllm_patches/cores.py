@@ -2,7 +2,7 @@
 EngineCore) may use and the worker does not.
 
 Used by the staging thread (vllm_patches/staging.py), the preparation of a prepared update (vllm_patches/prepared.py)
-and the weights group's formation (vllm_patches/worker_extension.py), so that receiving, verifying and preparing an
+and the weights group's formation (vllm_patches/joining.py), so that receiving, verifying and preparing an
 update take as few cycles from the decode as the machine allows.
 """
 

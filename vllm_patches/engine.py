@@ -13,6 +13,7 @@ This module also turns an `EngineConfig` into vLLM's engine arguments, without i
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ if TYPE_CHECKING:  # vLLM is imported by `start`: this module's config checks ru
 
 HEAD_DTYPES = ("model", "float32")
 WORKER_EXTENSION = "vllm_patches.worker_extension.InflightWorkerExtension"
+JOIN_POLL_S = 0.05  # how often a join asks the workers (one RPC between two steps each time)
+JOIN_MARGIN_S = 10.0  # past the group's own timeout, by which each worker's join has failed by itself
 
 
 @dataclass
@@ -317,15 +320,21 @@ class InflightEngine:
 
     async def join_weights_group(self, host: str, port: int, rank: int, world_size: int, **kw) -> list[GroupJoined]:
         """Join the weights group from `rank` on: the engine's workers take consecutive ranks, each at its
-        tensor-parallel rank (inflight/wire/group.py:member_rank). Blocks until rank 0 joins."""
-        args = (
-            host,
-            port,
-            rank,
-            world_size,
-            kw.get("group_name", "inflight-weights-0"),
-            kw.get("backend", "gloo"),
-            kw.get("timeout_s", 60.0),
-        )
-        joined = await self.llm.collective_rpc("inflight_init_weights_group", args=args)
-        return rpc_result(joined, list[GroupJoined], "inflight_init_weights_group")
+        tensor-parallel rank (inflight/wire/group.py:member_rank). Returns once every worker is a member (rank 0 and
+        the other members joined too); raises UpdateError naming a worker's failure. The rendezvous runs on each
+        worker's own thread (vllm_patches/joining.py) while the engine keeps stepping; this asks for its state."""
+        name, timeout_s = kw.get("group_name", "inflight-weights-0"), kw.get("timeout_s", 60.0)
+        args = (host, port, rank, world_size, name, kw.get("backend", "gloo"), timeout_s)
+        states = await self.llm.collective_rpc("inflight_init_weights_group", args=args)
+        deadline = time.monotonic() + timeout_s + JOIN_MARGIN_S  # the workers' own timeout fails them first
+        while True:
+            joined = rpc_result(states, list[GroupJoined], "inflight_weights_group_state")
+            failed = [j for j in joined if j.state == "failed"]
+            if failed:
+                raise UpdateError(f"weights group {name}: rank {failed[0].rank} could not join: {failed[0].error}")
+            if all(j.state == "joined" for j in joined):
+                return joined
+            if time.monotonic() > deadline:
+                raise UpdateError(f"weights group {name}: not formed within {timeout_s:.0f}s (+{JOIN_MARGIN_S:.0f}s)")
+            await asyncio.sleep(JOIN_POLL_S)
+            states = await self.llm.collective_rpc("inflight_weights_group_state")

@@ -18,10 +18,13 @@ T = TypeVar("T")
 
 
 class GroupJoined(msgspec.Struct, forbid_unknown_fields=True):
-    """`inflight_init_weights_group`: this worker is a member of the weights group, once the group formed."""
+    """`inflight_init_weights_group` and `inflight_weights_group_state`: this worker's membership of the weights group
+    `group_name` as `rank` — "joining" while it forms (vllm_patches/joining.py), "joined", or "failed" with `error`."""
 
     rank: int
     group_name: str
+    state: Literal["joining", "joined", "failed"] = "joined"
+    error: str | None = None
 
 
 class StageStatus(msgspec.Struct, forbid_unknown_fields=True):

@@ -5,7 +5,8 @@ Worker and they are reached with `collective_rpc`. The class is a facade: vLLM r
 hands its call to one collaborator, and everything kept between calls is one `WorkerUpdateState`, made at the first
 call. Flow for one update, one way:
 
-1. `inflight_init_weights_group(...)` joins the weights group (blocks until the learner's rank 0 joins too).
+1. `inflight_init_weights_group(...)` starts joining the weights group on a thread of its own (vllm_patches/joining.py)
+   and returns at once; the engine asks `inflight_weights_group_state` until every worker joined.
 2. `inflight_begin_update(manifest, ticket)` checks names/dtypes/shapes against the served checkpoint
    (vllm_patches/checkpoint.py) and returns at once; a `vllm_patches/staging.py:StagedUpdate` thread stages the
    buckets while `execute_model` keeps running on the engine thread, and when done pushes a `StagedSignal` under the
@@ -29,7 +30,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,7 +43,7 @@ from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, ch
 from vllm_patches.arenas import StagingArenas
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed
-from vllm_patches.cores import on_spare_cores
+from vllm_patches.joining import GroupJoin
 from vllm_patches.placement import Placement, SliceLayout
 from vllm_patches.prepared import ShadowPreparer
 from vllm_patches.routes import RoutedExperts, RouteRecorder
@@ -65,6 +67,32 @@ class WorkerUpdateState:
     adapter: AdapterSlot | None = None  # a serve with --lora-rank: adapter updates go there, not into the model
     staging: str = "auto"  # "sliced": keep this rank's slices; "full": whole tensors; "auto": sliced when TP/EP > 1
     arenas: StagingArenas | None = None  # the device and host arenas every update is staged within (the plan's bytes)
+    joining: GroupJoin | None = None  # the last join of the weights group, formed off the engine's thread
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # the engine's thread and a joining thread
+
+    def join(self, address: GroupAddress, rank: int, device: torch.device) -> GroupJoin:
+        """Close the current group (no update begins on it, nor before the new one formed) and start forming
+        the new one on its own thread."""
+        with self._lock:
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            self.joining = GroupJoin(address, rank, device, self._formed)
+        return self.joining.start()
+
+    def join_state(self) -> GroupJoined:
+        if self.joining is None:
+            raise ManifestError("no weights group is being joined: call inflight_init_weights_group first")
+        return self.joining.state()
+
+    def _formed(self, join: GroupJoin, group: WeightsGroup) -> bool:
+        """The joining thread's group is taken if its join is still the last one asked for; else it is closed."""
+        with self._lock:
+            if self.joining is join:
+                self.group = group
+                return True
+        group.close()
+        return False
 
     def begin(self, manifest: UpdateManifest, model: torch.nn.Module, ticket: int, vllm_config: Any) -> StagedUpdate:
         """Start staging `manifest` in the background; refuses (ManifestError, naming the fix) without a usable group
@@ -186,16 +214,17 @@ class InflightWorkerExtension:
     def inflight_init_weights_group(
         self, host: str, port: int, first_rank: int, world_size: int, group_name: str, backend: str, timeout_s: float
     ) -> GroupJoined:
-        """Join (or re-join, replacing a broken group) the weights group: this serve's workers hold the consecutive
-        ranks from `first_rank`, this one at its tensor-parallel rank (vLLM's `self.rank` of a TP-only engine)."""
-        state = self._inflight_state()
-        if state.group is not None:
-            state.group.close()
+        """Start joining (or re-joining, replacing the current group) the weights group and return at once, "joining":
+        the rendezvous runs on a thread of its own (vllm_patches/joining.py), not on the engine's. This serve's workers
+        hold the consecutive ranks from `first_rank`, this one at its tensor-parallel rank (vLLM's `self.rank`)."""
         rank = member_rank(first_rank, self.rank, self.parallel_config.tensor_parallel_size, world_size)
         address = GroupAddress(host, port, world_size, group_name, backend, timeout_s)
-        with on_spare_cores():  # the group's transport thread receives every update's bytes: not on the decode's core
-            state.group = WeightsGroup(address, rank)
-        return GroupJoined(rank, group_name)
+        device = next(self.model_runner.get_model().parameters()).device
+        return self._inflight_state().join(address, rank, device).state()
+
+    def inflight_weights_group_state(self) -> GroupJoined:
+        """The last join's state: "joining", "joined" or "failed" (with its error)."""
+        return self._inflight_state().join_state()
 
     def inflight_set_weights_key(self, key: bytes) -> bool:
         """From now on verify every update's keyed tags under `key` (the serve's --secret-file, derived by

@@ -141,7 +141,7 @@ class RayRun:
             check_serves(self.run_dir, self.serves, self.cfg.serve_restarts)
             wanted = requested_serves(self.run_dir)
             if wanted > len(self.serves):
-                self.scale(wanted)
+                scale_to(self, wanted)
             if self.cfg.duration_s and time.monotonic() - started > self.cfg.duration_s:
                 print(
                     f"[run] {self.cfg.duration_s:.0f}s budget spent: stopping the learner, then the serves",
@@ -151,15 +151,6 @@ class RayRun:
                 rc = stop_side(self, self.learners[0])
                 return 0 if rc == 0 else 1
             time.sleep(POLL_S)
-
-    def scale(self, wanted: int) -> None:
-        """Serves up to `wanted`. The request is acknowledged first (`scaling`: inflight.run.scale returns on it), since
-        placing and starting an actor's process can take minutes on a busy cluster; `scaled` once each is placed."""
-        print(f"[run] scale.json asks for {wanted} serves: adding {wanted - len(self.serves)}", file=sys.stderr)
-        write_event(self.run_dir, "scaling", serves=wanted)
-        started = time.monotonic()
-        self.add_serves(wanted - len(self.serves), spread=False)
-        write_event(self.run_dir, "scaled", serves=wanted, placed_s=round(time.monotonic() - started, 1))
 
     def learner_alive(self) -> int | None:
         """None while every learner rank runs; else the run's exit code, the failure said in one report."""
@@ -188,6 +179,16 @@ class RayRun:
         for pg in self.groups:
             self.ray.util.remove_placement_group(pg)
         self.follower.stop()
+
+
+def scale_to(run: RayRun, wanted: int) -> None:
+    """Serves up to `wanted`. The request is acknowledged first (`scaling`: inflight.run.scale returns on it), since
+    placing and starting an actor's process can take minutes on a busy cluster; `scaled` once each is placed."""
+    print(f"[run] scale.json asks for {wanted} serves: adding {wanted - len(run.serves)}", file=sys.stderr)
+    write_event(run.run_dir, "scaling", serves=wanted)
+    started = time.monotonic()
+    run.add_serves(wanted - len(run.serves), spread=False)
+    write_event(run.run_dir, "scaled", serves=wanted, placed_s=round(time.monotonic() - started, 1))
 
 
 def stop_side(run: RayRun, actor) -> int:

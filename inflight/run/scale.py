@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     while time.monotonic() < deadline:
         taken = [e for e in _events(run_dir) if e.get("event") == "scaling"]
         if len(taken) > before or taken and taken[-1].get("serves", 0) >= args.serves:
-            print(f"{run_dir}: the driver is adding serves up to {args.serves}; `[serve-N] inflight.serve ready` in "
-                  "its output says each is up", file=sys.stderr)  # fmt: skip
+            said = f"{run_dir}: the driver is adding serves up to {args.serves}"
+            print(f"{said}; `[serve-N] inflight.serve ready` in its output says each is up", file=sys.stderr)
             return 0
         time.sleep(0.5)
     print(

@@ -143,6 +143,82 @@ def test_never_stop_keeps_generating_while_the_update_is_received(env, loop):
     assert not report.parked  # never-stop: the worker keeps decoding
 
 
+async def _stamped(engine, prompt, stamps: list[tuple[float, int]]) -> None:
+    """Stream a long greedy request, stamping each output with the wall clock and the tokens so far."""
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, f"stamped-{time.time()}"):
+        stamps.append((time.time(), len(out.outputs[0].token_ids)))
+
+
+def _decoded_during(stamps: list[tuple[float, int]], t0: float, t1: float) -> tuple[int, float]:
+    """Tokens produced between `t0` and `t1`, and the longest wait between two outputs there (from `t0` on)."""
+    inside = [(t, n) for t, n in stamps if t0 <= t <= t1]
+    if not inside:
+        return 0, t1 - t0
+    times = [t0, *(t for t, _ in inside)]
+    return inside[-1][1] - inside[0][1], max(b - a for a, b in zip(times, times[1:], strict=False))
+
+
+LATE_S = 3.0
+
+
+def test_decoding_goes_on_while_the_weights_group_waits_for_a_late_learner_and_an_update_then_commits(env, loop):
+    """vLLM runs a worker RPC on the engine's thread: a join that waited there for the learner's rank 0 stopped
+    decoding for as long. The rendezvous now runs on the worker's own thread (vllm_patches/joining.py)."""
+    engine, sender = env["engine"], env["sender"]
+
+    async def run():
+        stamps: list[tuple[float, int]] = []
+        task = asyncio.ensure_future(_stamped(engine, env["prompt"], stamps))
+        while not stamps:
+            await asyncio.sleep(0.05)
+        t0 = time.time()
+        joined = await sender.connect(engine, late_s=LATE_S)  # the learner's rank 0 joins LATE_S after the serve
+        t1, running = time.time(), not task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return stamps, t0, t1, running, joined
+
+    stamps, t0, t1, running, joined = loop.run_until_complete(run())
+    assert running, "the request ended before the group formed: nothing to observe (make it longer)"
+    assert [j.state for j in joined] == ["joined"] and t1 - t0 >= LATE_S
+    produced, longest = _decoded_during(stamps, t0, t1)
+    print(f"\njoin waited {t1 - t0:.2f} s for rank 0: {produced} tokens meanwhile, longest wait {longest:.2f} s")
+    assert produced > 0 and longest < LATE_S / 2, (produced, longest)
+    report = loop.run_until_complete(sender.push(engine, env["b"], engine.version + 1))  # the new group carries it
+    assert engine.version == report.version
+
+
+def test_a_join_no_learner_answers_fails_by_its_timeout_naming_the_group_and_decoding_goes_on(env, loop):
+    engine, sender = env["engine"], env["sender"]
+    sender.generation += 1
+    addr = sender.address()
+
+    async def run():
+        stamps: list[tuple[float, int]] = []
+        task = asyncio.ensure_future(_stamped(engine, env["prompt"], stamps))
+        while not stamps:
+            await asyncio.sleep(0.05)
+        t0 = time.time()
+        with pytest.raises(UpdateError, match=f"weights group {addr.group_name}: rank 1 could not join") as failed:
+            await engine.join_weights_group(addr.host, addr.port, 1, addr.world_size, group_name=addr.group_name,
+                                            timeout_s=2.0)  # fmt: skip
+        t1 = time.time()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return stamps, t0, t1, str(failed.value)
+
+    stamps, t0, t1, error = loop.run_until_complete(run())
+    produced, longest = _decoded_during(stamps, t0, t1)
+    print(f"\n{error}\n{t1 - t0:.2f} s: {produced} tokens decoded meanwhile, longest wait {longest:.2f} s")
+    assert t1 - t0 < 2.0 + 5 and produced > 0 and longest < 1.0
+    with pytest.raises(UpdateError, match="no usable weights group"):  # nothing begins on a group that did not form
+        loop.run_until_complete(engine.update(sender.manifest(env["b"], engine.version + 1).encode(), timeout_s=10))
+    loop.run_until_complete(sender.connect(engine))  # a new group forms as before, for the tests after this one
+
+
 def _expected(env, version_state: str):
     return env["ref_b"] if version_state == "b" else env["ref_a"]
 
