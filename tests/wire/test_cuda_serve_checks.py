@@ -201,3 +201,26 @@ def test_6_the_weights_groups_nccl_kernels_are_capped_at_max_ctas_on_this_torch(
     torch.cuda.synchronize()
     assert int(bucket[-1]) == (1 << 20) - 1
     group.close()
+
+
+def test_6_a_group_formed_on_a_joining_thread_broadcasts_from_another_thread():
+    """A serve worker forms the weights group on a thread of its own (vllm_patches/joining.py, so the engine decodes
+    meanwhile) and its staging thread broadcasts on it: an NCCL communicator made on one thread, used from another.
+    One GPU holds one rank, so the group is of one; no control (the device a one-GPU thread sets cannot be wrong)."""
+    from inflight.wire.group import GroupAddress
+    from vllm_patches.joining import GroupJoin
+
+    formed = []
+    address = GroupAddress("127.0.0.1", 0, 1, "joined-off-thread", "nccl", 60.0)
+    join = GroupJoin(address, 0, torch.device("cuda", 0), lambda j, g: formed.append(g) or True).start()
+    deadline = time.monotonic() + 60
+    while join.state().state == "joining" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert join.state().state == "joined", join.state().error
+    bucket = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
+    staging = threading.Thread(target=formed[0].broadcast, args=(bucket,))
+    staging.start()
+    staging.join(60)
+    torch.cuda.synchronize()
+    assert int(bucket[-1]) == (1 << 20) - 1
+    formed[0].close()
