@@ -24,6 +24,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from inflight.run.app import main as run_main
@@ -31,6 +32,7 @@ from inflight.run.demo import DEMO_FLAGS, split_run_flags
 from inflight.run.report import ready_time, write_report
 
 ARMS = ("local", "local+ray", "ray")
+INTERRUPTED = 130  # inflight.run's exit code after Ctrl-C or SIGTERM (inflight/run/app.py)
 _NUMERIC = ("startup_s", "steps", "updates", "stall_mean_s", "stall_p99_s", "gen_tokens_per_s", "ray_cores")
 # Ray's own processes by their command line (lower case): the GCS, the raylet, its agents and monitors, pooled workers
 RAY_DAEMONS = (
@@ -145,6 +147,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_arms(arms: list[str], repeats: int, run: Callable[[str, int], dict]) -> list[dict]:
+    """Every arm `repeats` times, interleaved; a run ended by Ctrl-C or SIGTERM (`inflight.run` stops it and exits
+    130) ends the benchmark there, with the table of the runs done, instead of going on to the next arm."""
+    rows: list[dict] = []
+    for repeat in range(repeats):
+        for arm in arms:
+            rows.append(run(arm, repeat))
+            if rows[-1]["code"] == INTERRUPTED:
+                print(f"[bench] {arm}-{repeat} was interrupted: stopping the benchmark", file=sys.stderr, flush=True)
+                return rows
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, extra = split_run_flags(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.launchers", description=__doc__.split("\n\n")[0])
@@ -157,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(arms) - set(ARMS)):
         parser.error(f"--arms {args.arms!r}: {unknown} is no arm; choose from {', '.join(ARMS)}")
     out = Path(args.out)
-    rows = [run_one(arm, i, args.duration_s, out, extra) for i in range(args.repeats) for arm in arms]
+    rows = run_arms(arms, args.repeats, lambda arm, i: run_one(arm, i, args.duration_s, out, extra))
     text = table(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "LAUNCHERS.md").write_text(text + "\n")
