@@ -46,8 +46,24 @@ def ours(*marks: str) -> list[psutil.Process]:
     return found
 
 
+MARK = "INFLIGHT_TEST_MARK"  # set per test, inherited by every process it starts (Ray's workers too)
+
+
+@pytest.fixture(autouse=True)
+def mark_children(monkeypatch):
+    monkeypatch.setenv(MARK, f"{os.getpid()}-{time.time_ns()}")
+
+
+def _marked(p: psutil.Process) -> bool:
+    try:
+        return p.environ().get(MARK) == os.environ.get(MARK)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def side_processes() -> list[psutil.Process]:
-    return ours("-m inflight.serve", "-m inflight.learn", "EngineCore")
+    """This test's serves, learners and engines: not another test worker's, which start and stop meanwhile (xdist)."""
+    return [p for p in ours("-m inflight.serve", "-m inflight.learn", "EngineCore") if _marked(p)]
 
 
 def ray_processes() -> set[int]:
