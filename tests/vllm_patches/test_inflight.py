@@ -213,7 +213,7 @@ def test_a_join_no_learner_answers_fails_by_its_timeout_naming_the_group_and_dec
     stamps, t0, t1, error = loop.run_until_complete(run())
     produced, longest = _decoded_during(stamps, t0, t1)
     print(f"\n{error}\n{t1 - t0:.2f} s: {produced} tokens decoded meanwhile, longest wait {longest:.2f} s")
-    assert t1 - t0 < 2.0 + 5 and produced > 0 and longest < 1.0
+    assert t1 - t0 < 2.0 + 5 and produced > 0 and longest < 1.5  # on the engine thread: no output for the whole 2 s
     with pytest.raises(UpdateError, match="no usable weights group"):  # nothing begins on a group that did not form
         loop.run_until_complete(engine.update(sender.manifest(env["b"], engine.version + 1).encode(), timeout_s=10))
     loop.run_until_complete(sender.connect(engine))  # a new group forms as before, for the tests after this one
