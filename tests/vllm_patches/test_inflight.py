@@ -111,28 +111,8 @@ def test_recompute_kv_continuation_equals_fresh_b_engine(env, loop):
 
 def test_never_stop_keeps_generating_while_the_update_is_received(env, loop):
     engine = env["engine"]
-
-    async def run():
-        stamps = []
-
-        async def stream():
-            from vllm.inputs import TokensPrompt
-
-            # Long enough to outlast the transfer on a loaded machine; cancelled (aborted) once the update is done.
-            params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-            async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=env["prompt"]), params, "stream"):
-                stamps.append((time.time(), len(out.outputs[0].token_ids)))
-
-        task = asyncio.ensure_future(stream())
-        while not stamps:  # generating before the update starts
-            await asyncio.sleep(0.05)
-        report = await env["sender"].push(engine, env["b"], engine.version + 1, bucket_bytes=64 << 10)
-        running = not task.done()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return stamps, report, running
-
-    stamps, report, running = loop.run_until_complete(run())
+    push = env["sender"].push(engine, env["b"], engine.version + 1, bucket_bytes=64 << 10)
+    stamps, _, _, running, report = loop.run_until_complete(_while_decoding(engine, env["prompt"], push))
     assert running, "the request ended before the update did: nothing to observe (make it longer)"
     t0, t1 = report.staging_window
     inside = [n for t, n in stamps if t0 <= t <= t1]
@@ -152,6 +132,23 @@ async def _stamped(engine, prompt, stamps: list[tuple[float, int]]) -> None:
         stamps.append((time.time(), len(out.outputs[0].token_ids)))
 
 
+async def _while_decoding(engine, prompt, work):
+    """Await `work` while a long request decodes (from its first output on); the request's stamps, when `work` began
+    and ended, whether the request still ran then, and `work`'s result. The request is cancelled (aborted) after."""
+    stamps: list[tuple[float, int]] = []
+    task = asyncio.ensure_future(_stamped(engine, prompt, stamps))
+    while not stamps:
+        await asyncio.sleep(0.05)
+    t0 = time.time()
+    try:
+        result = await work
+    finally:
+        t1, running = time.time(), not task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return stamps, t0, t1, running, result
+
+
 def _decoded_during(stamps: list[tuple[float, int]], t0: float, t1: float) -> tuple[int, float]:
     """Tokens produced between `t0` and `t1`, and the longest wait between two outputs there (from `t0` on)."""
     inside = [(t, n) for t, n in stamps if t0 <= t <= t1]
@@ -168,20 +165,8 @@ def test_decoding_goes_on_while_the_weights_group_waits_for_a_late_learner_and_a
     """vLLM runs a worker RPC on the engine's thread: a join that waited there for the learner's rank 0 stopped
     decoding for as long. The rendezvous now runs on the worker's own thread (vllm_patches/joining.py)."""
     engine, sender = env["engine"], env["sender"]
-
-    async def run():
-        stamps: list[tuple[float, int]] = []
-        task = asyncio.ensure_future(_stamped(engine, env["prompt"], stamps))
-        while not stamps:
-            await asyncio.sleep(0.05)
-        t0 = time.time()
-        joined = await sender.connect(engine, late_s=LATE_S)  # the learner's rank 0 joins LATE_S after the serve
-        t1, running = time.time(), not task.done()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return stamps, t0, t1, running, joined
-
-    stamps, t0, t1, running, joined = loop.run_until_complete(run())
+    join = sender.connect(engine, late_s=LATE_S)  # the learner's rank 0 joins LATE_S after the serve
+    stamps, t0, t1, running, joined = loop.run_until_complete(_while_decoding(engine, env["prompt"], join))
     assert running, "the request ended before the group formed: nothing to observe (make it longer)"
     assert [j.state for j in joined] == ["joined"] and t1 - t0 >= LATE_S
     produced, longest = _decoded_during(stamps, t0, t1)
@@ -196,21 +181,13 @@ def test_a_join_no_learner_answers_fails_by_its_timeout_naming_the_group_and_dec
     sender.generation += 1
     addr = sender.address()
 
-    async def run():
-        stamps: list[tuple[float, int]] = []
-        task = asyncio.ensure_future(_stamped(engine, env["prompt"], stamps))
-        while not stamps:
-            await asyncio.sleep(0.05)
-        t0 = time.time()
+    async def failing_join() -> str:
         with pytest.raises(UpdateError, match=f"weights group {addr.group_name}: rank 1 could not join") as failed:
             await engine.join_weights_group(addr.host, addr.port, 1, addr.world_size, group_name=addr.group_name,
                                             timeout_s=2.0)  # fmt: skip
-        t1 = time.time()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return stamps, t0, t1, str(failed.value)
+        return str(failed.value)
 
-    stamps, t0, t1, error = loop.run_until_complete(run())
+    stamps, t0, t1, _, error = loop.run_until_complete(_while_decoding(engine, env["prompt"], failing_join()))
     produced, longest = _decoded_during(stamps, t0, t1)
     print(f"\n{error}\n{t1 - t0:.2f} s: {produced} tokens decoded meanwhile, longest wait {longest:.2f} s")
     assert t1 - t0 < 2.0 + 5 and produced > 0 and longest < 1.5  # on the engine thread: no output for the whole 2 s
