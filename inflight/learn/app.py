@@ -138,7 +138,7 @@ class Learner:
         self.version, self.step = resumed.version, resumed.step
         self.stopping = threading.Event()  # SIGTERM/SIGINT: rank 0 stops waiting for groups, every rank then stops
         self.reporting = open_reporting(cfg) if world.rank == 0 else None  # before the service binds
-        self.sender = RankSender(self.model, world, self.adapter is not None, cfg.full_every)
+        self.sender = RankSender(self.model, world, self.adapter is not None, cfg.full_every, cfg.bucket_mb << 20)
         state = self.sender.service_state()  # collective when gathered
         adapter = self.adapter.spec() if self.adapter is not None else None
         self.service = (

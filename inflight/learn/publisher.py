@@ -352,8 +352,10 @@ class RankSender:
     """One rank's sending of `model`: streamed, unless it is an adapter or `full_every` > 1. `publisher` is rank 0's
     (set once its service is up), None on the other ranks."""
 
-    def __init__(self, model: PolicyModel, world: World, adapter: bool, full_every: int):
+    def __init__(self, model: PolicyModel, world: World, adapter: bool, full_every: int, bucket_bytes: int = 64 << 20):
         self.model, self.world, self.adapter = model, world, adapter
+        # another rank's rows come to rank 0 in blocks no larger than a bucket (or 16 MiB): its peak is in buckets
+        self.piece_bytes = min(bucket_bytes, 16 << 20)
         self.streams = not adapter and full_every == 1
         self.publisher: WeightPublisher | None = None
 
@@ -375,11 +377,11 @@ class RankSender:
             state = self.served_state()  # collective: every rank gathers, rank 0 keeps the tensors
             return published_fields(self.publisher.publish(state, version), start) if self.world.rank == 0 else {}
         if self.world.rank != 0:
-            return stream_weights(self.model, self.world, None, version) or {}
+            return stream_weights(self.model, self.world, None, version, self.piece_bytes) or {}
         # A CUDA learner over gloo: the buckets are in host memory, the gathered pieces on its GPU; both are measured.
         own = self.world.device if self.world.device != self.world.weights_device else None
         with PeakMeter(self.world.weights_device) as peak, PeakMeter(own) if own else nullcontext() as on_gpu:
-            report = stream_weights(self.model, self.world, self.publisher, version)
+            report = stream_weights(self.model, self.world, self.publisher, version, self.piece_bytes)
         fields = published_fields(report, start)
         fields["publish_peak_bytes"] = peak.extra_bytes if peak.measured else None
         if on_gpu is not None and on_gpu.measured:
@@ -391,15 +393,16 @@ class RankSender:
         publish. Rank 0 calls it from its wait for groups and tells the other ranks first (`order_catch_up`)."""
         if self.world.rank == 0:
             order_catch_up(self.world)
-        if report := stream_weights(self.model, self.world, self.publisher, version):
+        if report := stream_weights(self.model, self.world, self.publisher, version, self.piece_bytes):
             log.info("caught up: v%d streamed to %d serve(s), %d bytes", report.version, report.serves, report.bytes)
 
 
 def stream_weights(
-    model: PolicyModel, world: World, publisher: WeightPublisher | None, version: int
+    model: PolicyModel, world: World, publisher: WeightPublisher | None, version: int, piece_bytes: int = 16 << 20
 ) -> PublishReport | None:
-    """Every rank walks `iter_full_pieces` to its end in lockstep; rank 0 streams each piece as `version`: a report."""
-    pieces = iter_full_pieces(model)
+    """Every rank walks `iter_full_pieces` to its end in lockstep (blocks of `piece_bytes`, the same on every rank);
+    rank 0 streams each piece as `version`: a report."""
+    pieces = iter_full_pieces(model, piece_bytes)
     if world.rank == 0:
         return publisher.publish_stream(pieces, version)
     for _ in pieces:  # this rank's part of each gather; rank 0 gets the pieces

@@ -70,20 +70,64 @@ def sum31(data: torch.Tensor) -> int:
     Computed a row at a time without a reduction per word: word j of row k weighs (base_j + off_k) mod p, with
     base_j = (j + 1) · 48271 mod p and off_k = k · 2^16 · 48271 mod p; as base_j + off_k < 2p, modulo p the row's sum
     is Σ_j word_j · base_j + off_k · Σ_j word_j. Four passes over the words instead of eight."""
-    rows = -(-data.numel() // (2 * _ROW_WORDS))
-    if rows * 2 * _ROW_WORDS != data.numel():
-        data = torch.cat([data, data.new_zeros(rows * 2 * _ROW_WORDS - data.numel())])
-    words = data.view(torch.int16).view(rows, _ROW_WORDS)
+    row = 2 * _ROW_WORDS
+    rows = -(-data.numel() // row)
+    if rows * row != data.numel():
+        data = torch.cat([data, data.new_zeros(rows * row - data.numel())])
+    return int(_rows_sum(data, 0).remainder_(_PRIME))
+
+
+def _rows_sum(data: torch.Tensor, first_row: int) -> torch.Tensor:
+    """`sum31`'s terms of whole rows `data` (flat uint8, a multiple of a row), rows `first_row` onwards of the tensor:
+    a device int64, not yet reduced modulo p."""
+    if data.storage_offset() % 2:
+        data = data.clone()  # a 16-bit view needs an even start
+    words = data.view(torch.int16).view(-1, _ROW_WORDS)
     base = _row_weights(data.device)
     total = torch.zeros((), dtype=torch.int64, device=data.device)
-    for first in range(0, rows, _CHUNK_ROWS):
+    for first in range(0, len(words), _CHUNK_ROWS):
         chunk = words[first : first + _CHUNK_ROWS].to(torch.int64).bitwise_and_(0xFFFF)
         plain = chunk.sum(dim=1).remainder_(_PRIME)
         weighted = chunk.mul_(base).sum(dim=1).remainder_(_PRIME)
-        k = torch.arange(first, first + len(plain), dtype=torch.int64, device=data.device)
+        k = torch.arange(first_row + first, first_row + first + len(plain), dtype=torch.int64, device=data.device)
         offsets = k.mul_(_ROW_WORDS * _MULTIPLIER % _PRIME).remainder_(_PRIME)
         total += weighted.add_(plain.mul_(offsets)).remainder_(_PRIME).sum()
-    return int(total.remainder_(_PRIME))
+    return total.remainder_(_PRIME)
+
+
+class RunningChecksum:
+    """The `kind` checksum of bytes fed in order, in pieces of any size (a tensor sent in parts): `update` each piece
+    (flat uint8), then `value()` — equal to `bytes_checksum` of them all. A sum31 keeps at most one row (128 KiB)
+    back between pieces, on their device, and synchronises once, in `value`."""
+
+    def __init__(self, kind: str):
+        if kind not in CHECKSUM_KINDS:
+            raise ValueError(f"checksum kind is {kind!r}, expected one of {list(CHECKSUM_KINDS)}")
+        self.kind, self.crc, self.rows, self.total, self.carry = kind, 0, 0, None, None
+
+    def update(self, data: torch.Tensor) -> None:
+        if self.kind == "crc32":
+            self.crc = zlib.crc32(data.cpu().numpy(), self.crc)
+            return
+        if self.carry is not None:  # complete the row held back
+            data = torch.cat([self.carry, data])
+            self.carry = None
+        row = 2 * _ROW_WORDS
+        whole = data.numel() // row * row
+        if whole:
+            part = _rows_sum(data[:whole], self.rows)
+            self.total = part if self.total is None else self.total.add_(part)
+            self.rows += whole // row
+        if whole < data.numel():
+            self.carry = data[whole:].clone()
+
+    def value(self) -> int:
+        if self.kind == "crc32":
+            return self.crc & 0xFFFFFFFF
+        if self.carry is not None:  # the last row, zero-padded as `sum31` pads it
+            last, self.carry = self.carry, None
+            self.update(torch.cat([last, last.new_zeros(2 * _ROW_WORDS - last.numel())]))
+        return 0 if self.total is None else int(self.total.remainder_(_PRIME))
 
 
 def _row_weights(device: torch.device) -> torch.Tensor:

@@ -10,6 +10,7 @@ manifest order, as the learner gathers them, so rank 0 never holds more than the
 
 from __future__ import annotations
 
+import math
 import mmap
 import time
 from collections.abc import Callable, Mapping
@@ -22,7 +23,10 @@ from inflight.wire.group import WeightsGroup
 from inflight.wire.weights import (
     DTYPES,
     ManifestError,
+    RunningDigest,
+    TensorEntry,
     UpdateManifest,
+    as_bytes,
     check_digest,
     pack_bucket,
     tensor_digest,
@@ -46,32 +50,48 @@ class TransferStats:
 def send_update(
     group: WeightsGroup, manifest: UpdateManifest, state: Mapping[str, torch.Tensor], pin: bool = False
 ) -> TransferStats:
-    """Broadcast every bucket of `manifest` from rank 0. Packing bucket k+1 overlaps sending bucket k."""
+    """Broadcast every bucket of `manifest` from rank 0. Packing bucket k+1 overlaps sending bucket k; a bucket sent in
+    parts (one tensor larger than a part) is sent from the tensor itself, never packed."""
     if not manifest.bucket_sizes:
         return TransferStats()
     device = next(iter(state.values())).device
-    size = max(manifest.bucket_sizes)
+    parts = _parts_by_bucket(manifest)
+    alone = {i: manifest.tensors_in(i)[0].name for i, p in parts.items() if len(p) > 1}  # a tensor larger than a part
+    size = max((n for i, n in enumerate(manifest.bucket_sizes) if i not in alone), default=0)
     buffers = [torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin) for _ in range(2)]
     stats, start = TransferStats(), time.perf_counter()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-pack") as packer:
-        pending = packer.submit(pack_bucket, manifest, 0, state, buffers[0])
+
+        def packed(i: int):
+            return None if i in alone else packer.submit(pack_bucket, manifest, i, state, buffers[i % 2])
+
+        pending = packed(0)
         for i in range(len(manifest.bucket_sizes)):
-            bucket = pending.result()
+            bucket = pending.result() if pending is not None else as_bytes(state[alone[i]])
             if i + 1 < len(manifest.bucket_sizes):
-                pending = packer.submit(pack_bucket, manifest, i + 1, state, buffers[(i + 1) % 2])
-            group.broadcast(bucket, what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
-            stats.bytes += bucket.numel()
+                pending = packed(i + 1)
+            for part in parts[i]:
+                group.broadcast(bucket[part[1] : part[2]], what=manifest.part_name(part))
+            stats.bytes += manifest.bucket_sizes[i]
             stats.buckets += 1
     stats.seconds = time.perf_counter() - start
     return stats
 
 
+def _parts_by_bucket(manifest: UpdateManifest) -> dict[int, list[tuple[int, int, int]]]:
+    by_bucket: dict[int, list[tuple[int, int, int]]] = {}
+    for part in manifest.parts():
+        by_bucket.setdefault(part[0], []).append(part)
+    return by_bucket
+
+
 class StreamSender:
     """Rank 0's streaming sender of a `plan_layout` manifest (trailer checksums): `put` each tensor in manifest order;
-    a bucket is broadcast on a background thread as soon as its last tensor is in, while the next one fills the other
-    buffer; `finish` sends the last bucket and the trailer. Two buffers of the largest bucket on `device`, reused;
-    host buffers are page-locked where CUDA is present, so a GPU learner's tensors reach them by DMA (into pageable
-    memory every device-to-host copy goes through a driver staging buffer, at a fraction of the speed)."""
+    a broadcast (a bucket, or one part of a tensor larger than a part: `UpdateManifest.parts`) goes out on a background
+    thread as soon as its last byte is in, while the next one fills the other buffer; `finish` sends the last one and
+    the trailer. Two buffers of the largest part on `device`, reused, so rank 0 holds two parts whatever the largest
+    tensor; host buffers are page-locked where CUDA is present, so a GPU learner's tensors reach them by DMA (into
+    pageable memory every device-to-host copy goes through a driver staging buffer, at a fraction of the speed)."""
 
     def __init__(
         self,
@@ -84,51 +104,88 @@ class StreamSender:
             raise ValueError("StreamSender sends trailer manifests (inflight/wire/weights.py:plan_layout)")
         self.group, self.manifest = group, manifest
         self.key = update_key(weights_key, manifest.version) if weights_key is not None else None
-        size = max(manifest.bucket_sizes, default=0)
+        self.parts = manifest.parts()
+        self.first_part: dict[int, int] = {}  # bucket → the index of its first part
+        for k, (bucket, _, _) in enumerate(self.parts):
+            self.first_part.setdefault(bucket, k)
+        size = max((end - first for _, first, end in self.parts), default=0)
         pin = torch.device(device).type == "cpu" and torch.cuda.is_available()
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin) for _ in range(2)]
         self.sums: list[bytes] = []
         self._rows = 0  # rows of the current entry already in (an entry sent in pieces)
+        self._digest: RunningDigest | None = None  # of an entry sent in parts, as its bytes go out
         self.stats = TransferStats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-stream")
         self._sending = None
         self._started = time.perf_counter()
 
-    def put(self, name: str, tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def put(self, name: str, tensor: torch.Tensor, start: int = 0) -> None:
         """Copy `tensor` — the whole of the manifest's next tensor, or its rows `start` .. `start + len(tensor)` —
-        into its place, cast to the entry's dtype on the way. Rows come in order; the entry is checksummed and the
-        next one expected once its last row is in. Returns the rows as written into the bucket (the entry's dtype, on
-        the bucket's device), valid until the bucket is refilled two buckets later."""
+        into its place, cast to the entry's dtype on the way (no temporary). Rows come in order; the entry is
+        checksummed and the next one expected once its last row is in."""
         entry = self.manifest.tensors[len(self.sums)]
         if entry.name != name:
             raise ValueError(f"StreamSender got {name!r}, the manifest's next tensor is {entry.name!r}")
-        # Bucket k fills buffer k % 2, free again: `_send(k - 1)` waited for bucket k - 2's broadcast before starting.
-        raw = self.buffers[entry.bucket % 2][entry.offset : entry.offset + entry.nbytes]
-        typed = raw.view(DTYPES[entry.dtype]).reshape(entry.shape)
         whole = list(tensor.shape) == entry.shape and start == 0
-        if whole:
-            written = typed.copy_(tensor)  # the cast to the serve's dtype happens here, into the bucket: no temporary
+        if not whole and start != self._rows:
+            raise ValueError(f"StreamSender got rows from {start} of {name!r}, expected {self._rows}")
+        if self.parts[self.first_part[entry.bucket]][2] < self.manifest.bucket_sizes[entry.bucket]:
+            self._put_parted(entry, tensor, start)
         else:
-            if start != self._rows:
-                raise ValueError(f"StreamSender got rows from {start} of {name!r}, expected {self._rows}")
-            written = typed[start : start + tensor.shape[0]].copy_(tensor)
-            self._rows += tensor.shape[0]
-            if self._rows < entry.shape[0]:
-                return written
+            self._put_whole_bucket(entry, tensor, start, whole)
+        self._rows = entry.shape[0] if whole else self._rows + tensor.shape[0]
+        if not whole and self._rows < entry.shape[0]:
+            return
         self._rows = 0
-        self.sums.append(trailer_entry(typed, self.key, self.manifest.checksum_kind))
         following = self.manifest.tensors[len(self.sums)] if len(self.sums) < len(self.manifest.tensors) else None
         if following is None or following.bucket != entry.bucket:
-            self._send(entry.bucket)
-        return written
+            self._send(len(self.parts) - 1 if following is None else self.first_part[following.bucket] - 1)
+
+    def _put_whole_bucket(self, entry: TensorEntry, tensor: torch.Tensor, start: int, whole: bool) -> None:
+        # Bucket k fills buffer k % 2, free again: `_send(k - 1)` waited for bucket k - 2's broadcast before starting.
+        part = self.first_part[entry.bucket]
+        raw = self.buffers[part % 2][entry.offset : entry.offset + entry.nbytes]
+        typed = raw.view(DTYPES[entry.dtype]).reshape(entry.shape)
+        if whole:
+            typed.copy_(tensor)  # the cast to the serve's dtype happens here, into the bucket: no temporary
+        else:
+            typed[start : start + tensor.shape[0]].copy_(tensor)
+        if whole or start + tensor.shape[0] == entry.shape[0]:
+            self.sums.append(trailer_entry(typed, self.key, self.manifest.checksum_kind))
+
+    def _put_parted(self, entry: TensorEntry, tensor: torch.Tensor, start: int) -> None:
+        """Rows of a tensor whose bucket goes in parts (it is alone in it, at offset 0): cast into one part's buffer
+        at a time, digested as they go, each part sent once full."""
+        dtype = DTYPES[entry.dtype]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if start == 0:
+            self._digest = RunningDigest(self.key, self.manifest.checksum_kind)
+        flat, done = tensor.reshape(-1), 0
+        at = start * (math.prod(entry.shape[1:]) * itemsize)  # this piece's first byte in the bucket
+        first = self.first_part[entry.bucket]
+        while done < flat.numel():
+            k = first + at // self.manifest.part_bytes
+            _, begin, end = self.parts[k]
+            n = min(flat.numel() - done, (end - at) // itemsize)
+            typed = self.buffers[k % 2][at - begin : at - begin + n * itemsize].view(dtype)
+            typed.copy_(flat[done : done + n])
+            self._digest.update(typed.view(torch.uint8))
+            done, at = done + n, at + n * itemsize
+            if at == end and at < entry.nbytes:
+                self._send(k)  # a full part; the last goes with the entry's end
+        if at == entry.nbytes:
+            self.sums.append(self._digest.entry())
+            self._digest = None
 
     def _send(self, index: int) -> None:
+        """Broadcast part `index` (`self.parts`) from its buffer, once the one before it has gone."""
         self._wait()
-        bucket = self.buffers[index % 2][: self.manifest.bucket_sizes[index]]
-        what = f"bucket {index}/{len(self.manifest.bucket_sizes)} of version {self.manifest.version}"
-        self._sending = self._pool.submit(self.group.broadcast, bucket, what=what)
+        part = self.parts[index]
+        bucket = self.buffers[index % 2][: part[2] - part[1]]
+        self._sending = self._pool.submit(self.group.broadcast, bucket, what=self.manifest.part_name(part))
         self.stats.bytes += bucket.numel()
-        self.stats.buckets += 1
+        if part[2] == self.manifest.bucket_sizes[part[0]]:
+            self.stats.buckets += 1
 
     def _wait(self) -> None:
         if self._sending is not None:
@@ -169,10 +226,10 @@ def receive_update(
         if into is not None
         else [torch.empty(n, dtype=torch.uint8, device=device) for n in update_buffers(manifest)]
     )
-    for i, size in enumerate(manifest.bucket_sizes):
-        group.broadcast(buckets[i], what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
-        if on_bucket is not None:
-            on_bucket(i, size)
+    for i, first, end in manifest.parts():
+        group.broadcast(buckets[i][first:end], what=manifest.part_name((i, first, end)))
+        if on_bucket is not None and end == manifest.bucket_sizes[i]:
+            on_bucket(i, end)
     if manifest.trailer:  # the checksums, after the buckets (inflight/wire/weights.py:UpdateManifest.trailer)
         group.broadcast(buckets[-1], what=f"trailer of version {manifest.version}")
     return buckets
@@ -186,7 +243,9 @@ def update_buffers(manifest: UpdateManifest) -> list[int]:
 def drain_update(group: WeightsGroup, manifest: UpdateManifest, buffer: torch.Tensor) -> None:
     """Receive and drop every broadcast of `manifest` through `buffer` (at least its largest): a receiver that refused
     the update (it would not fit its arena) keeps the group in step with the sender instead of breaking it."""
-    for i, size in enumerate(update_buffers(manifest)):
+    sizes = [end - first for _, first, end in manifest.parts()]
+    sizes += [manifest.trailer_nbytes] if manifest.trailer else []
+    for i, size in enumerate(sizes):
         group.broadcast(buffer[:size], what=f"broadcast {i} of refused version {manifest.version}")
 
 
@@ -220,9 +279,12 @@ def receive_kept(
     for t in manifest.tensors:
         by_bucket.setdefault(t.bucket, []).append(t)
     buffer, out = into if into is not None else (receive_buffer(max(manifest.bucket_sizes, default=0), device), {})
-    for i, size in enumerate(manifest.bucket_sizes):
+    for i, first, end in manifest.parts():
+        group.broadcast(buffer[first:end], what=manifest.part_name((i, first, end)))
+        size = manifest.bucket_sizes[i]
+        if end < size:
+            continue  # more parts of this bucket to come
         bucket = buffer[:size]
-        group.broadcast(bucket, what=f"bucket {i}/{len(manifest.bucket_sizes)} of version {manifest.version}")
         digestible = verifiable(bucket, key, kind)
         for t in by_bucket.get(i, []):
             digests[t.name] = tensor_digest(digestible[t.offset : t.offset + t.nbytes], key, kind)

@@ -1,11 +1,12 @@
 """Weight-update manifests and bucket packing: the bytes a learner sends and a serve worker stages.
 
 Both sides import this (it imports torch and msgspec, never vLLM). An update is one `UpdateManifest` (sent first, as
-msgpack) followed by `len(manifest.bucket_sizes)` uint8 buckets over the weights group. Every tensor lies wholly in one
-bucket at a 64-byte aligned offset, so the receiver can view it in place; a tensor larger than the bucket size gets a
-bucket of its own. Each tensor carries a checksum of its bytes, checked by the receiver before anything is committed:
-a CRC32 from a learner in host memory, a `sum31` (inflight/wire/checksum.py) from a learner on a GPU, which both sides
-compute on the device, so neither copies a byte to the host to check it.
+msgpack) followed by its uint8 buckets over the weights group. Every tensor lies wholly in one bucket at a 64-byte
+aligned offset, so the receiver can view it in place; a tensor larger than the bucket size gets a bucket of its own,
+broadcast in parts of at most the bucket size (`UpdateManifest.parts`): a sender never holds more of it than two parts,
+whatever the tensor's size. Each tensor carries a checksum of its bytes, checked by the receiver before anything is
+committed: a CRC32 from a learner in host memory, a `sum31` (inflight/wire/checksum.py) from a learner on a GPU, which
+both sides compute on the device, so neither copies a byte to the host to check it.
 
 A checksum catches corruption, not forgery: anyone who can write to the weights network can alter a tensor and fix
 four of its bytes so the checksum still matches. With a shared secret (`--secret-file` on both sides) every tensor
@@ -30,9 +31,9 @@ import msgspec
 import torch
 
 from inflight.wire import delta
-from inflight.wire.checksum import CHECKSUM_KINDS, bytes_checksum, tensor_checksum
+from inflight.wire.checksum import CHECKSUM_KINDS, RunningChecksum, bytes_checksum, tensor_checksum
 
-MANIFEST_SCHEMA = 4  # 2: tensors carry an optional keyed BLAKE2b tag; 3: delta updates; 4: checksum_kind
+MANIFEST_SCHEMA = 5  # 2: optional keyed BLAKE2b tags; 3: delta updates; 4: checksum_kind; 5: part_bytes
 TAG_BYTES = 16
 _TRAILER_ENTRY = 4 + TAG_BYTES
 ALIGN = 64
@@ -111,6 +112,9 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A LoRA adapter update: the tensors are the adapter's, in PEFT's names (`...q_proj.lora_A.weight`), not the
     # model's; the serve puts them into vLLM's adapter slot (vllm_patches/adapter.py). None: the model's weights.
     adapter: AdapterSpec | None = None
+    # The most bytes one broadcast carries: a bucket larger than this (one tensor larger than the bucket size) goes in
+    # parts of this size, in order (`parts`). 0: every bucket in one broadcast.
+    part_bytes: int = 0
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -155,6 +159,20 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def is_delta(self) -> bool:
         return self.base_version >= 0
 
+    def parts(self) -> list[tuple[int, int, int]]:
+        """Every broadcast of the buckets, in the order both sides make them: (bucket, first byte, end byte)."""
+        step = self.part_bytes or max(self.bucket_sizes, default=1)
+        return [(i, a, min(a + step, size)) for i, size in enumerate(self.bucket_sizes) for a in range(0, size, step)]
+
+    def tensors_in(self, bucket: int) -> list[TensorEntry]:
+        return [t for t in self.tensors if t.bucket == bucket]
+
+    def part_name(self, part: tuple[int, int, int]) -> str:
+        """How a broadcast is named in errors: 'bucket 2/9 of version 4', with 'bytes A-B of' for one part of many."""
+        i, a, b = part
+        whole = b - a == self.bucket_sizes[i]
+        return f"{'' if whole else f'bytes {a}-{b} of '}bucket {i}/{len(self.bucket_sizes)} of version {self.version}"
+
     def validate_layout(self) -> None:
         """Every entry must lie inside its bucket with its byte count matching its encoding, dtype and shape."""
         if self.checksum_kind not in CHECKSUM_KINDS:
@@ -162,6 +180,8 @@ class UpdateManifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"manifest.checksum_kind is {self.checksum_kind!r}, expected one of {list(CHECKSUM_KINDS)}: run the "
                 "same inflight version on the learner and the servers"
             )
+        if self.part_bytes < 0 or self.part_bytes % ALIGN:
+            raise ManifestError(f"manifest.part_bytes is {self.part_bytes}: expected 0 or a multiple of {ALIGN}")
         for t in self.tensors:
             if t.dtype not in DTYPES:
                 raise ManifestError(f"tensor {t.name}: dtype {t.dtype!r} is not one of {sorted(DTYPES)}")
@@ -197,7 +217,7 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -211,7 +231,7 @@ def update_key(weights_key: bytes, version: int) -> bytes:
 
 def tensor_tag(t: torch.Tensor, key: bytes) -> bytes:
     """Keyed BLAKE2b of the tensor's bytes (a device tensor from a host copy)."""
-    return bytes_tag(_as_bytes(t).cpu().numpy(), key)
+    return bytes_tag(as_bytes(t).cpu().numpy(), key)
 
 
 def bytes_tag(data, key: bytes) -> bytes:
@@ -286,7 +306,15 @@ def plan_update(
         payloads[name] = payload
     base_version = base[0] if base is not None else -1
     manifest = UpdateManifest(
-        MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base, checksum_kind=checksum_kind, adapter=adapter
+        MANIFEST_SCHEMA,
+        version,
+        sizes,
+        entries,
+        base_version,
+        keep_base,
+        checksum_kind=checksum_kind,
+        adapter=adapter,
+        part_bytes=_aligned(bucket_bytes),
     )
     return manifest, payloads
 
@@ -309,6 +337,24 @@ def trailer_entry(t: torch.Tensor, key: bytes | None, checksum_kind: str = "crc3
     return checksum + (tensor_tag(t, key) if key is not None else bytes(TAG_BYTES))
 
 
+class RunningDigest:
+    """`trailer_entry` of a tensor whose bytes come in pieces, in order (one sent in parts): `update` each piece (flat
+    uint8), then `entry()`."""
+
+    def __init__(self, key: bytes | None, checksum_kind: str = "crc32"):
+        self.checksum = RunningChecksum(checksum_kind)
+        self.tag = hashlib.blake2b(key=key, digest_size=TAG_BYTES) if key is not None else None
+
+    def update(self, data: torch.Tensor) -> None:
+        self.checksum.update(data)
+        if self.tag is not None:
+            self.tag.update(data.cpu().numpy())
+
+    def entry(self) -> bytes:
+        tag = self.tag.digest() if self.tag is not None else bytes(TAG_BYTES)
+        return self.checksum.value().to_bytes(4, "little") + tag
+
+
 def pack_bucket(
     manifest: UpdateManifest, index: int, state: Mapping[str, torch.Tensor], out: torch.Tensor
 ) -> torch.Tensor:
@@ -316,7 +362,7 @@ def pack_bucket(
     view = out[: manifest.bucket_sizes[index]]
     for t in manifest.tensors:
         if t.bucket == index:
-            view[t.offset : t.offset + t.nbytes].copy_(_as_bytes(state[t.name]))
+            view[t.offset : t.offset + t.nbytes].copy_(as_bytes(state[t.name]))
     return view
 
 
@@ -360,7 +406,7 @@ def unpack_buckets(
         if t.encoding != "full":
             out[t.name] = _apply_delta(t, raw, base[1], (decoded_into or {}).get(t.name))
             if verify:
-                _verify(t, _as_bytes(out[t.name]), key, kind)
+                _verify(t, as_bytes(out[t.name]), key, kind)
             continue
         if verify and on_host and raw.device.type != "cpu" and t.bucket not in host:
             host = {t.bucket: _to_host(buckets[t.bucket])}

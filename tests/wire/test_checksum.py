@@ -37,6 +37,21 @@ def test_sum31_is_the_position_weighted_word_sum_modulo_the_prime(n, monkeypatch
     assert sum31(data) == reference_sum31(data.numpy().tobytes())
 
 
+@pytest.mark.parametrize("kind", ["crc32", "sum31"])
+def test_a_running_checksum_fed_in_pieces_of_any_size_equals_the_checksum_of_the_whole(kind, monkeypatch):
+    """A tensor sent in parts is checksummed part by part (inflight/wire/weights.py:RunningDigest): with 16-byte rows
+    nearly every piece ends inside a row, and sum31 must carry the rest into the next."""
+    monkeypatch.setattr(checksum, "_ROW_WORDS", 8)
+    monkeypatch.setattr(checksum, "_ROW_WEIGHTS", {})
+    monkeypatch.setattr(checksum, "_CHUNK_ROWS", 3)
+    data = random_bytes(4099, seed=3)
+    for cuts in ([], [1], [5, 6, 16, 17, 40], list(range(3, 4099, 7)), [2048]):
+        running = checksum.RunningChecksum(kind)
+        for first, end in zip([0, *cuts], [*cuts, len(data)], strict=True):
+            running.update(data[first:end])
+        assert running.value() == bytes_checksum(data, kind), cuts
+
+
 def test_sum31_sees_every_single_word_changed_and_two_different_words_swapped():
     data = random_bytes(2048, seed=1)
     base = sum31(data)

@@ -50,6 +50,18 @@ def test_a_rank_keeps_only_its_rows_of_each_verified_tensor_through_one_reused_b
     assert len(group.sizes) == len(manifest.bucket_sizes) >= 3
 
 
+def test_a_tensor_larger_than_a_bucket_arrives_in_parts_and_the_rank_keeps_its_rows_of_the_verified_whole():
+    state = {**_state(), "big": torch.randn(64, 6, generator=torch.Generator().manual_seed(1))}
+    manifest = plan_manifest(state, 1, bucket_bytes=2 * 8 * 6 * 4)  # "big" is 1536 B: four parts of 384
+    parts = manifest.parts()
+    assert len(parts) == len(manifest.bucket_sizes) + 3
+    packed = _frames(manifest, state)
+    group = Replay([packed[i][first:end] for i, first, end in parts])
+    kept = receive_kept(group, manifest, lambda name, whole: whole.narrow(0, len(whole) // 2, len(whole) // 2))
+    assert torch.equal(kept["big"], state["big"][32:]) and torch.equal(kept["w0"], state["w0"][4:])
+    assert group.sizes == [end - first for _, first, end in parts]
+
+
 def test_a_corrupted_tensor_fails_the_receive_naming_it_though_the_rank_keeps_none_of_its_bad_rows():
     state = _state()
     manifest = plan_manifest(state, 1, bucket_bytes=1 << 20)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -78,8 +79,9 @@ def stalling_sender_main(address: GroupAddress, seed: int, buckets_to_send: int,
     state = make_state(seed)
     manifest = plan_manifest(state, 1, BUCKET_BYTES)
     buffer = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
-    for i in range(buckets_to_send):
-        group.broadcast(pack_bucket(manifest, i, state, buffer), what=f"bucket {i}")
+    for i, first, end in manifest.parts():
+        if i < buckets_to_send:  # a bucket larger than a part goes in parts, as send_update sends it
+            group.broadcast(pack_bucket(manifest, i, state, buffer)[first:end], what=f"bucket {i}")
     (out / "sent").touch()
     time.sleep(600)
 
@@ -193,7 +195,9 @@ def test_receiver_announced_more_buckets_than_sent_times_out_with_weights_group_
     store, address = host(tmp_path, timeout_s)
     state = make_state(seed=4)
     manifest = plan_manifest(state, 1, BUCKET_BYTES)
-    short = UpdateManifest(manifest.schema, 1, manifest.bucket_sizes[:2], [t for t in manifest.tensors if t.bucket < 2])
+    short = msgspec.structs.replace(
+        manifest, bucket_sizes=manifest.bucket_sizes[:2], tensors=[t for t in manifest.tensors if t.bucket < 2]
+    )
 
     def send(group):  # the learner stays in the group: the receiver must give up on its own clock, not on EOF
         send_update(group, short, state)
@@ -217,9 +221,10 @@ def test_a_bucket_sent_shorter_than_announced_is_never_accepted_as_valid_data(tm
 
     def send(group):
         buffer = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
-        for i in range(len(manifest.bucket_sizes)):
+        for i, first, end in manifest.parts():
             bucket = pack_bucket(manifest, i, state, buffer)
-            group.broadcast(bucket[:-64] if i == 1 else bucket, what=f"bucket {i}")
+            short = i == 1 and end == manifest.bucket_sizes[i]  # bucket 1's last part, 64 bytes short
+            group.broadcast(bucket[first : end - 64 if short else end], what=f"bucket {i}")
 
     result = send_as_rank0(tmp_path, address, store, [manifest], send)
     assert not result["ok"], result
@@ -273,3 +278,101 @@ def test_a_streamed_update_whose_tensor_changed_after_its_checksum_is_refused_by
         unpack_buckets(manifest, [*buckets, trailer])
     with pytest.raises(ManifestError, match="announced .* and a trailer"):
         unpack_buckets(manifest, buckets)
+
+
+def _with_long_tensor(seed: int) -> dict[str, torch.Tensor]:
+    """`make_state` plus a 2-D tensor of 140 KB whose 140-byte rows do not divide a 64-KiB part: two tensors larger
+    than a bucket, one 1-D (192 KB) and one 2-D."""
+    state = make_state(seed)
+    state["long.weight"] = torch.randn(1000, 70, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return state
+
+
+def _feed_in_rows(stream, learner: dict[str, torch.Tensor], rows: int = 37) -> None:
+    """Every tensor in pieces of `rows` rows, in order, as learner/export.py:iter_full_pieces hands another rank's
+    rows: many pieces straddle a part's edge."""
+    for name, tensor in learner.items():
+        for first in range(0, len(tensor), rows):
+            stream.put(name, tensor[first : first + rows], first)
+
+
+@pytest.mark.parametrize("kind", ["crc32", "sum31"])
+def test_a_tensor_larger_than_a_bucket_is_streamed_in_parts_through_two_part_sized_buffers_and_arrives_bitwise(
+    tmp_path, kind
+):
+    """The sender's memory is two parts of at most a bucket whatever its largest tensor: each of the two tensors
+    larger than a 64-KiB bucket goes in three parts, cast from fp32 row pieces on the way; the receiver verifies the
+    whole tensors' checksums (computed by the sender part by part) and gets every tensor bitwise."""
+    from inflight.wire.transfer import StreamSender
+    from inflight.wire.weights import plan_layout
+
+    state = _with_long_tensor(seed=7)
+    learner = {name: t.float() for name, t in state.items()}
+    specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
+    manifest = plan_layout(specs, 4, BUCKET_BYTES, kind)
+    assert sorted(n for n in manifest.bucket_sizes if n > BUCKET_BYTES) == [140000, 192000]
+    assert len(manifest.parts()) == len(manifest.bucket_sizes) + 4
+    store, address = host(tmp_path, timeout_s=30.0)
+
+    def send(group):
+        stream = StreamSender(group, manifest, "cpu")
+        assert [b.numel() for b in stream.buffers] == [BUCKET_BYTES] * 2  # not the 192 KB of the largest tensor
+        _feed_in_rows(stream, learner)
+        stats = stream.finish()
+        assert stats.buckets == len(manifest.bucket_sizes) and stats.bytes == manifest.total_bytes
+
+    result = send_as_rank0(tmp_path, address, store, [manifest], send)
+    assert result["ok"], result
+    got = load_file(str(tmp_path / "v4.safetensors"))
+    assert all(torch.equal(got[name], t) for name, t in state.items())
+
+
+def test_send_update_sends_a_tensor_larger_than_a_bucket_in_parts_from_the_tensor_itself(tmp_path):
+    store, address = host(tmp_path, timeout_s=30.0)
+    state = _with_long_tensor(seed=8)
+    manifest = plan_manifest(state, 2, BUCKET_BYTES)
+    stats = {}
+
+    def send(group):
+        stats["s"] = send_update(group, manifest, state)
+
+    result = send_as_rank0(tmp_path, address, store, [manifest], send)
+    assert result["ok"], result
+    assert stats["s"].buckets == len(manifest.bucket_sizes) and stats["s"].bytes == manifest.total_bytes
+    got = load_file(str(tmp_path / "v2.safetensors"))
+    assert all(torch.equal(got[name], t) for name, t in state.items())
+
+
+class Recorder:
+    """A stand-in for rank 0's side of the group that keeps a copy of every broadcast (a narrow unit test of the
+    parts' bytes; the real group carries them in the tests above)."""
+
+    def __init__(self):
+        self.frames: list[torch.Tensor] = []
+
+    def broadcast(self, tensor: torch.Tensor, what: str = "") -> None:
+        self.frames.append(tensor.clone())
+
+
+def test_a_tensor_sent_in_parts_carries_the_tag_of_its_whole_bytes_and_a_part_altered_in_transit_fails_it():
+    from inflight.wire.transfer import StreamSender
+    from inflight.wire.weights import plan_layout
+
+    key = b"k" * 32
+    state = _with_long_tensor(seed=9)
+    specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
+    manifest = plan_layout(specs, 5, BUCKET_BYTES)
+    group = Recorder()
+    stream = StreamSender(group, manifest, "cpu", weights_key=key)
+    _feed_in_rows(stream, state, rows=53)
+    stream.finish()
+    *frames, trailer = group.frames
+    buckets = [torch.empty(n, dtype=torch.uint8) for n in manifest.bucket_sizes]
+    for (i, first, end), frame in zip(manifest.parts(), frames, strict=True):
+        buckets[i][first:end] = frame
+    got = unpack_buckets(manifest, [*buckets, trailer], weights_key=key)
+    assert all(torch.equal(got[name], t) for name, t in state.items())
+    long = next(t for t in manifest.tensors if t.name == "long.weight")
+    buckets[long.bucket][BUCKET_BYTES + 3] ^= 0x01  # a byte of its second part
+    with pytest.raises(ManifestError, match="tensor long.weight: its tag does not verify"):
+        unpack_buckets(manifest, [*buckets, trailer], weights_key=key)
