@@ -124,36 +124,28 @@ class StreamSender:
         into its place, cast to the entry's dtype on the way (no temporary). Rows come in order; the entry is
         checksummed and the next one expected once its last row is in."""
         entry = self.manifest.tensors[len(self.sums)]
-        if entry.name != name:
-            raise ValueError(f"StreamSender got {name!r}, the manifest's next tensor is {entry.name!r}")
+        if entry.name != name or start != self._rows:
+            raise ValueError(f"StreamSender got {name!r} from row {start}, expected {entry.name!r} from {self._rows}")
         whole = list(tensor.shape) == entry.shape and start == 0
-        if not whole and start != self._rows:
-            raise ValueError(f"StreamSender got rows from {start} of {name!r}, expected {self._rows}")
-        if self.parts[self.first_part[entry.bucket]][2] < self.manifest.bucket_sizes[entry.bucket]:
-            self._put_parted(entry, tensor, start)
+        parted = self.parts[self.first_part[entry.bucket]][2] < self.manifest.bucket_sizes[entry.bucket]
+        if parted:
+            self._put_parted(entry, tensor, start, whole)
         else:
             self._put_whole_bucket(entry, tensor, start, whole)
-        self._rows = entry.shape[0] if whole else self._rows + tensor.shape[0]
-        if not whole and self._rows < entry.shape[0]:
-            return
-        self._rows = 0
+        self._rows = 0 if whole or start + len(tensor) == entry.shape[0] else start + len(tensor)
         following = self.manifest.tensors[len(self.sums)] if len(self.sums) < len(self.manifest.tensors) else None
-        if following is None or following.bucket != entry.bucket:
+        if self._rows == 0 and (following is None or following.bucket != entry.bucket):
             self._send(len(self.parts) - 1 if following is None else self.first_part[following.bucket] - 1)
 
     def _put_whole_bucket(self, entry: TensorEntry, tensor: torch.Tensor, start: int, whole: bool) -> None:
         # Bucket k fills buffer k % 2, free again: `_send(k - 1)` waited for bucket k - 2's broadcast before starting.
-        part = self.first_part[entry.bucket]
-        raw = self.buffers[part % 2][entry.offset : entry.offset + entry.nbytes]
+        raw = self.buffers[self.first_part[entry.bucket] % 2][entry.offset : entry.offset + entry.nbytes]
         typed = raw.view(DTYPES[entry.dtype]).reshape(entry.shape)
-        if whole:
-            typed.copy_(tensor)  # the cast to the serve's dtype happens here, into the bucket: no temporary
-        else:
-            typed[start : start + tensor.shape[0]].copy_(tensor)
-        if whole or start + tensor.shape[0] == entry.shape[0]:
+        (typed if whole else typed[start : start + len(tensor)]).copy_(tensor)  # the cast happens here, into the bucket
+        if whole or start + len(tensor) == entry.shape[0]:
             self.sums.append(trailer_entry(typed, self.key, self.manifest.checksum_kind))
 
-    def _put_parted(self, entry: TensorEntry, tensor: torch.Tensor, start: int) -> None:
+    def _put_parted(self, entry: TensorEntry, tensor: torch.Tensor, start: int, whole: bool) -> None:
         """Rows of a tensor whose bucket goes in parts (it is alone in it, at offset 0): cast into one part's buffer
         at a time, digested as they go, each part sent once full."""
         dtype = DTYPES[entry.dtype]
@@ -180,12 +172,11 @@ class StreamSender:
     def _send(self, index: int) -> None:
         """Broadcast part `index` (`self.parts`) from its buffer, once the one before it has gone."""
         self._wait()
-        part = self.parts[index]
-        bucket = self.buffers[index % 2][: part[2] - part[1]]
-        self._sending = self._pool.submit(self.group.broadcast, bucket, what=self.manifest.part_name(part))
-        self.stats.bytes += bucket.numel()
-        if part[2] == self.manifest.bucket_sizes[part[0]]:
-            self.stats.buckets += 1
+        bucket, first, end = self.parts[index]
+        what = self.manifest.part_name(self.parts[index])
+        self._sending = self._pool.submit(self.group.broadcast, self.buffers[index % 2][: end - first], what=what)
+        self.stats.bytes += end - first
+        self.stats.buckets += end == self.manifest.bucket_sizes[bucket]
 
     def _wait(self) -> None:
         if self._sending is not None:

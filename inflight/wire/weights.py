@@ -305,17 +305,8 @@ def plan_update(
         )
         payloads[name] = payload
     base_version = base[0] if base is not None else -1
-    manifest = UpdateManifest(
-        MANIFEST_SCHEMA,
-        version,
-        sizes,
-        entries,
-        base_version,
-        keep_base,
-        checksum_kind=checksum_kind,
-        adapter=adapter,
-        part_bytes=_aligned(bucket_bytes),
-    )
+    shape = dict(checksum_kind=checksum_kind, adapter=adapter, part_bytes=_aligned(bucket_bytes))
+    manifest = UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base, **shape)
     return manifest, payloads
 
 

@@ -82,14 +82,15 @@ def test_torchrun_two_gloo_ranks_train_like_one_process(model_dirs, tmp_path):
 
 
 @pytest.mark.engine
-def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_catch_a_resumed_serve_up_and_it_answers_right(
+def test_two_ranks_stream_smollm2_into_a_serve_below_its_largest_tensor_catch_a_resumed_serve_up_and_it_answers_right(
     model_dirs, tmp_path
 ):
     """Issues 16 and 41's publish on CPU: `torchrun --nproc-per-node 2 -m inflight.learn` (gloo, FSDP2) trains SmolLM2
     on a real serve's rollouts and streams each update from its shards (learner/export.py:iter_full_pieces) into the
-    serve. Rank 0's peak extra memory during every publish stays within three buckets, as its metrics lines say: no
-    rank keeps a copy of the model for serves that join late. A second life of the learner (`--resume true`) finds the
-    serve, which joins its group late, and every rank streams it the resumed weights at once
+    serve. Rank 0's peak extra memory during every publish stays within two buckets and a block, below the largest
+    tensor (the embedding goes in bucket-sized parts), as its metrics lines say: no rank keeps a copy of the model for
+    serves that join late. A second life of the learner (`--resume true`) finds the serve, which joins its group
+    late, and every rank streams it the resumed weights at once
     (inflight/learn/publisher.py:RankSender.catch_up); it then trains a third step. The serve commits the last version
     and greedy-decodes exactly what transformers decodes from the learner's exported weights (prompts with a clear
     greedy choice), the same check as test_learn.py makes for one rank."""
@@ -97,7 +98,7 @@ def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_catch_a_resu
     from test_learn import assert_serve_answers_like_the_export
 
     path, ports, http = model_dirs["smollm2"], [free_port() for _ in range(3)], free_port()
-    bucket_mb = 128  # >= the largest tensor in fp32 (the 113-MiB embedding): a bucket holds any whole tensor
+    bucket_mb = 32  # < the largest tensor in fp32 (the 113-MiB embedding), which goes in 32-MiB parts
 
     def learner(steps: int, *extra: str) -> ServeProcess:
         torchrun = (os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
@@ -134,7 +135,9 @@ def test_two_ranks_stream_smollm2_into_a_serve_within_three_buckets_catch_a_resu
             pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
         mib = 2**20
         print(f"\nrank 0 peak extra memory per publish: {[round(p / mib) for p in peaks]} MiB, buckets of {bucket_mb}")
-        assert all(peak <= 3 * (bucket_mb << 20) for peak in peaks), peaks
+        # two buckets, a 16-MiB block of another rank's rows and 32 MiB for the allocator and gloo: less than the
+        # embedding alone (113 MiB), which rank 0 therefore never held whole (seen with 128-MiB buckets: 293 MiB)
+        assert all(peak <= 2 * (bucket_mb << 20) + (48 << 20) < 113 * mib for peak in peaks), peaks
         serve.wait_for("weights v3 committed", timeout_s=120)
         assert_serve_answers_like_the_export(path, tmp_path / "hf-final", http, version=3)
     finally:

@@ -48,9 +48,9 @@ def send(env, loop, manifest, buckets):
     import threading
 
     def run():
-        for bucket in buckets:
+        for i, first, end in manifest.parts():  # a bucket larger than a part goes in parts, as send_update sends it
             try:
-                env["sender"].group.broadcast(bucket)
+                env["sender"].group.broadcast(buckets[i][first:end])
             except Exception:
                 return
 
