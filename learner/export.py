@@ -48,7 +48,7 @@ def full_hf_state(model: PolicyModel) -> dict[str, torch.Tensor]:
         k: v
         for name, t in state.items()
         if not is_lora_name(name)
-        for k, v in checkpoint_named(model.hf, _hf_name(name), t).items()
+        for k, v in checkpoint_tensors(model.hf, _hf_name(name), t).items()
     }
     if getattr(model.hf.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -67,12 +67,40 @@ def checkpoint_named(hf_model: torch.nn.Module, name: str, t: torch.Tensor) -> d
     return revert_weight_conversion(hf_model, {name: t})
 
 
+def checkpoint_tensors(hf_model: torch.nn.Module, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`checkpoint_named`, an MoE layer's fused experts in expert-major order (each expert's tensors together: gate,
+    up; gate, up; ...): the order a learner streams them in, an expert at a time (`iter_full_pieces`)."""
+    converted = checkpoint_named(hf_model, name, t)
+    experts = _expert_layout(hf_model, name, t.shape)
+    return converted if experts is None else {n: converted[n] for tensors in experts for n, _ in tensors}
+
+
+ExpertLayout = list[list[tuple[str, torch.Size]]]  # per expert: its checkpoint tensors' names and shapes
+
+
+def _expert_layout(hf_model: torch.nn.Module, name: str, shape: torch.Size) -> ExpertLayout | None:
+    """For a tensor the checkpoint stores per expert along its dim 0 (transformers' fused `experts.gate_up_proj`,
+    `experts.down_proj`): each expert's checkpoint tensors (name, shape), in the order one expert's slice converts to;
+    None for any other tensor. Worked out on shape-only tensors: one expert's slice converted and renumbered must give
+    exactly the names and shapes the whole tensor converts to."""
+    if len(shape) < 2:
+        return None
+    one = checkpoint_named(hf_model, name, torch.empty((1, *shape[1:]), device="meta"))
+    if list(one) == [name] or not all(".experts.0." in n for n in one):
+        return None
+    renamed = [(n.split(".experts.0.", 1), t.shape) for n, t in one.items()]
+    experts = [[(f"{a}.experts.{e}.{b}", size) for (a, b), size in renamed] for e in range(shape[0])]
+    whole = checkpoint_named(hf_model, name, torch.empty(shape, device="meta"))
+    same = sorted(p for tensors in experts for p in tensors) == sorted((n, t.shape) for n, t in whole.items())
+    return experts if same else None
+
+
 def hf_layout(model: PolicyModel) -> dict[str, torch.Tensor]:
     """`full_hf_state`'s names, in its order, each with a shape-only (meta) tensor of its dtype and full shape: what a
     serve is checked against, gathering nothing (a sharded parameter's DTensor knows its full shape)."""
     layout: dict[str, torch.Tensor] = {}
     for hf_name, t in local_hf_state(model):
-        layout.update(checkpoint_named(model.hf, hf_name, torch.empty(t.shape, dtype=t.dtype, device="meta")))
+        layout.update(checkpoint_tensors(model.hf, hf_name, torch.empty(t.shape, dtype=t.dtype, device="meta")))
     return layout
 
 
@@ -90,25 +118,42 @@ def iter_full_pieces(model: PolicyModel, max_piece_bytes: int = 16 << 20) -> Ite
     """The tensors of `full_hf_state` in pieces, on rank 0, in the same order on every rank: a tensor sharded by rows
     (FSDP2's `Shard(0)`) arrives rank by rank in blocks of at most `max_piece_bytes` (point to point, each rank sending
     its own rows), so rank 0 never holds more than one block beyond its own shard — not the full tensor, not the model.
-    Other ranks yield nothing. An unsharded model yields each tensor whole.
+    An MoE layer's fused experts come the same way, in blocks of whole experts, each expert split into its checkpoint
+    tensors (`_per_expert`). Other ranks yield nothing. An unsharded model yields each tensor whole.
 
     Collective when the model is sharded: every rank must exhaust it, in step. A yielded tensor may be the live
     parameter or rank 0's own shard: valid until the next piece is asked for; copy what must outlive that, never write.
     """
     for hf_name, t in local_hf_state(model):
-        if _converted(model.hf, hf_name, t.shape):  # whole, then split as the checkpoint stores it (`checkpoint_named`)
-            full = t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()  # (collective when sharded)
+        experts = _expert_layout(model.hf, hf_name, t.shape)
+        if experts is not None:
+            yield from _per_expert(model.hf, hf_name, t.detach(), experts, max_piece_bytes)
+        elif isinstance(t, DTensor) and _row_sharded(t) and not _converted(model.hf, hf_name, t.shape):
+            yield from _rows_to_rank0(hf_name, t.detach(), max_piece_bytes)
+        else:  # whole (another placement: gathered, collective), split as the checkpoint stores it
+            full = t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()
             if not isinstance(t, DTensor) or dist.get_rank(t.device_mesh.get_group()) == 0:
                 for name, part in checkpoint_named(model.hf, hf_name, full).items():
                     yield Piece(name, part.shape, 0, part.contiguous())
-        elif not isinstance(t, DTensor):
-            yield Piece(hf_name, t.shape, 0, t.detach())
-        elif _row_sharded(t):
-            yield from _rows_to_rank0(hf_name, t.detach(), max_piece_bytes)
-        else:
-            full = t.full_tensor().detach()  # another placement: gathered whole (collective)
-            if dist.get_rank(t.device_mesh.get_group()) == 0:
-                yield Piece(hf_name, full.shape, 0, full)
+
+
+def _per_expert(
+    hf_model: torch.nn.Module, name: str, t: torch.Tensor, experts: ExpertLayout, max_piece_bytes: int
+) -> Iterator[Piece]:
+    """A tensor stored per expert, an expert at a time: sharded by experts (FSDP2's `Shard(0)`), its experts come to
+    rank 0 in blocks of at most `max_piece_bytes` (one expert at least), never the whole layer; each expert's slice is
+    converted to its checkpoint tensors (`_expert_layout`'s names)."""
+    if isinstance(t, DTensor) and _row_sharded(t):
+        blocks: Iterator[Piece] | list[Piece] = _rows_to_rank0(name, t, max_piece_bytes)
+    else:
+        full = t.full_tensor() if isinstance(t, DTensor) else t  # another placement: gathered whole (collective)
+        rank0 = not isinstance(t, DTensor) or dist.get_rank(t.device_mesh.get_group()) == 0
+        blocks = [Piece(name, full.shape, 0, full)] if rank0 else []
+    for block in blocks:
+        for j in range(len(block.tensor)):
+            parts = checkpoint_named(hf_model, name, block.tensor[j : j + 1]).values()
+            for (ckpt_name, shape), part in zip(experts[block.start + j], parts, strict=True):
+                yield Piece(ckpt_name, shape, 0, part.reshape(shape).contiguous())
 
 
 def local_hf_state(model: PolicyModel) -> Iterator[tuple[str, torch.Tensor]]:

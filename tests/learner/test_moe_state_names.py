@@ -44,6 +44,7 @@ def two_rank_pieces(rank: int, tmp: str, model_dir: str) -> None:
     import datetime
 
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from learner.model import shard_policy
 
@@ -53,16 +54,24 @@ def two_rank_pieces(rank: int, tmp: str, model_dir: str) -> None:
     try:
         mesh = dist.device_mesh.init_device_mesh("cpu", (2,))
         model = shard_policy(load_policy(model_dir), mesh)
-        pieces = [(p.name, p.shape, p.start, p.tensor.clone()) for p in iter_full_pieces(model, 1 << 12)]
+        gathers = []  # every tensor gathered whole while streaming: none, the fused experts included
+        whole = DTensor.full_tensor
+        DTensor.full_tensor = lambda self, *a, **k: gathers.append(tuple(self.shape)) or whole(self, *a, **k)
+        try:
+            pieces = [(p.name, p.shape, p.start, p.tensor.clone()) for p in iter_full_pieces(model, 1 << 12)]
+        finally:
+            DTensor.full_tensor = whole
         full = full_hf_state(model)
         if rank == 0:  # the layout of the full state, from this rank's shards alone
             layout = layout_of(hf_layout(model))
-            torch.save({"pieces": pieces, "full": full, "layout": layout}, f"{tmp}/rank0.pt")
+            torch.save({"pieces": pieces, "full": full, "layout": layout, "gathers": gathers}, f"{tmp}/rank0.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_a_sharded_learner_streams_the_experts_under_the_checkpoints_names_bitwise(model_dirs, tmp_path):
+def test_a_sharded_learner_streams_the_experts_an_expert_at_a_time_under_the_checkpoints_names_bitwise(
+    model_dirs, tmp_path
+):
     import torch.multiprocessing as mp
 
     model_dir = model_dirs["tiny-moe"]
@@ -75,5 +84,9 @@ def test_a_sharded_learner_streams_the_experts_under_the_checkpoints_names_bitwi
     stored = {name: t.float() for name, t in load_file(model_dir / "model.safetensors").items()}
     assert set(assembled) == set(got["full"]) == set(stored)
     assert got["layout"] == layout_of(got["full"])
+    # an MoE layer's experts came an expert at a time (4 KiB blocks < one 64-KiB expert), none gathered whole
+    assert got["gathers"] == []
+    expert_pieces = [block for name, _, _, block in got["pieces"] if ".experts." in name]
+    assert expert_pieces and max(b.numel() * b.element_size() for b in expert_pieces) <= 128 * 64 * 4
     for name, want in stored.items():
         assert torch.equal(assembled[name], want) and torch.equal(got["full"][name], want), name
