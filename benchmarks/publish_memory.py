@@ -33,6 +33,7 @@ def _rank_main(args) -> None:
     """Every rank: load + shard; rank 0 publishes each mode `repeats` times, the others take part in the gathers."""
     import torch.distributed as dist
 
+    from inflight.learn.publisher import piece_bytes
     from learner.export import full_hf_state, iter_full_pieces
     from learner.model import load_policy, shard_policy
     from learner.world import start_world
@@ -48,7 +49,7 @@ def _rank_main(args) -> None:
             if rank0 is not None:
                 rank0.publish(mode, version)
             elif mode == "streamed":
-                for _ in iter_full_pieces(model):
+                for _ in iter_full_pieces(model, piece_bytes(args.bucket_mb * MiB)):
                     pass
             else:
                 full_hf_state(model)
@@ -82,13 +83,15 @@ class _Rank0:
             self.publisher.plane.pump(0.1)
 
     def publish(self, mode: str, version: int) -> None:
+        from inflight.learn.publisher import piece_bytes
         from inflight.wire.memory import PeakMeter
         from learner.export import full_hf_state, iter_full_pieces
 
+        pieces = iter_full_pieces(self.model, piece_bytes(self.args.bucket_mb * MiB))
         start = time.perf_counter()
         with PeakMeter("cpu") as peak:
             if mode == "streamed":
-                report = self.publisher.publish_stream(iter_full_pieces(self.model), version)
+                report = self.publisher.publish_stream(pieces, version)
             else:
                 report = self.publisher.publish(full_hf_state(self.model), version)
         seconds = time.perf_counter() - start

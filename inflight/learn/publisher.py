@@ -354,8 +354,7 @@ class RankSender:
 
     def __init__(self, model: PolicyModel, world: World, adapter: bool, full_every: int, bucket_bytes: int = 64 << 20):
         self.model, self.world, self.adapter = model, world, adapter
-        # another rank's rows come to rank 0 in blocks no larger than a bucket (or 16 MiB): its peak is in buckets
-        self.piece_bytes = min(bucket_bytes, 16 << 20)
+        self.piece_bytes = piece_bytes(bucket_bytes)
         self.streams = not adapter and full_every == 1
         self.publisher: WeightPublisher | None = None
 
@@ -395,6 +394,12 @@ class RankSender:
             order_catch_up(self.world)
         if report := stream_weights(self.model, self.world, self.publisher, version, self.piece_bytes):
             log.info("caught up: v%d streamed to %d serve(s), %d bytes", report.version, report.serves, report.bytes)
+
+
+def piece_bytes(bucket_bytes: int) -> int:
+    """The largest block of another rank's rows rank 0 takes at once while streaming: a bucket, at most 16 MiB (more
+    blocks, not more memory, past that), so its peak is counted in buckets."""
+    return min(bucket_bytes, 16 << 20)
 
 
 def stream_weights(
