@@ -173,6 +173,9 @@ def connect(ray, cfg: RunConfig) -> str:
     # started here off the serve's cores, Ray's own processes never preempt the engine thread between two decode
     # steps (on 2 cores they tripled the commit stall). Each side's process then pins itself to its own cores.
     os.sched_setaffinity(0, system)
+    # its workers, which host the sides, at normal priority (Ray's default is nice 15: inflight/run/ray_actor.py:
+    # normal_priority says what that costs a serve)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         # "local": a new Ray, never a cluster that appeared since find_cluster looked (num_cpus would be refused)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **common)

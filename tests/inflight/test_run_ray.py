@@ -230,6 +230,9 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_af
         # placement: the learner on the head node, the serve on the other one, and rollouts crossed between them
         assert placed(run_dir) == {"learn": two_nodes["head"], "serve": two_nodes["serve"]}, placed(run_dir)
         first = serve_pid(run_dir)
+        # not at Ray's worker niceness (15): the sides run at normal priority, as under the local launcher
+        learner = [p for p in ours("-m inflight.learn") if str(run_dir) in " ".join(p.cmdline())]
+        assert [os.getpriority(os.PRIO_PROCESS, p) for p in (first, learner[0].pid)] == [0, 0]
         os.kill(first, signal.SIGKILL)
         killed_at = len(read_jsonl(run_dir / "metrics.jsonl"))
         run.wait_for("serve died; Ray restarts it (restart 1)", 60)
@@ -316,6 +319,43 @@ def test_a_learner_bound_to_every_interface_needs_a_secret():
     with pytest.raises(ValueError, match=r"--host is '0.0.0.0', expected a specific address"):
         LearnConfig(host="0.0.0.0").validate()
     LearnConfig(host="10.0.0.5").validate()  # a node's own address: allowed (docs/multi-node.md, "Bind rules")
+
+
+def _niced_then_normal(out) -> None:
+    """In a child: be a Ray worker at nice 15, then `normal_priority`; report both and the child's own nice."""
+    from inflight.run.ray_actor import normal_priority
+
+    os.setpriority(os.PRIO_PROCESS, 0, 15)
+    refused = normal_priority()
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"],
+                           capture_output=True, text=True)  # fmt: skip
+    out.put((refused, os.getpriority(os.PRIO_PROCESS, 0), int(child.stdout)))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a process's priority needs root (CAP_SYS_NICE)")
+def test_an_actor_at_rays_worker_niceness_starts_its_side_at_normal_priority():
+    """Ray starts its workers at nice 15; a serve that inherits it yields its core to any nice-0 thread at once."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_niced_then_normal, args=(out,))
+    proc.start()
+    refused, nice, child = out.get(timeout=60)
+    proc.join(10)
+    assert (refused, nice, child) == (None, 0, 0)
+
+
+def test_an_actor_that_may_not_raise_its_priority_says_so_naming_the_ray_setting(monkeypatch):
+    from inflight.run import ray_actor
+
+    def denied(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(ray_actor.os, "getpriority", lambda *a: 15)
+    monkeypatch.setattr(ray_actor.os, "setpriority", denied)
+    refused = ray_actor.normal_priority()
+    assert "nice 15" in refused and "RAY_worker_niceness=0 ray start" in refused, refused
 
 
 def test_a_local_rays_own_processes_start_off_the_serves_cores_where_any_are_left():
