@@ -71,7 +71,7 @@ def checkpoint_tensors(hf_model: torch.nn.Module, name: str, t: torch.Tensor) ->
     """`checkpoint_named`, an MoE layer's fused experts in expert-major order (each expert's tensors together: gate,
     up; gate, up; ...): the order a learner streams them in, an expert at a time (`iter_full_pieces`)."""
     converted = checkpoint_named(hf_model, name, t)
-    experts = _expert_layout(hf_model, name, t.shape)
+    experts = _expert_layout(hf_model, name, t.shape) if list(converted) != [name] else None
     return converted if experts is None else {n: converted[n] for tensors in experts for n, _ in tensors}
 
 
@@ -117,18 +117,18 @@ class Piece(NamedTuple):
 def iter_full_pieces(model: PolicyModel, max_piece_bytes: int = 16 << 20) -> Iterator[Piece]:
     """The tensors of `full_hf_state` in pieces, on rank 0, in the same order on every rank: a tensor sharded by rows
     (FSDP2's `Shard(0)`) arrives rank by rank in blocks of at most `max_piece_bytes` (point to point, each rank sending
-    its own rows), so rank 0 never holds more than one block beyond its own shard — not the full tensor, not the model.
-    An MoE layer's fused experts come the same way, in blocks of whole experts, each expert split into its checkpoint
-    tensors (`_per_expert`). Other ranks yield nothing. An unsharded model yields each tensor whole.
+    its own rows), so rank 0 never holds more than one block beyond its own shard — not the full tensor, not the model;
+    an MoE layer's fused experts in blocks of experts (`_per_expert`). Other ranks yield nothing; an unsharded model
+    yields each tensor whole.
 
     Collective when the model is sharded: every rank must exhaust it, in step. A yielded tensor may be the live
     parameter or rank 0's own shard: valid until the next piece is asked for; copy what must outlive that, never write.
     """
     for hf_name, t in local_hf_state(model):
-        experts = _expert_layout(model.hf, hf_name, t.shape)
-        if experts is not None:
+        converted = _converted(model.hf, hf_name, t.shape)
+        if converted and (experts := _expert_layout(model.hf, hf_name, t.shape)) is not None:
             yield from _per_expert(model.hf, hf_name, t.detach(), experts, max_piece_bytes)
-        elif isinstance(t, DTensor) and _row_sharded(t) and not _converted(model.hf, hf_name, t.shape):
+        elif isinstance(t, DTensor) and _row_sharded(t) and not converted:
             yield from _rows_to_rank0(hf_name, t.detach(), max_piece_bytes)
         else:  # whole (another placement: gathered, collective), split as the checkpoint stores it
             full = t.full_tensor().detach() if isinstance(t, DTensor) else t.detach()

@@ -109,17 +109,25 @@ class RunningChecksum:
         if self.kind == "crc32":
             self.crc = zlib.crc32(data.cpu().numpy(), self.crc)
             return
-        if self.carry is not None:  # complete the row held back
-            data = torch.cat([self.carry, data])
-            self.carry = None
         row = 2 * _ROW_WORDS
+        if self.carry is not None:  # complete the row held back from the head of `data`, not a copy of all of it
+            need = row - self.carry.numel()
+            self.carry, data = torch.cat([self.carry, data[:need]]), data[need:]
+            if self.carry.numel() < row:
+                return
+            self._add(self.carry)
+            self.carry = None
         whole = data.numel() // row * row
         if whole:
-            part = _rows_sum(data[:whole], self.rows)
-            self.total = part if self.total is None else self.total.add_(part)
-            self.rows += whole // row
+            self._add(data[:whole])
         if whole < data.numel():
             self.carry = data[whole:].clone()
+
+    def _add(self, rows: torch.Tensor) -> None:
+        """Whole rows, the next ones of the stream."""
+        part = _rows_sum(rows, self.rows)
+        self.total = part if self.total is None else self.total.add_(part)
+        self.rows += rows.numel() // (2 * _ROW_WORDS)
 
     def value(self) -> int:
         if self.kind == "crc32":

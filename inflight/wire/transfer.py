@@ -129,7 +129,7 @@ class StreamSender:
         whole = list(tensor.shape) == entry.shape and start == 0
         parted = self.parts[self.first_part[entry.bucket]][2] < self.manifest.bucket_sizes[entry.bucket]
         if parted:
-            self._put_parted(entry, tensor, start, whole)
+            self._put_parted(entry, tensor, start)
         else:
             self._put_whole_bucket(entry, tensor, start, whole)
         self._rows = 0 if whole or start + len(tensor) == entry.shape[0] else start + len(tensor)
@@ -145,11 +145,11 @@ class StreamSender:
         if whole or start + len(tensor) == entry.shape[0]:
             self.sums.append(trailer_entry(typed, self.key, self.manifest.checksum_kind))
 
-    def _put_parted(self, entry: TensorEntry, tensor: torch.Tensor, start: int, whole: bool) -> None:
+    def _put_parted(self, entry: TensorEntry, tensor: torch.Tensor, start: int) -> None:
         """Rows of a tensor whose bucket goes in parts (it is alone in it, at offset 0): cast into one part's buffer
         at a time, digested as they go, each part sent once full."""
         dtype = DTYPES[entry.dtype]
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if start == 0:
             self._digest = RunningDigest(self.key, self.manifest.checksum_kind)
         flat, done = tensor.reshape(-1), 0

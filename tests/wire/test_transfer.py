@@ -233,30 +233,44 @@ def test_a_bucket_sent_shorter_than_announced_is_never_accepted_as_valid_data(tm
     assert not (tmp_path / "v1.safetensors").exists()
 
 
-def test_a_streamed_update_fed_tensor_by_tensor_arrives_bitwise_with_its_checksums_in_the_trailer(tmp_path):
-    """StreamSender: the learner's fp32 tensors cast into the buckets on the way (the manifest asks bf16 for one), the
-    bucket layout announced before any tensor exists, the CRC32s after the last bucket; a receiver unpacks and
-    verifies them exactly as a full update's."""
-    from inflight.wire.transfer import StreamSender
-    from inflight.wire.weights import plan_layout
+def specs_of(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int]]]:
+    return {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
 
-    state = make_state(seed=5)
-    learner = {name: t.float() for name, t in state.items()}  # fp32 master weights; the serve wants `state`'s dtypes
-    specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
-    manifest = plan_layout(specs, 3, BUCKET_BYTES)
-    assert manifest.trailer and all(t.checksum == 0 for t in manifest.tensors) and len(manifest.bucket_sizes) > 2
+
+def streamed(tmp_path: Path, manifest: UpdateManifest, feed: Callable) -> dict[str, torch.Tensor]:
+    """Rank 0 streams `manifest` through a StreamSender that `feed(stream)` fills; every buffer and byte went out, and
+    the receiver verified it: what it saved."""
+    from inflight.wire.transfer import StreamSender
+
     store, address = host(tmp_path, timeout_s=30.0)
 
     def send(group):
         stream = StreamSender(group, manifest, "cpu")
-        for name, tensor in learner.items():
-            stream.put(name, tensor)
+        feed(stream)
         stats = stream.finish()
         assert stats.buckets == len(manifest.bucket_sizes) and stats.bytes == manifest.total_bytes
 
     result = send_as_rank0(tmp_path, address, store, [manifest], send)
     assert result["ok"], result
-    got = load_file(str(tmp_path / "v3.safetensors"))
+    return load_file(str(tmp_path / f"v{manifest.version}.safetensors"))
+
+
+def test_a_streamed_update_fed_tensor_by_tensor_arrives_bitwise_with_its_checksums_in_the_trailer(tmp_path):
+    """StreamSender: the learner's fp32 tensors cast into the buckets on the way (the manifest asks bf16 for one), the
+    bucket layout announced before any tensor exists, the CRC32s after the last bucket; a receiver unpacks and
+    verifies them exactly as a full update's."""
+    from inflight.wire.weights import plan_layout
+
+    state = make_state(seed=5)
+    learner = {name: t.float() for name, t in state.items()}  # fp32 master weights; the serve wants `state`'s dtypes
+    manifest = plan_layout(specs_of(state), 3, BUCKET_BYTES)
+    assert manifest.trailer and all(t.checksum == 0 for t in manifest.tensors) and len(manifest.bucket_sizes) > 2
+
+    def feed(stream):
+        for name, tensor in learner.items():
+            stream.put(name, tensor)
+
+    got = streamed(tmp_path, manifest, feed)
     assert all(torch.equal(got[name], t) for name, t in state.items())
 
 
@@ -265,8 +279,7 @@ def test_a_streamed_update_whose_tensor_changed_after_its_checksum_is_refused_by
     from inflight.wire.weights import plan_layout, trailer_entry
 
     state = make_state(seed=6)
-    specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
-    manifest = plan_layout(specs, 1, BUCKET_BYTES)
+    manifest = plan_layout(specs_of(state), 1, BUCKET_BYTES)
     buffer = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
     buckets = [pack_bucket(manifest, i, state, buffer).clone() for i in range(len(manifest.bucket_sizes))]
     trailer = torch.frombuffer(bytearray(b"".join(trailer_entry(state[t.name], None) for t in manifest.tensors)),
@@ -303,27 +316,19 @@ def test_a_tensor_larger_than_a_bucket_is_streamed_in_parts_through_two_part_siz
     """The sender's memory is two parts of at most a bucket whatever its largest tensor: each of the two tensors
     larger than a 64-KiB bucket goes in three parts, cast from fp32 row pieces on the way; the receiver verifies the
     whole tensors' checksums (computed by the sender part by part) and gets every tensor bitwise."""
-    from inflight.wire.transfer import StreamSender
     from inflight.wire.weights import plan_layout
 
     state = _with_long_tensor(seed=7)
     learner = {name: t.float() for name, t in state.items()}
-    specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
-    manifest = plan_layout(specs, 4, BUCKET_BYTES, kind)
+    manifest = plan_layout(specs_of(state), 4, BUCKET_BYTES, kind)
     assert sorted(n for n in manifest.bucket_sizes if n > BUCKET_BYTES) == [140000, 192000]
     assert len(manifest.parts()) == len(manifest.bucket_sizes) + 4
-    store, address = host(tmp_path, timeout_s=30.0)
 
-    def send(group):
-        stream = StreamSender(group, manifest, "cpu")
+    def feed(stream):
         assert [b.numel() for b in stream.buffers] == [BUCKET_BYTES] * 2  # not the 192 KB of the largest tensor
         _feed_in_rows(stream, learner)
-        stats = stream.finish()
-        assert stats.buckets == len(manifest.bucket_sizes) and stats.bytes == manifest.total_bytes
 
-    result = send_as_rank0(tmp_path, address, store, [manifest], send)
-    assert result["ok"], result
-    got = load_file(str(tmp_path / "v4.safetensors"))
+    got = streamed(tmp_path, manifest, feed)
     assert all(torch.equal(got[name], t) for name, t in state.items())
 
 
@@ -360,8 +365,7 @@ def test_a_tensor_sent_in_parts_carries_the_tag_of_its_whole_bytes_and_a_part_al
 
     key = b"k" * 32
     state = _with_long_tensor(seed=9)
-    specs = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in state.items()}
-    manifest = plan_layout(specs, 5, BUCKET_BYTES)
+    manifest = plan_layout(specs_of(state), 5, BUCKET_BYTES)
     group = Recorder()
     stream = StreamSender(group, manifest, "cpu", weights_key=key)
     _feed_in_rows(stream, state, rows=53)
