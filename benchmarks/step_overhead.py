@@ -73,7 +73,7 @@ class _Steps:
         self.plain_opt = torch.optim.AdamW(self.plain.parameters(), lr=recorded["lr"])
         self.policy = load_policy(path, device=device)
         loss = LossConfig(kind=recorded["loss"], tis_cap=recorded["tis_cap"], aggregation=recorded["aggregation"])
-        self.variants = {fused: TrainConfig(lr=recorded["lr"], autocast="bfloat16", loss=loss, fused_loss=fused)
+        self.variants = {fused: TrainConfig(lr=recorded["lr"], loss=loss, fused_loss=fused)
                          for fused in ("auto", "off")}  # fmt: skip
         self.opts = {fused: make_optimizer(self.policy, cfg) for fused, cfg in self.variants.items()}
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -84,14 +84,15 @@ class _Steps:
         from benchmarks.gpu_learner import _plain_step
         from learner.step import train_step
 
+        bf16 = torch.bfloat16  # the decoder under bf16 autocast on every side, as the CUDA learner runs
         if name == "plain":
-            _plain_step(self.plain, self.plain_opt, batch.to(self.device), self.recorded, torch.bfloat16)
+            _plain_step(self.plain, self.plain_opt, batch.to(self.device), self.recorded, bf16)
         elif name == "learner (as run)":
-            train_step(self.policy, self.opts["auto"], batch, self.variants["auto"], probe_mask=probe)
+            train_step(self.policy, self.opts["auto"], batch, self.variants["auto"], probe_mask=probe, autocast=bf16)
         elif name == "learner, fused off":
-            train_step(self.policy, self.opts["off"], batch, self.variants["off"], probe_mask=probe)
+            train_step(self.policy, self.opts["off"], batch, self.variants["off"], probe_mask=probe, autocast=bf16)
         else:  # "learner, no probe"
-            train_step(self.policy, self.opts["auto"], batch, self.variants["auto"])
+            train_step(self.policy, self.opts["auto"], batch, self.variants["auto"], autocast=bf16)
 
     def timed(self, name: str, batch, probe) -> float:
         self.sync()

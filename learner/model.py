@@ -14,8 +14,9 @@ at the sampling temperature, so the result is comparable with vLLM's processed b
 runs in fp32 and tokens are processed `chunk_tokens` at a time, so the tokens × vocab logits tensor never exists
 whole — neither in forward nor in backward: `_ChunkedTokenLogprobs` keeps only the per-token log-normaliser and
 recomputes each chunk's logits in backward. Peak extra memory is about chunk_tokens × vocab fp32 values. With a
-`Truncation` (top-k / top-p / min-p sampling, learner/truncation.py) the log-softmax runs over the tokens the sampler
-kept, chunk by chunk in forward and again in backward (the mask is recomputed from the same logits).
+`truncation` (the sampling knobs, inflight/wire/contract.py:SamplingKnobs: their top-k / top-p / min-p, applied by
+learner/truncation.py) the log-softmax runs over the tokens the sampler kept, chunk by chunk in forward and again in
+backward (the mask is recomputed from the same logits).
 `naive_token_logprobs` materialises all logits; it is the reference for tests and the baseline for benchmarks.
 """
 
@@ -28,9 +29,10 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from inflight.wire.contract import SamplingKnobs
 from learner.fused_loss import FusedLossInputs, check_head_inputs, fused_policy_loss
 from learner.lora import LoraSpec, apply_lora
-from learner.truncation import Truncation
+from learner.truncation import active_rule, truncate_
 
 
 @dataclass
@@ -97,7 +99,7 @@ class PolicyModel(torch.nn.Module):
         positions: torch.Tensor | None = None,
         autocast: torch.dtype | None = None,
         fused: FusedLossInputs | None = None,
-        truncation: Truncation | None = None,
+        truncation: SamplingKnobs | None = None,
     ) -> PolicyOutput:
         """`logp` [B, L] float32: log softmax(logits[b, t] / T)[targets[b, t]], logits from input_ids[b, :t+1], T the
         temperature.
@@ -109,8 +111,8 @@ class PolicyModel(torch.nn.Module):
         head and the log-softmax stay in the parameters' dtype — the logprobs feed importance ratios.
         `fused` ([B, L] loss inputs): the policy loss is computed with the LM head in one pass (learner/fused_loss.py,
         the Triton kernel on CUDA) and returned in `loss` and `metrics`, `logp` then detached.
-        `truncation` (top-k / top-p / min-p sampling, learner/truncation.py): logprobs under the sampler's kept set;
-        the fused loss computes full-softmax logprobs only, so the two are refused together.
+        `truncation` (the sampling knobs' top-k / top-p / min-p, learner/truncation.py): logprobs under the sampler's
+        kept set; the fused loss computes full-softmax logprobs only, so the two are refused together.
         """
         _check_forward_inputs(input_ids, targets, positions, fused, truncation)
         rows = self._head_rows(input_ids, targets, attention_mask, positions, autocast)
@@ -141,7 +143,7 @@ class PolicyModel(torch.nn.Module):
         return _HeadRows(hidden.index_select(0, index), flat_targets.index_select(0, index), index)
 
     def _logprobs(
-        self, rows: _HeadRows, temperature: float, chunk_tokens: int, truncation: Truncation | None
+        self, rows: _HeadRows, temperature: float, chunk_tokens: int, truncation: SamplingKnobs | None
     ) -> torch.Tensor:
         lm_head = self.hf.lm_head
         bias = getattr(lm_head, "bias", None)
@@ -174,9 +176,9 @@ def _check_forward_inputs(
     targets: torch.Tensor,
     positions: torch.Tensor | None,
     fused: FusedLossInputs | None,
-    truncation: Truncation | None,
+    truncation: SamplingKnobs | None,
 ) -> None:
-    if fused is not None and truncation is not None and truncation.active:
+    if fused is not None and truncation is not None and truncation.truncated:
         raise ValueError(
             "the fused loss computes full-softmax logprobs: with top-k/top-p/min-p sampling set "
             "TrainConfig.fused_loss='off'"
@@ -238,13 +240,14 @@ def naive_token_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     lm_head_bias: torch.Tensor | None = None,
-    truncation: Truncation | None = None,
+    truncation: SamplingKnobs | None = None,
 ) -> torch.Tensor:
     """log_softmax((hidden @ Wᵀ + b) / temperature)[t, targets[t]], via the full [T, V] logits (over the kept tokens
     with a `truncation`)."""
     logits = _logits(hidden, lm_head_weight, lm_head_bias, temperature)
-    if truncation is not None:
-        truncation.mask_(logits, targets)
+    rule = active_rule(truncation)
+    if rule is not None:
+        truncate_(logits, targets, rule)
     return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1)
 
 
@@ -255,7 +258,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     lm_head_bias: torch.Tensor | None = None,
-    truncation: Truncation | None = None,
+    truncation: SamplingKnobs | None = None,
 ) -> torch.Tensor:
     """Log-probability of `targets[t]` under softmax((hidden[t] @ Wᵀ + b) / temperature), for every t; with an active
     `truncation`, under that softmax renormalised over the tokens the sampler's rule keeps (the target always kept).
@@ -266,7 +269,7 @@ def token_logprobs(
     The weight must be a plain full tensor (with FSDP, call this where the LM head is unsharded).
     """
     check_head_inputs(hidden, lm_head_weight, targets, temperature, chunk_tokens, lm_head_bias)
-    rule = truncation if truncation is not None and truncation.active else None
+    rule = active_rule(truncation)
     return _ChunkedTokenLogprobs.apply(
         hidden, lm_head_weight, lm_head_bias, targets, float(temperature), chunk_tokens, rule
     )
@@ -289,7 +292,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         targets: torch.Tensor,
         temperature: float,
         chunk_tokens: int,
-        truncation: Truncation | None,
+        truncation: SamplingKnobs | None,
     ) -> torch.Tensor:
         out = hidden.new_empty(hidden.shape[0], dtype=_accum_dtype(hidden))
         log_norm = torch.empty_like(out)
@@ -338,7 +341,7 @@ def _logits(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     temperature: float,
-    truncation: Truncation | None = None,
+    truncation: SamplingKnobs | None = None,
     targets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     logits = hidden @ weight.t()
@@ -346,5 +349,5 @@ def _logits(
         logits = logits + bias
     logits = logits.to(_accum_dtype(hidden)) / temperature
     if truncation is not None:
-        truncation.mask_(logits, targets)
+        truncate_(logits, targets, truncation)
     return logits

@@ -24,31 +24,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from inflight.wire.contract import SamplingKnobs
 from learner.fused_loss import FusedLossInputs, fused_enabled
 from learner.knobs import FUSED_MODES, StepSettings
 from learner.losses import LossConfig, policy_loss
 from learner.model import PolicyModel, PolicyOutput
 from learner.routing_replay import NO_ROUTE, RoutingReplay
-from learner.truncation import Truncation
 
+# the learner's --autocast once resolved for its device (inflight/learn/app.py), as train_step's `autocast` dtype
 AUTOCAST = {"none": None, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class TrainConfig(StepSettings):
     """Optimizer and loss settings for RL fine-tuning of a small (~100M) model; the defaults run the demo. The
-    learning rate, the clipping and the fused loss are the learner's flags, declared in learner/knobs.py."""
+    learning rate, the clipping and the fused loss are the learner's flags, declared in learner/knobs.py; `sampling`
+    is the sampling flags' own section (inflight/wire/contract.py:SamplingKnobs). The decoder's autocast dtype is
+    `train_step`'s, not a setting here: the learner's --autocast, resolved for its device."""
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    temperature: float = 1.0  # must equal the sampling temperature: behaviour logprobs are after temperature
     chunk_tokens: int = 1024
-    autocast: str = "none"  # "bfloat16": the decoder forward/backward under autocast (LM head stays fp32)
     loss: LossConfig = field(default_factory=LossConfig)
-    # the serve's top-k / top-p / min-p: logprobs over the kept tokens (learner/truncation.py); "auto" fusing then
-    # stays off (the fused loss is full-softmax only)
-    truncation: Truncation = field(default_factory=Truncation)
+    # the serve's sampling knobs (their one declaration): logprobs at its temperature (behaviour logprobs are after
+    # it) and, with top-k / top-p / min-p, over the kept tokens (learner/truncation.py); "auto" fusing then stays off
+    # (the fused loss is full-softmax only)
+    sampling: SamplingKnobs = field(default_factory=SamplingKnobs)
 
     def __post_init__(self) -> None:
         checks = [
@@ -57,22 +59,24 @@ class TrainConfig(StepSettings):
             (self.eps > 0, f"TrainConfig.eps is {self.eps}, expected > 0 (e.g. 1e-8)"),
             (self.weight_decay >= 0, f"TrainConfig.weight_decay is {self.weight_decay}, expected >= 0"),
             (self.grad_clip is None or self.grad_clip > 0, f"TrainConfig.grad_clip is {self.grad_clip}, expected > 0"),
-            (self.temperature > 0, f"TrainConfig.temperature is {self.temperature}, expected the sampling one, > 0"),
             (self.chunk_tokens >= 1, f"TrainConfig.chunk_tokens is {self.chunk_tokens}, expected >= 1"),
-            (self.autocast in AUTOCAST, f"TrainConfig.autocast is {self.autocast!r}, expected one of {list(AUTOCAST)}"),
             (
                 self.fused_loss in FUSED_MODES,
                 f"TrainConfig.fused_loss is {self.fused_loss!r}, expected one of {list(FUSED_MODES)}",
             ),
             (
-                not (self.fused_loss == "on" and self.truncation.active),
-                f"TrainConfig.fused_loss is 'on' with {self.truncation}: the fused loss computes full-softmax "
+                not (self.fused_loss == "on" and self.sampling.truncated),
+                f"TrainConfig.fused_loss is 'on' with {self.sampling}: the fused loss computes full-softmax "
                 "logprobs; set fused_loss 'auto' or 'off' for top-k/top-p/min-p sampling",
             ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        try:
+            self.sampling.validate_sampling()
+        except ValueError as exc:  # the rule names the flag; this says which config holds it
+            raise ValueError(f"TrainConfig.sampling: {exc}") from None
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -202,6 +206,7 @@ def train_step(
     global_sequences: int | None = None,
     probe_mask: torch.Tensor | None = None,
     replay: RoutingReplay | None = None,
+    autocast: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Forward, loss, backward, clip, AdamW step, zero grads; the same on every data-parallel rank (collective).
 
@@ -215,10 +220,12 @@ def train_step(
     `replay` (MoE routing replay, learner/routing_replay.py): the forward routes every token to `batch.routes`; the
     metrics then add `route_matches` / `route_total` (rank-local routing agreement) and, with `probe_mask`,
     `probe_abs_logratio_sum_unreplayed`: the probe's mismatch in one more forward (no graph), routed by the model.
+    `autocast` (None or torch.bfloat16, `AUTOCAST` of the learner's resolved --autocast): the decoder's compute dtype.
     `batch` and `probe_mask` may be built on the CPU (`make_batch`): they are moved to the model's device (the
     learner's `learner/world.py:World.device`), a no-op where they already are.
     """
     _check_world_size(model, world_size)
+    _check_autocast(autocast)
     device = _model_device(model)
     batch = batch.to(device)
     probe_mask = probe_mask.to(device) if probe_mask is not None else None
@@ -226,12 +233,12 @@ def train_step(
     normalizer = float(given) if given is not None else _global_count(batch, cfg.loss.aggregation, model)
     normalizer = max(normalizer, 1.0)  # nothing trains anywhere: a zero loss, not 0 / 0
     with replay.replaying(batch.routes) if replay is not None else nullcontext():
-        out = _forward_loss(model, batch, cfg, normalizer, probe_mask)
+        out = _forward_loss(model, batch, cfg, normalizer, probe_mask, autocast)
     metrics = dict(out.metrics)
     if probe_mask is not None:
         metrics.update(_probe_metrics(out.logp, batch.behaviour_logp, probe_mask))
     if replay is not None:
-        metrics.update(_replay_metrics(model, batch, cfg, replay, probe_mask))
+        metrics.update(_replay_metrics(model, batch, cfg, replay, probe_mask, autocast))
     (out.loss * world_size).backward()  # FSDP2 divides the reduced gradient by world_size; this undoes it
     grad_norm = _clip_grad_norm(model, cfg.grad_clip)
     optimizer.step()
@@ -241,15 +248,20 @@ def train_step(
 
 
 def _forward_loss(
-    model: PolicyModel, batch: Batch, cfg: TrainConfig, normalizer: float, probe_mask: torch.Tensor | None
+    model: PolicyModel,
+    batch: Batch,
+    cfg: TrainConfig,
+    normalizer: float,
+    probe_mask: torch.Tensor | None,
+    autocast: torch.dtype | None,
 ) -> PolicyOutput:
     """The policy's logprobs and this rank's share of the loss: fused with the LM head where `cfg.fused_loss` turns it
     on (full-softmax only, so not with a truncation), else `policy_loss` over the logprobs."""
     positions = batch.mask if probe_mask is None else batch.mask | probe_mask  # the LM head runs only where needed
     fused = None
-    if fused_enabled(cfg.fused_loss, batch.input_ids.device) and not cfg.truncation.active:
+    if fused_enabled(cfg.fused_loss, batch.input_ids.device) and not cfg.sampling.truncated:
         fused = FusedLossInputs(batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids, cfg.loss, normalizer)
-    out = _policy_forward(model, batch, cfg, positions, fused)
+    out = _policy_forward(model, batch, cfg, positions, autocast, fused)
     if out.loss is not None:
         return out
     flat = [t.reshape(-1) for t in (out.logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
@@ -262,6 +274,7 @@ def _policy_forward(
     batch: Batch,
     cfg: TrainConfig,
     positions: torch.Tensor,
+    autocast: torch.dtype | None,
     fused: FusedLossInputs | None = None,
 ) -> PolicyOutput:
     """The policy's forward over `batch` at the LM head `positions`, with the step's temperature, chunking, autocast
@@ -269,17 +282,22 @@ def _policy_forward(
     return model(
         batch.input_ids,
         batch.targets,
-        cfg.temperature,
+        cfg.sampling.temperature,
         cfg.chunk_tokens,
         positions=positions,
-        autocast=AUTOCAST[cfg.autocast],
+        autocast=autocast,
         fused=fused,
-        truncation=cfg.truncation,
+        truncation=cfg.sampling,
     )
 
 
 def _replay_metrics(
-    model: PolicyModel, batch: Batch, cfg: TrainConfig, replay: RoutingReplay, probe_mask: torch.Tensor | None
+    model: PolicyModel,
+    batch: Batch,
+    cfg: TrainConfig,
+    replay: RoutingReplay,
+    probe_mask: torch.Tensor | None,
+    autocast: torch.dtype | None,
 ) -> dict[str, float]:
     """Routing agreement of the replayed forward, and the probe's mismatch without replay. The unreplayed forward runs
     only when some rank has a probe token (a step of stale tokens only has none), and then on every rank, whether or
@@ -288,7 +306,7 @@ def _replay_metrics(
     metrics = {"route_matches": float(agreement.matches), "route_total": float(agreement.total)}
     if probe_mask is not None and _sum_over_ranks(probe_mask.sum().to(torch.float64), model) > 0:
         with torch.no_grad():
-            plain = _policy_forward(model, batch, cfg, probe_mask)
+            plain = _policy_forward(model, batch, cfg, probe_mask, autocast)
         unreplayed = _probe_metrics(plain.logp, batch.behaviour_logp, probe_mask)
         metrics["probe_abs_logratio_sum_unreplayed"] = unreplayed["probe_abs_logratio_sum"]
     return metrics
@@ -313,6 +331,14 @@ def _mesh_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
         if isinstance(p, DTensor):
             return p.device_mesh.get_group()
     return None
+
+
+def _check_autocast(autocast: torch.dtype | None) -> None:
+    if autocast not in AUTOCAST.values():
+        raise ValueError(
+            f"autocast is {autocast!r}, expected one of {list(AUTOCAST.values())}: the learner's --autocast resolved "
+            "for its device (learner/step.py:AUTOCAST maps 'none' and 'bfloat16')"
+        )
 
 
 def _check_world_size(model: torch.nn.Module, world_size: int) -> None:

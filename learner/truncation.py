@@ -16,51 +16,44 @@ The mask is a selection, not a function the gradient flows through (peers treat 
 gradient of log p̃(target) is (onehot − p̃) / T over the kept tokens and zero elsewhere. The target itself is always
 kept: the serve sampled it, so it was in the serve's set; if rounding between the two sides' logits drops it here, its
 logprob stays finite (a near-boundary token, a small difference the importance ratio then carries).
+
+The rule's values are the sampling knobs themselves (inflight/wire/contract.py:SamplingKnobs, declared once for the
+serve's flags, the learner's and the train step's `TrainConfig.sampling`). Runs in the learner process, inside the
+train step's LM head (learner/model.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from inflight.wire.contract import SamplingKnobs
 
-@dataclass(frozen=True)
-class Truncation:
-    """The sampler's truncation: `top_k` 0 (or -1) = off, `top_p` 1.0 = off, `min_p` 0.0 = off."""
 
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+def active_rule(sampling: SamplingKnobs | None) -> SamplingKnobs | None:
+    """`sampling` when it truncates (checked: a bad value is refused naming its flag and the range), else None: a full
+    softmax, no mask to compute."""
+    if sampling is None:
+        return None
+    sampling.validate_sampling()
+    return sampling if sampling.truncated else None
 
-    def __post_init__(self) -> None:
-        if self.top_k < -1:
-            raise ValueError(f"top_k is {self.top_k}, expected >= 1, or 0 / -1 for off")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p is {self.top_p}, expected in (0, 1] (1.0 = off)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p is {self.min_p}, expected in [0, 1] (0.0 = off)")
 
-    @property
-    def active(self) -> bool:
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-    def mask_(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Set the logits of dropped tokens to −inf, in place; `logits` [T, V] are after temperature (fp32 or
-        wider), `targets` [T] are never dropped. Returns `logits`."""
-        if not self.active:
-            return logits
-        drop = torch.zeros_like(logits, dtype=torch.bool)
-        if self.min_p > 0.0:
-            probs = logits.softmax(dim=-1)
-            drop |= probs < probs.amax(dim=-1, keepdim=True) * self.min_p
-        if 0 < self.top_k < logits.shape[-1]:
-            kth = logits.masked_fill(drop, -torch.inf).topk(self.top_k, dim=-1).values[:, -1:]
-            drop |= logits < kth
-        if self.top_p < 1.0:
-            drop |= _top_p_drop(logits.masked_fill(drop, -torch.inf), self.top_p)
-        drop.scatter_(1, targets[:, None], False)
-        return logits.masked_fill_(drop, -torch.inf)
+def truncate_(logits: torch.Tensor, targets: torch.Tensor, rule: SamplingKnobs) -> torch.Tensor:
+    """Set the logits of the tokens `rule`'s top-k / top-p / min-p drop to −inf, in place; `logits` [T, V] are after
+    temperature (fp32 or wider), `targets` [T] are never dropped. Returns `logits`."""
+    if not rule.truncated:
+        return logits
+    drop = torch.zeros_like(logits, dtype=torch.bool)
+    if rule.min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        drop |= probs < probs.amax(dim=-1, keepdim=True) * rule.min_p
+    if 0 < rule.top_k < logits.shape[-1]:
+        kth = logits.masked_fill(drop, -torch.inf).topk(rule.top_k, dim=-1).values[:, -1:]
+        drop |= logits < kth
+    if rule.top_p < 1.0:
+        drop |= _top_p_drop(logits.masked_fill(drop, -torch.inf), rule.top_p)
+    drop.scatter_(1, targets[:, None], False)
+    return logits.masked_fill_(drop, -torch.inf)
 
 
 def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:

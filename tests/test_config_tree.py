@@ -4,8 +4,8 @@ of the entry points comes from that one declaration.
 The tree is every dataclass the entry points and the lower packages configure themselves with: the serve's, the
 learner's and the run's configs (with the knob sections they are composed of), and the configs the lower packages are
 built from (vllm_patches/engine.py:EngineConfig, learner/step.py:TrainConfig and learner/losses.py:LossConfig with
-their sections in learner/knobs.py, learner/truncation.py:Truncation). A knob is *declared* where its default or help
-is written: by a class whose own body has the field with a default or a help (an inherited field is its base's
+their sections in learner/knobs.py and inflight/wire/contract.py:SamplingKnobs). A knob is *declared* where its default
+or help is written: by a class whose own body has the field with a default or a help (an inherited field is its base's
 declaration, reused; a required field without help is a slot its builder fills); a field generated from another
 declaration (inflight/config.py:section_of, metadata `from`) is a reference, not a declaration. Two declarations of the
 same knob are a duplicate: the same name in two classes, unless the two are different knobs that happen to share a
@@ -35,11 +35,10 @@ from inflight.run.config import RunConfig
 from inflight.serve.config import ServeConfig
 from learner.losses import LossConfig
 from learner.step import TrainConfig
-from learner.truncation import Truncation
 from vllm_patches.engine import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOTS = (ServeConfig, LearnConfig, RunConfig, EngineConfig, TrainConfig, LossConfig, Truncation)
+ROOTS = (ServeConfig, LearnConfig, RunConfig, EngineConfig, TrainConfig, LossConfig)
 
 # (class name, field) -> the knob it is, where a field's name is not its knob's name, or where two different knobs
 # share a name (each says why they are different knobs).
@@ -63,14 +62,6 @@ STILL_DUPLICATED = {
     "update_memory": ["EngineKnobs.update_memory", "EngineConfig.update_memory"],
     "lora_rank": ["SharedKnobs.lora_rank", "EngineConfig.lora_rank"],
     "routing_replay": ["SharedKnobs.routing_replay", "EngineConfig.routing_replay"],
-    # the learner's --autocast resolved (`auto` -> none or bfloat16)
-    "autocast": ["PrecisionKnobs.autocast", "TrainConfig.autocast"],
-    # the shared sampling knobs (inflight/wire/contract.py) the learner computes its logprobs under: learner/ may not
-    # import inflight/, so their one declaration needs a package below both (issue 39's "wire below both")
-    "temperature": ["SharedKnobs.temperature", "TrainConfig.temperature"],
-    "top_k": ["SharedKnobs.top_k", "Truncation.top_k"],
-    "top_p": ["SharedKnobs.top_p", "Truncation.top_p"],
-    "min_p": ["SharedKnobs.min_p", "Truncation.min_p"],
 }
 
 # Flags of the other `python -m` entry points that share a name with a knob of the tree but are another knob: a demo's

@@ -49,7 +49,6 @@ from learner.losses import LossConfig
 from learner.model import PolicyModel, load_policy, shard_policy
 from learner.routing_replay import RoutingReplay, RoutingReplayError
 from learner.step import AUTOCAST, Batch, Sample, TrainConfig, make_batch, make_optimizer, train_step
-from learner.truncation import Truncation
 from learner.world import World, WorldError, start_world
 
 log = logging.getLogger("inflight.learn")
@@ -126,8 +125,9 @@ class Learner:
         self.model_path = resolve_model(cfg.model)
         self.model = load_policy(self.model_path, getattr(torch, cfg.dtype), world.device, lora_spec(cfg))
         self.param_counts = counted_parameters(self.model)  # the step lines' share of them (inflight/learn/adapter.py)
+        self.autocast = AUTOCAST[cfg.autocast]  # the decoder's compute dtype: main resolved --autocast already
         if world.mesh is not None:
-            shard_policy(self.model, world.mesh, world.layer_compute_dtype(AUTOCAST[cfg.autocast]))
+            shard_policy(self.model, world.mesh, world.layer_compute_dtype(self.autocast))
         # with --lora-rank the adapter is what is published and exported (inflight/learn/adapter.py)
         self.adapter = AdapterOutputs(cfg, self.model, self.model_path, self.rank) if self.model.lora else None
         # --routing-replay on: an architecture it cannot replay is refused here, at start, naming it
@@ -196,6 +196,7 @@ class Learner:
             global_sequences=step.sequences,
             probe_mask=step.probe_mask,
             replay=self.replay,
+            autocast=self.autocast,
         )
         metrics["train_s"] = time.perf_counter() - start
         metrics["train_tokens"] = step.tokens
@@ -271,14 +272,12 @@ def _ratios(metrics: dict) -> dict:
 
 
 def train_config(cfg: LearnConfig) -> TrainConfig:
-    """The train step's settings from the flags (the loss, the sampler's truncation, precision, clipping)."""
-    truncation = Truncation(top_k=max(cfg.top_k, 0), top_p=cfg.top_p, min_p=cfg.min_p)
+    """The train step's settings from the flags (the loss, the sampling knobs, clipping); its autocast dtype is
+    `Learner.autocast`."""
     return TrainConfig(
         **declared_values(cfg, TrainStepKnobs),  # lr, grad_clip, fused_loss: TrainConfig's own declarations
-        temperature=cfg.temperature,
-        autocast=cfg.autocast,
         loss=LossConfig(**declared_values(cfg, PolicyLossKnobs)),  # --loss is LossConfig's kind
-        truncation=truncation,
+        sampling=cfg.sampling_knobs(),  # --temperature, --top-p, --top-k, --min-p
     )
 
 

@@ -198,9 +198,8 @@ class LearnConfig(
     def validate(self) -> None:
         self.validate_shared()
         self.validate_loss()
-        truncated = self.top_p < 1 or self.top_k > 0 or self.min_p > 0
         require(
-            not (truncated and self.fused_loss == "on"),
+            not (self.truncated and self.fused_loss == "on"),
             "fused_loss",
             self.fused_loss,
             "'auto' or 'off' with top-k/top-p/min-p sampling (the fused loss is full-softmax only)",

@@ -30,14 +30,17 @@ weights move, naming the first differing field, both values and the flag that fi
 Not in it: the model (checked tensor by tensor against `Hello.tensors`), and knobs that only pace or bound generation
 (groups per step, max tokens, update mode): they change how fast samples come, not what one means.
 
-`SharedKnobs` declares, once, the flags of what both sides must be given alike (the contract's sampling fields, the
-model, the groups per step); `SecretKnob` the shared secret. ServeConfig, LearnConfig and RunConfig inherit them, so
-`--group-size`, `--top-k`, ... have one name, default and help on every entry point.
+`SharedKnobs` declares, once, the flags of what both sides must be given alike (the model, the group size, the groups
+per step, LoRA, routing replay, and the sampling knobs it inherits from `SamplingKnobs`); `SecretKnob` the shared
+secret. ServeConfig, LearnConfig and RunConfig inherit them, so `--group-size`, `--top-k`, ... have one name, default
+and help on every entry point. `SamplingKnobs` is also the learner's train step's own section (learner/step.py:
+TrainConfig.sampling, whose truncation learner/truncation.py applies): `learner/` may import this package, so the
+temperature and the truncation the learner computes its logprobs under are this one declaration too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import msgspec
 
@@ -151,7 +154,42 @@ _REASONS = {
 
 
 @dataclass
-class SharedKnobs:
+class SamplingKnobs:
+    """The sampler's temperature and truncation, which the serve samples under and the learner computes its logprobs
+    under. The learner's train step holds them as its own section (learner/step.py:TrainConfig.sampling)."""
+
+    temperature: float = knob(
+        TEMPERATURE,
+        "sampling temperature: behaviour logprobs are after it and the learner "
+        "computes its own at it; a serve of another is refused at Hello",
+    )
+    top_p: float = knob(
+        TOP_P,
+        "nucleus sampling, 1.0 = off; the learner computes its logprobs under the same "
+        "truncation (learner/truncation.py); a serve of another is refused at Hello",
+    )
+    top_k: int = knob(TOP_K, "top-k sampling, 0 = off; both sides must have the same (refused at Hello)")
+    min_p: float = knob(MIN_P, "min-p sampling, 0.0 = off; both sides must have the same (refused at Hello)")
+
+    def validate_sampling(self) -> None:
+        require(self.temperature > 0, "temperature", self.temperature, "> 0 (greedy has no behaviour distribution)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1], 1.0 = off")
+        require(self.top_k != -1, "top_k", self.top_k, "0 for off (-1, vLLM's other spelling of off, is not used here)")
+        require(self.top_k >= 0, "top_k", self.top_k, ">= 1, or 0 = off")
+        require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1], 0.0 = off")
+
+    def sampling_knobs(self) -> SamplingKnobs:
+        """These knobs' values alone, for a config that holds them as a section (learner/step.py:TrainConfig)."""
+        return SamplingKnobs(**{f.name: getattr(self, f.name) for f in fields(SamplingKnobs)})
+
+    @property
+    def truncated(self) -> bool:
+        """Does the sampler drop tokens (top-k, top-p or min-p on)? Logprobs are then over the kept ones."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass
+class SharedKnobs(SamplingKnobs):
     """The flags a serve and its learner are given alike (`inflight.run` gives both the same value)."""
 
     model: str = knob(
@@ -165,18 +203,6 @@ class SharedKnobs:
         "within a group: a serve of another size is refused at Hello",
     )
     groups_per_step: int = knob(4, "whole groups per learner step (the serve's admission window counts in steps)")
-    temperature: float = knob(
-        TEMPERATURE,
-        "sampling temperature: behaviour logprobs are after it and the learner "
-        "computes its own at it; a serve of another is refused at Hello",
-    )
-    top_p: float = knob(
-        TOP_P,
-        "nucleus sampling, 1.0 = off; the learner computes its logprobs under the same "
-        "truncation (learner/truncation.py); a serve of another is refused at Hello",
-    )
-    top_k: int = knob(TOP_K, "top-k sampling, 0 = off; both sides must have the same (refused at Hello)")
-    min_p: float = knob(MIN_P, "min-p sampling, 0.0 = off; both sides must have the same (refused at Hello)")
     lora_rank: int = knob(
         0,
         "train and serve LoRA adapters of this rank (the learner's base weights frozen, the serve's updates only the "
@@ -204,11 +230,7 @@ class SharedKnobs:
     def validate_shared(self) -> None:
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1")
         require(self.groups_per_step >= 1, "groups_per_step", self.groups_per_step, ">= 1")
-        require(self.temperature > 0, "temperature", self.temperature, "> 0 (greedy has no behaviour distribution)")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1], 1.0 = off")
-        require(self.top_k != -1, "top_k", self.top_k, "0 for off (-1, vLLM's other spelling of off, is not used here)")
-        require(self.top_k >= 0, "top_k", self.top_k, ">= 1, or 0 = off")
-        require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1], 0.0 = off")
+        self.validate_sampling()
         require(self.lora_rank >= 0, "lora_rank", self.lora_rank, ">= 1, or 0 = full fine-tuning")
         require(self.lora_alpha >= 0, "lora_alpha", self.lora_alpha, "> 0, or 0 = the rank")
 

@@ -79,7 +79,7 @@ def learner_step_lines(model_dirs, tmp_path, model_name: str = "tiny-llama", rou
     with (tmp_path / "metrics.jsonl").open("a") as metrics_file:
         learner = SimpleNamespace(rank=0, world=1, step=1, version=1, model=model, train_cfg=TrainConfig(),
                                   service=Socketless(metrics_file), param_counts=counted_parameters(model),
-                                  replay=RoutingReplay(model.hf) if routes else None)  # fmt: skip
+                                  replay=RoutingReplay(model.hf) if routes else None, autocast=None)  # fmt: skip
         learner.optimizer = make_optimizer(model, learner.train_cfg)
         metrics = Learner._train(learner, samples)
         Learner._log(learner, gate, metrics, sender.publish(1), 0.5, 2.0, [3, 3])

@@ -13,7 +13,7 @@ import torch
 from test_logprob_parity import collect
 from tolerances import check_within
 
-from learner.truncation import Truncation
+from inflight.wire.contract import SamplingKnobs
 
 pytestmark = pytest.mark.engine
 
@@ -21,7 +21,7 @@ LAG0_TOLERANCE = 5e-3  # mean |learner − serve| logprob of a float32 pair at l
 TRUNCATED = ["--top-p", "0.9", "--top-k", "20"]
 
 
-def learner_logprobs(model_dir, rollouts, truncation: Truncation | None) -> tuple[torch.Tensor, torch.Tensor]:
+def learner_logprobs(model_dir, rollouts, truncation: SamplingKnobs | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(learner's, serve's) logprobs of every completion token, float32 learner at the rollouts' temperature."""
     from learner.model import load_policy
     from learner.step import Sample, make_batch
@@ -40,7 +40,7 @@ def test_top_p_and_top_k_rollouts_match_the_learner_only_under_the_same_truncati
     truncated = collect(model_dir, "float32", extra=TRUNCATED)
     assert {(r.sampling.top_p, r.sampling.top_k) for r in truncated} == {(0.9, 20)}
 
-    rule = Truncation(top_k=20, top_p=0.9)
+    rule = SamplingKnobs(top_k=20, top_p=0.9)
     mine, theirs = learner_logprobs(model_dir, truncated, rule)
     truncated_gap = (mine - theirs).abs()
     full, _ = learner_logprobs(model_dir, truncated, None)

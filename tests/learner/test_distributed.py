@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tolerances import assert_within, check_within, float64_bound, logprob_gradient_bound, policy_loss_bound
 
+from inflight.wire.contract import SamplingKnobs
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.export import full_hf_state, iter_full_pieces
 from learner.fused_loss import aggregation_weights
@@ -41,8 +42,12 @@ LR = 1e-4
 PAD_ID = 0
 PROMPT_LENS, COMPLETION_LENS = (5, 3, 4, 2), (9, 7, 3, 2)  # rank 0: the 2 long samples, rank 1: 2 short ones
 CONFIGS = {  # each model covers one aggregation, so both global normalisers are exercised
-    "tiny-qwen2": TrainConfig(lr=LR, temperature=0.7, loss=LossConfig(kind="ppo", aggregation="token")),
-    "tiny-llama": TrainConfig(lr=LR, temperature=1.0, loss=LossConfig(kind="tis", aggregation="sequence")),
+    "tiny-qwen2": TrainConfig(
+        lr=LR, sampling=SamplingKnobs(temperature=0.7), loss=LossConfig(kind="ppo", aggregation="token")
+    ),
+    "tiny-llama": TrainConfig(
+        lr=LR, sampling=SamplingKnobs(temperature=1.0), loss=LossConfig(kind="tis", aggregation="sequence")
+    ),
 }
 
 
@@ -79,7 +84,7 @@ def make_samples(model: PolicyModel, cfg: TrainConfig, seed: int) -> tuple[list[
         samples.append(Sample(ids[:p_len], ids[p_len:], [0.0] * c_len, 0.0, token_mask))
     batch = make_batch(samples, PAD_ID)
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp
+        logp = model(batch.input_ids, batch.targets, cfg.sampling.temperature).logp
     advantages = [1.0, -0.6, 0.8, -1.2]
     first = []
     for row, (s, adv) in enumerate(zip(samples, advantages, strict=True)):
@@ -206,9 +211,9 @@ def step_error(model: PolicyModel, batch, cfg: TrainConfig) -> tuple[dict[str, f
     relative to the largest (`logprob_gradient_bound` with scale 1)."""
     with torch.no_grad():
         hidden = model.hf.model(input_ids=batch.input_ids).last_hidden_state[batch.mask]
-        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp.flatten()
+        logp = model(batch.input_ids, batch.targets, cfg.sampling.temperature).logp.flatten()
     lm_head = model.hf.lm_head.weight
-    relative = logprob_gradient_bound(torch.float64, hidden, lm_head, cfg.temperature, 1.0)
+    relative = logprob_gradient_bound(torch.float64, hidden, lm_head, cfg.sampling.temperature, 1.0)
     mask = batch.mask.flatten()
     weights = aggregation_weights(mask, batch.seq_ids.flatten(), cfg.loss.aggregation)
     loss = policy_loss_bound(logp, batch.behaviour_logp.flatten(), batch.advantages.flatten(), weights,

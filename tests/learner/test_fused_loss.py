@@ -28,6 +28,7 @@ from tolerances import (
     unit_roundoff,
 )
 
+from inflight.wire.contract import SamplingKnobs
 from learner.fused_loss import _params, _torch_row_pass, aggregation_weights, fused_policy_loss, triton_available
 from learner.losses import LOSS_KINDS, LossConfig, policy_loss
 from learner.model import naive_token_logprobs, token_logprobs
@@ -350,7 +351,7 @@ def test_cuda_train_step_with_the_triton_kernel_takes_the_unfused_step(sharded, 
             model = copy.deepcopy(base)
             if sharded:
                 model = shard_policy(model, dist.device_mesh.init_device_mesh("cuda", (1,)))
-            cfg = TrainConfig(lr=1e-3, temperature=0.9, fused_loss=fused, chunk_tokens=64)
+            cfg = TrainConfig(lr=1e-3, sampling=SamplingKnobs(temperature=0.9), fused_loss=fused, chunk_tokens=64)
             metrics = train_step(model, make_optimizer(model, cfg), batch, cfg)
             params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                       for p in model.parameters()]  # fmt: skip

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 from inflight.config import parse_dataclass
 from inflight.learn.adapter import lora_spec
 from inflight.learn.config import LearnConfig
+from inflight.wire.contract import SamplingKnobs
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.export import full_hf_state
 from learner.fused_loss import aggregation_weights
@@ -47,7 +48,7 @@ from learner.step import TrainConfig, make_batch, make_optimizer, train_step
 
 MODELS = ("tiny-llama", "tiny-qwen2")  # a tied and an untied LM head
 LENGTHS = ((4, 6), (2, 3), (5, 2))
-CFG = TrainConfig(lr=1e-3, temperature=0.8)
+CFG = TrainConfig(lr=1e-3, sampling=SamplingKnobs(temperature=0.8))
 
 
 def batch_for(model: PolicyModel, seed: int = 0):
@@ -56,7 +57,7 @@ def batch_for(model: PolicyModel, seed: int = 0):
 
 def logprobs(model: PolicyModel, batch) -> torch.Tensor:
     with torch.no_grad():
-        return model(batch.input_ids, batch.targets, CFG.temperature).logp
+        return model(batch.input_ids, batch.targets, CFG.sampling.temperature).logp
 
 
 def head_bound(model: PolicyModel, batch, dtype: torch.dtype) -> float:
@@ -64,7 +65,7 @@ def head_bound(model: PolicyModel, batch, dtype: torch.dtype) -> float:
     covers a 2-layer decoder's own rounding too)."""
     with torch.no_grad():
         hidden = model.hf.model(input_ids=batch.input_ids).last_hidden_state[batch.mask]
-    return lm_head_logprob_bound(dtype, hidden, model.hf.lm_head.weight, CFG.temperature)
+    return lm_head_logprob_bound(dtype, hidden, model.hf.lm_head.weight, CFG.sampling.temperature)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -223,7 +224,7 @@ def test_a_merged_final_export_is_a_plain_hf_model_with_the_adapter_in_its_weigh
 def test_the_fused_loss_step_of_a_lora_policy_equals_the_unfused_step(model_dirs) -> None:
     """fused_loss='on' (the LM head and the loss in one pass: the torch row pass here, Triton on CUDA) with a frozen
     LM head: the same loss and the same adapter after AdamW as logprobs then `policy_loss` (float64: logic)."""
-    cfg = TrainConfig(lr=1e-3, temperature=0.8, chunk_tokens=3)
+    cfg = TrainConfig(lr=1e-3, sampling=SamplingKnobs(temperature=0.8), chunk_tokens=3)
     results = []
     for fused in ("off", "on"):
         model = lora_policy(model_dirs["tiny-llama"], torch.float64)
@@ -235,8 +236,8 @@ def test_the_fused_loss_step_of_a_lora_policy_equals_the_unfused_step(model_dirs
     (off, off_adapter, max_grad), (on, on_adapter, _) = results
     with torch.no_grad():
         hidden = model.hf.model(input_ids=batch.input_ids).last_hidden_state[batch.mask]
-        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp.flatten()
-    relative = logprob_gradient_bound(torch.float64, hidden, model.hf.lm_head.weight, cfg.temperature, 1.0)
+        logp = model(batch.input_ids, batch.targets, cfg.sampling.temperature).logp.flatten()
+    relative = logprob_gradient_bound(torch.float64, hidden, model.hf.lm_head.weight, cfg.sampling.temperature, 1.0)
     weights = aggregation_weights(batch.mask.flatten(), batch.seq_ids.flatten(), cfg.loss.aggregation)
     loss_bound = policy_loss_bound(logp, batch.behaviour_logp.flatten(), batch.advantages.flatten(), weights,
                                    2 * relative, torch.float64)  # fmt: skip

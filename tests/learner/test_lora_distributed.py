@@ -33,6 +33,7 @@ from tolerances import (
 )
 from torch.distributed.tensor import DTensor
 
+from inflight.wire.contract import SamplingKnobs
 from learner.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.export import checkpoint_tensor_names, full_hf_state
 from learner.fused_loss import aggregation_weights
@@ -46,7 +47,7 @@ DTYPE = torch.float64
 STALL_S = 150  # a rank still running after this long is stuck
 LR = 1e-4
 LENGTHS = ((5, 9), (4, 7), (3, 3), (2, 2))  # rank 0: the two long rows, rank 1: the two short ones
-CFG = TrainConfig(lr=LR, temperature=0.7, loss=LossConfig(kind="tis", aggregation="token"))
+CFG = TrainConfig(lr=LR, sampling=SamplingKnobs(temperature=0.7), loss=LossConfig(kind="tis", aggregation="token"))
 MODELS = ("tiny-llama", "tiny-qwen2")
 
 
@@ -88,7 +89,7 @@ def run_rank(rank: int, tmp: Path, model_dir: str) -> None:
     samples = samples_for(model)
     batch = make_batch(samples[rank * 2 : rank * 2 + 2], PAD)
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, CFG.temperature).logp[batch.mask]
+        logp = model(batch.input_ids, batch.targets, CFG.sampling.temperature).logp[batch.mask]
     metrics = train_step(model, optimizer, batch, CFG, world_size=WORLD)
     after_step1 = adapter_state(model)
     save_checkpoint(checkpoint_dir(tmp / "ckpt", 1), model, optimizer, {"version": 1})
@@ -127,9 +128,10 @@ def reference(model_dir: str) -> dict:
     batch = make_batch(samples_for(model), PAD)
     with torch.no_grad():
         hidden = model.hf.model(input_ids=batch.input_ids).last_hidden_state[batch.mask]
-        logp = model(batch.input_ids, batch.targets, CFG.temperature).logp
+        logp = model(batch.input_ids, batch.targets, CFG.sampling.temperature).logp
     head = model.hf.lm_head.weight
-    relative = logprob_gradient_bound(DTYPE, hidden, head, CFG.temperature, 1.0)  # δ: a gradient entry's error
+    # δ: a gradient entry's error
+    relative = logprob_gradient_bound(DTYPE, hidden, head, CFG.sampling.temperature, 1.0)
     weights = aggregation_weights(batch.mask.flatten(), batch.seq_ids.flatten(), CFG.loss.aggregation)
     loss_bound = policy_loss_bound(logp.flatten(), batch.behaviour_logp.flatten(), batch.advantages.flatten(),
                                    weights, 2 * relative, DTYPE)  # fmt: skip
@@ -142,7 +144,7 @@ def reference(model_dir: str) -> dict:
     bounds = {k: 3 * LR * epsilon / CFG.eps + float64_bound(3, float(t.abs().max()) + LR) for k, t in adapter.items()}
     return {
         "logp": logp[batch.mask],
-        "logp_bound": 2 * lm_head_logprob_bound(DTYPE, hidden, head, CFG.temperature),
+        "logp_bound": 2 * lm_head_logprob_bound(DTYPE, hidden, head, CFG.sampling.temperature),
         "metrics": metrics,
         "loss_bound": loss_bound,
         "grad_norm_bound": 2 * relative * metrics["grad_norm"] + float64_bound(len(adapter), metrics["grad_norm"]),

@@ -23,6 +23,7 @@ from tolerances import (
     sum_bound,
 )
 
+from inflight.wire.contract import SamplingKnobs
 from learner.fused_loss import FusedLossInputs, aggregation_weights
 from learner.losses import LossConfig, policy_loss
 from learner.model import PolicyModel, PolicyOutput, load_policy
@@ -51,9 +52,9 @@ def step_metric_bounds(model: PolicyModel, batch: Batch, cfg: TrainConfig) -> di
     `lm_head_logprob_bound`, so two of them differ by δ = twice that, which moves the loss by `policy_loss_bound`,
     ess ((Σr)²/Σr²) by 4δ relative and |log ratio| by δ; counts are exact. Each float64 sum adds its own γ_n."""
     lp_error = 2 * lm_head_logprob_bound(torch.float64, final_hidden(model, batch), model.hf.lm_head.weight,
-                                         cfg.temperature)  # fmt: skip
+                                         cfg.sampling.temperature)  # fmt: skip
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp.flatten()
+        logp = model(batch.input_ids, batch.targets, cfg.sampling.temperature).logp.flatten()
     mask = batch.mask.flatten()
     weights = aggregation_weights(mask, batch.seq_ids.flatten(), cfg.loss.aggregation)
     loss = policy_loss_bound(logp, batch.behaviour_logp.flatten(), batch.advantages.flatten(), weights, lp_error,
@@ -112,10 +113,10 @@ def test_train_step_loss_is_policy_loss_of_the_model_logprobs_and_moves_weights(
     # A check of logic (train_step runs the LM head only at the completion tokens, the reference on every position),
     # so in float64, where the two differ only by `step_metric_bounds`.
     model = copy.deepcopy(tiny_llama).double()
-    cfg = TrainConfig(temperature=0.7, loss=LossConfig(kind="ppo"))
+    cfg = TrainConfig(sampling=SamplingKnobs(temperature=0.7), loss=LossConfig(kind="ppo"))
     batch = make_batch(SAMPLES, PAD)
     with torch.no_grad():
-        logp = model(batch.input_ids, batch.targets, cfg.temperature).logp
+        logp = model(batch.input_ids, batch.targets, cfg.sampling.temperature).logp
         flat = [t.flatten() for t in (logp, batch.behaviour_logp, batch.advantages, batch.mask, batch.seq_ids)]
         expected_loss, expected_metrics = policy_loss(*flat, cfg.loss)
     before = [p.detach().clone() for p in model.parameters()]
@@ -173,7 +174,6 @@ def test_world_size_different_from_the_sharding_raises(tiny_llama: PolicyModel) 
         ("eps", 0.0),
         ("weight_decay", -1.0),
         ("grad_clip", 0.0),
-        ("temperature", 0.0),
         ("chunk_tokens", 0),
         ("fused_loss", "yes"),
     ],
@@ -181,6 +181,11 @@ def test_world_size_different_from_the_sharding_raises(tiny_llama: PolicyModel) 
 def test_bad_train_config_raises_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"TrainConfig.{field} is"):
         TrainConfig(**{field: value})
+
+
+def test_bad_sampling_knobs_raise_naming_the_section_and_the_flag() -> None:
+    with pytest.raises(ValueError, match="TrainConfig.sampling: --temperature is 0.0, expected > 0"):
+        TrainConfig(sampling=SamplingKnobs(temperature=0.0))
 
 
 def test_lm_head_only_at_positions_gives_the_same_logprobs_and_gradients(tiny_llama: PolicyModel) -> None:
@@ -218,7 +223,7 @@ def test_forward_returns_one_output_type_carrying_a_loss_only_when_fused(tiny_ll
     assert plain.loss is None and plain.metrics == {} and plain.logp.requires_grad
     assert fused.loss is not None and fused.loss.requires_grad and not fused.logp.requires_grad
     expected = policy_loss(*(t.reshape(-1) for t in (plain.logp, *per_token)), LossConfig())
-    bounds = step_metric_bounds(model, batch, TrainConfig(temperature=1.0))
+    bounds = step_metric_bounds(model, batch, TrainConfig(sampling=SamplingKnobs(temperature=1.0)))
     check_within(abs(float(fused.loss.detach()) - float(expected.loss.detach())), bounds["loss"], "loss")
     assert fused.metrics.keys() == expected.metrics.keys()
     for key, value in expected.metrics.items():
@@ -238,14 +243,14 @@ def test_bf16_autocast_decoder_is_close_to_fp32_and_keeps_fp32_master_weights(ti
     per_layer = sum_bound(torch.bfloat16, 1, float(abs_products(hidden, lm_head).max()))
     assert gap > 0, gap
     check_within(gap, 2 * model.hf.config.num_hidden_layers * per_layer, "bf16 autocast gap")
-    cfg = TrainConfig(lr=1e-3, autocast="bfloat16")
+    cfg = TrainConfig(lr=1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    metrics = train_step(model, make_optimizer(model, cfg), batch, cfg)
+    metrics = train_step(model, make_optimizer(model, cfg), batch, cfg, autocast=torch.bfloat16)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
-    with pytest.raises(ValueError, match="TrainConfig.autocast is 'fp8'"):
-        TrainConfig(autocast="fp8")
+    with pytest.raises(ValueError, match="autocast is 'fp8', expected one of"):
+        train_step(model, make_optimizer(model, cfg), batch, cfg, autocast="fp8")
 
 
 @pytest.mark.parametrize("loss", [LossConfig("tis"), LossConfig("ppo"), LossConfig("mask", aggregation="sequence")],
@@ -256,7 +261,7 @@ def test_fused_loss_step_equals_the_unfused_step(tiny_llama: PolicyModel, loss: 
     batch = make_batch(SAMPLES, PAD)
     probe = batch.mask.clone()
     base = copy.deepcopy(tiny_llama).double()  # a check of logic (two paths to one step), so in float64
-    cfg = TrainConfig(lr=1e-3, temperature=0.8, loss=loss, chunk_tokens=3)
+    cfg = TrainConfig(lr=1e-3, sampling=SamplingKnobs(temperature=0.8), loss=loss, chunk_tokens=3)
     results = []
     for fused in ("off", "on"):
         model = copy.deepcopy(base)
@@ -271,7 +276,7 @@ def test_fused_loss_step_equals_the_unfused_step(tiny_llama: PolicyModel, loss: 
     # A gradient entry errs by δ of itself (logprob_gradient_bound), so the norm by δ·‖g‖, plus its own n-term sum.
     params = sum(p.numel() for p in base.parameters())
     grad_error = 2 * logprob_gradient_bound(torch.float64, final_hidden(base, batch), base.hf.lm_head.weight,
-                                            cfg.temperature, off["grad_norm"])  # fmt: skip
+                                            cfg.sampling.temperature, off["grad_norm"])  # fmt: skip
     bounds["grad_norm"] = grad_error + float64_bound(params, off["grad_norm"])
     for key, value in off.items():
         check_within(abs(on[key] - value), bounds[key], key)

@@ -7,13 +7,14 @@ import pytest
 import torch
 from tolerances import assert_within, lm_head_logprob_bound, sum_bound
 
+from inflight.wire.contract import SamplingKnobs
 from learner.model import naive_token_logprobs, token_logprobs
 from learner.step import TrainConfig
-from learner.truncation import Truncation
+from learner.truncation import active_rule, truncate_
 
 T, H, V = 29, 16, 97
-RULES = [Truncation(top_k=20), Truncation(top_p=0.9), Truncation(top_k=20, top_p=0.9), Truncation(min_p=0.05),
-         Truncation(top_k=12, top_p=0.8, min_p=0.02)]  # fmt: skip
+RULES = [SamplingKnobs(top_k=20), SamplingKnobs(top_p=0.9), SamplingKnobs(top_k=20, top_p=0.9),
+         SamplingKnobs(min_p=0.05), SamplingKnobs(top_k=12, top_p=0.8, min_p=0.02)]  # fmt: skip
 
 
 def logits_batch(seed: int, temperature: float = 1.0) -> torch.Tensor:
@@ -21,7 +22,7 @@ def logits_batch(seed: int, temperature: float = 1.0) -> torch.Tensor:
     return torch.randn(T, V, generator=gen) * 2.5 / temperature
 
 
-def vllm_kept(logits: torch.Tensor, rule: Truncation) -> torch.Tensor:
+def vllm_kept(logits: torch.Tensor, rule: SamplingKnobs) -> torch.Tensor:
     """The kept set vLLM's sampler computes: its min-p processor's rule, then its own top-k/top-p function."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
@@ -35,12 +36,12 @@ def vllm_kept(logits: torch.Tensor, rule: Truncation) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rule", RULES, ids=str)
-def test_the_kept_set_is_the_one_vllms_sampler_keeps(rule: Truncation) -> None:
+def test_the_kept_set_is_the_one_vllms_sampler_keeps(rule: SamplingKnobs) -> None:
     for seed in range(5):
         logits = logits_batch(seed)
         want = vllm_kept(logits, rule)
         targets = want.float().argmax(-1)  # a kept token: forcing the target in changes nothing here
-        got = torch.isfinite(rule.mask_(logits.clone(), targets))
+        got = torch.isfinite(truncate_(logits.clone(), targets, rule))
         assert torch.equal(got, want), f"{rule}: {int((got != want).sum())} tokens differ (seed {seed})"
         assert int(got.sum(-1).min()) > 0 and (rule.top_k <= 0 or int(got.sum(-1).max()) <= rule.top_k)
 
@@ -48,9 +49,9 @@ def test_the_kept_set_is_the_one_vllms_sampler_keeps(rule: Truncation) -> None:
 def test_a_target_the_rule_drops_keeps_a_finite_logprob() -> None:
     """The serve sampled it, so it was in the serve's set; a rounding flip on the learner side must not give −inf."""
     logits = logits_batch(0)
-    rule = Truncation(top_k=3)
+    rule = SamplingKnobs(top_k=3)
     targets = logits.argmin(-1)  # certainly outside every row's top 3
-    masked = rule.mask_(logits.clone(), targets)
+    masked = truncate_(logits.clone(), targets, rule)
     assert torch.isfinite(masked.gather(1, targets[:, None])).all()
     assert int(torch.isfinite(masked).sum(-1).max()) == 4
 
@@ -59,21 +60,21 @@ def reference(hidden, weight, bias, targets, temperature, rule) -> tuple[torch.T
     """float64 autograd through an explicit mask computed once from float64 logits: the kept-set softmax."""
     h, w, b = (x.double().detach().requires_grad_(True) for x in (hidden, weight, bias))
     z = (h @ w.t() + b) / temperature
-    kept = torch.isfinite(rule.mask_(z.detach().clone(), targets))
+    kept = torch.isfinite(truncate_(z.detach().clone(), targets, rule))
     logp = z.masked_fill(~kept, -torch.inf).log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
     return logp, h, w, b
 
 
 @pytest.mark.parametrize("rule", RULES, ids=str)
 @pytest.mark.parametrize("chunk_tokens", (1, 8, 1024))
-def test_truncated_chunked_values_and_grads_match_a_float64_masked_softmax(rule: Truncation, chunk_tokens: int):
+def test_truncated_chunked_values_and_grads_match_a_float64_masked_softmax(rule: SamplingKnobs, chunk_tokens: int):
     gen = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(T, H, generator=gen) * 0.8, torch.randn(V, H, generator=gen) * 0.5
     bias, upstream = torch.randn(V, generator=gen), torch.randn(T, generator=gen)
     temperature = 0.8
     with torch.no_grad():
-        kept = torch.isfinite(rule.mask_((hidden.double() @ weight.double().t() + bias.double()) / temperature,
-                                         torch.zeros(T, dtype=torch.long)))  # fmt: skip
+        kept = torch.isfinite(truncate_((hidden.double() @ weight.double().t() + bias.double()) / temperature,
+                                        torch.zeros(T, dtype=torch.long), rule))  # fmt: skip
     targets = torch.multinomial(kept.double(), 1, generator=gen).squeeze(1)  # sampled from the kept set
     want, h64, w64, b64 = reference(hidden, weight, bias, targets, temperature, rule)
     (want * upstream.double()).sum().backward()
@@ -100,10 +101,10 @@ def test_truncated_chunked_values_and_grads_match_a_float64_masked_softmax(rule:
 def test_truncated_logprobs_are_a_distribution_over_the_kept_tokens() -> None:
     gen = torch.Generator().manual_seed(5)
     hidden, weight = torch.randn(1, H, generator=gen), torch.randn(V, H, generator=gen)
-    rule = Truncation(top_k=20, top_p=0.9)
+    rule = SamplingKnobs(top_k=20, top_p=0.9)
     every = torch.arange(V)
     logp = naive_token_logprobs(hidden.expand(V, H), weight, every, 1.0, truncation=rule)  # each token as target
-    kept = torch.isfinite(rule.mask_(hidden @ weight.t(), torch.zeros(1, dtype=torch.long)))[0]
+    kept = torch.isfinite(truncate_(hidden @ weight.t(), torch.zeros(1, dtype=torch.long), rule))[0]
     # a dropped token is forced in when it is the target, so only the kept ones form the distribution
     total = logp[kept].exp().sum()
     assert abs(float(total) - 1.0) < 1e-5, f"kept-set probabilities sum to {float(total)}"
@@ -114,18 +115,21 @@ def test_truncated_logprobs_are_a_distribution_over_the_kept_tokens() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"top_k": -2}, "top_k is -2"),
-        ({"top_p": 0.0}, "top_p is 0.0"),
-        ({"top_p": 1.5}, "top_p is 1.5"),
-        ({"min_p": -0.1}, "min_p is -0.1"),
+        ({"top_k": -2}, "--top-k is -2, expected >= 1, or 0 = off"),
+        ({"top_k": -1}, "--top-k is -1, expected 0 for off"),
+        ({"top_p": 0.0}, "--top-p is 0.0, expected in"),
+        ({"top_p": 1.5}, "--top-p is 1.5, expected in"),
+        ({"min_p": -0.1}, "--min-p is -0.1, expected in"),
     ],  # fmt: skip
 )
 def test_bad_truncation_values_name_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        Truncation(**kwargs)
+        active_rule(SamplingKnobs(**kwargs))
+    with pytest.raises(ValueError, match="TrainConfig.sampling: " + message):
+        TrainConfig(sampling=SamplingKnobs(**kwargs))
 
 
 def test_the_fused_loss_is_refused_with_a_truncated_sampler() -> None:
     with pytest.raises(ValueError, match="fused_loss is 'on'.*top-k/top-p/min-p"):
-        TrainConfig(fused_loss="on", truncation=Truncation(top_p=0.9))
-    assert TrainConfig(fused_loss="auto", truncation=Truncation(top_p=0.9)).truncation.active
+        TrainConfig(fused_loss="on", sampling=SamplingKnobs(top_p=0.9))
+    assert TrainConfig(fused_loss="auto", sampling=SamplingKnobs(top_p=0.9)).sampling.truncated
