@@ -9,20 +9,23 @@ the repository, and anything else (a Ray or cluster tool, a GPU-node step) ends 
 NOT_RUN_HERE, e.g. `ray start --head   # cluster only: Ray's head node`. So no shell line of a guide goes unchecked
 silently. The benchmark history (benchmarks/results/history.md) is a dated record of commands as they were run, and is
 not checked.
-Nothing is run: a child process runs the entry point's `__main__` with argparse patched so that the first complete
+Nothing is run: a child process (one per entry point, each of its command lines parsed in turn, its output captured)
+runs the entry point's `__main__` with argparse patched so that the first complete
 parse raises `_ParsedOK`, so placeholder paths (`my/hf-dir`, `/ckpt/base`, `problems.jsonl`) never matter and no
 engine, learner or benchmark starts. An unknown or renamed flag makes argparse exit 2 and the case fails naming the
 doc line and argparse's message. `torchrun` flags go through torchrun's own parser; `make TARGET` must be a target of
 the Makefile; `python -m inflight.run` also parses its `--serve-args` / `--learn-args` with the serve's and the
 learner's parsers, as the launcher does before it starts anything.
 
-Run as a script (`python tests/test_readme_commands.py '<json argv>'`), this file is that child process.
+Run as a script (`python tests/test_readme_commands.py '<json list of argv>' OUT.json`), this file is that child
+process.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -30,6 +33,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,25 +229,63 @@ def parse_failure(cmd: DocCommand, cwd: Path) -> str | None:
         words = command_words(cmd)
     except ValueError as exc:  # shlex: unbalanced quotes
         return f"{cmd.where}: `{cmd.text}`\nnot a shell command line: {exc}"
-    problem = make_failure(words[1:]) if os.path.basename(words[0]) == "make" else _child_failure(words, cwd)
+    if os.path.basename(words[0]) == "make":
+        problem = make_failure(words[1:])
+    elif cmd in COMMANDS:  # parsed with the other documented command lines of its entry point
+        problem = _batch_failures(entry_point(words), cwd)[cmd.where]
+    else:
+        problem = _child_failures([words], cwd)[0]
     return None if problem is None else f"{cmd.where}: `{cmd.text}`\n{problem}"
 
 
-def _child_failure(words: list[str], cwd: Path) -> str | None:
-    # A fresh interpreter per command: one entry point's imports and patches cannot hide another's errors. The cwd is
-    # a scratch directory, so even an entry point that wrote something before parsing would write nothing here.
+def entry_point(words: list[str]) -> str:
+    """The program a command line starts, told without importing it: `inflight.run`, `scripts/soak.py`, `torchrun`."""
+    if os.path.basename(words[0]) not in PYTHONS:
+        return os.path.basename(words[0])
+    try:
+        return _python_target(words[1:])[1]
+    except SystemExit:  # no module or script: its child says so
+        return ""
+
+
+_PARSED: dict[str, dict[str, str | None]] = {}  # entry point -> doc line -> failure (None: it parses)
+
+
+def _batch_failures(entry: str, cwd: Path) -> dict[str, str | None]:
+    """Every documented command line of one entry point, parsed in one child; the first of its tests parses them all
+    (in its scratch directory) and the others read their line's answer."""
+    if entry not in _PARSED:
+        cmds = [c for c in COMMANDS if os.path.basename(command_words(c)[0]) != "make"]
+        cmds = [c for c in cmds if entry_point(command_words(c)) == entry]
+        failures = _child_failures([command_words(c) for c in cmds], cwd)
+        _PARSED[entry] = dict(zip([c.where for c in cmds], failures, strict=True))
+    return _PARSED[entry]
+
+
+def _child_failures(batch: list[list[str]], cwd: Path) -> list[str | None]:
+    # A fresh interpreter per entry point: one entry point's imports and patches cannot hide another's errors (the
+    # command lines of one entry point share one, each parsed afresh). The cwd is a scratch directory, so even an
+    # entry point that wrote something before parsing would write nothing here.
+    out = cwd / "parsed.json"
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), json.dumps(words)],
+        [sys.executable, str(Path(__file__).resolve()), json.dumps(batch), str(out)],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,
     )
-    if proc.returncode == 0:
-        return None
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    if proc.returncode != 0 or not out.exists():
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        return [
+            f"the child parsing {len(batch)} command lines exited {proc.returncode}:\n" + "\n".join(lines[-15:])
+        ] * len(batch)
+    return [None if code == 0 else _failure_text(code, text) for code, text in json.loads(out.read_text())]
+
+
+def _failure_text(code: int, output: str) -> str:
+    lines = output.strip().splitlines()
     errors = [line for line in lines if ": error:" in line]  # argparse's message, without its long usage text
-    return f"exit {proc.returncode}: " + "\n".join(errors or lines[-15:])
+    return f"exit {code}: " + "\n".join(errors or lines[-15:])
 
 
 # --- the child: parse one command line, run nothing ---------------------------------------------------------------
@@ -257,8 +299,9 @@ class _ParsedOK(BaseException):
         self.namespace = namespace
 
 
-def _stop_after_parse() -> None:
-    """Patch argparse so that the first complete parse raises `_ParsedOK` instead of returning.
+@contextlib.contextmanager
+def _stopping_after_parse():
+    """Within: argparse patched so that the first complete parse raises `_ParsedOK` instead of returning.
 
     parse_args calls parse_known_args, and a subparser's parse runs inside its parent's: only the outermost call may
     stop, else parse_args' own check for unrecognized arguments would be skipped. Abbreviations are refused: a doc
@@ -284,17 +327,21 @@ def _stop_after_parse() -> None:
 
         return parse
 
-    argparse.ArgumentParser.parse_args = wrap(argparse.ArgumentParser.parse_args)
-    argparse.ArgumentParser.parse_known_args = wrap(argparse.ArgumentParser.parse_known_args)
+    saved = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = map(wrap, saved)
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = saved
 
 
 def _torchrun_target(words: list[str]) -> list[str]:
-    """torchrun's flags through torchrun's own parser (before argparse is patched); what it would start, as python
+    """torchrun's flags through torchrun's own parser (argparse unpatched); what it would start, as python
     arguments."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
-    parser.allow_abbrev = False  # as for the entry points (see _stop_after_parse)
+    parser.allow_abbrev = False  # as for the entry points (see _stopping_after_parse)
     args = parser.parse_args(words)
     return [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]
 
@@ -345,25 +392,43 @@ def _parse_side_args(namespace: argparse.Namespace) -> None:
 
 
 def parse_only(words: list[str]) -> int:
-    """The child's work: 0 when the command line parses; argparse's exit status and message otherwise."""
+    """The child's work for one command line: 0 when it parses; argparse's exit status and message otherwise."""
     launcher, *rest = words
     if os.path.basename(launcher) == "torchrun":
         rest = _torchrun_target(rest)
     kind, name, args = _python_target(rest)
     if name in NO_PARSER:
         return NO_PARSER[name](args)
-    _stop_after_parse()
-    try:
-        _run_entry_point(kind, name, args)
-    except _ParsedOK as ok:
-        if name == "inflight.run" and ok.namespace is not None:
-            _parse_side_args(ok.namespace)
-        return 0
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            raise
+    with _stopping_after_parse():
+        try:
+            _run_entry_point(kind, name, args)
+        except _ParsedOK as ok:
+            if name == "inflight.run" and ok.namespace is not None:
+                _parse_side_args(ok.namespace)
+            return 0
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
     print(f"{name} finished without parsing its arguments with argparse: nothing was checked", file=sys.stderr)
     return 3
+
+
+def parse_batch(batch: list[list[str]]) -> list[tuple[int, str]]:
+    """Each command line parsed in turn, its output captured: (exit status, output) per line."""
+    results = []
+    for words in batch:
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            try:
+                code = parse_only(words)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+                print(exc.code if not isinstance(exc.code, int) else "", file=sys.stderr)
+            except Exception:  # an entry point that fails before it parses: the failure, with its traceback
+                code = 1
+                traceback.print_exc()
+        results.append((code, output.getvalue()))
+    return results
 
 
 # --- the tests ----------------------------------------------------------------------------------------------------
@@ -478,4 +543,4 @@ def test_an_unknown_make_target_fails():
 
 if __name__ == "__main__":
     sys.path[0] = str(REPO)  # as `python -m` from the repository root; tests/inflight/ would shadow the package
-    sys.exit(parse_only(json.loads(sys.argv[1])))
+    Path(sys.argv[2]).write_text(json.dumps(parse_batch(json.loads(sys.argv[1]))))
