@@ -108,9 +108,10 @@ def test_core_and_gpu_lists_and_side_environments():
         RunConfig(learn_cores="9999").validate()
 
 
-def test_a_side_on_gpus_is_not_pinned_to_one_core_unless_its_cores_are_given():
+def test_a_side_on_gpus_is_not_pinned_to_one_core_unless_its_cores_are_given(monkeypatch):
     """On a GPU node the CPU demo's split (serve on core 0, learner on core 1) would put every host thread of a side —
     the serve's scheduler and staging thread, each torchrun rank's data and NCCL proxy threads — on one core."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # a user's environment (the suite's workers set one)
     available = len(os.sched_getaffinity(0))
     env, cores = side_env(RunConfig(serve_gpus="0", learn_gpus="1,2"), "serve")
     assert cores is None and "VLLM_CPU_OMP_THREADS_BIND" not in env and env["OMP_NUM_THREADS"] == str(available)
