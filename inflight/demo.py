@@ -106,13 +106,15 @@ async def run(cfg: DemoConfig) -> tuple[list[GroupResult], dict[str, float]]:
     from transformers import AutoTokenizer
 
     from inflight.models import prepare
-    from vllm_patches.engine import EngineConfig, InflightEngine
+    from inflight.serve.app import standalone_engine_config
+    from inflight.serve.config import ServeConfig
+    from vllm_patches.engine import InflightEngine
 
     model_dir = prepare(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     problems = ArithmeticTask(seed=cfg.seed).take(cfg.problems)
     start = time.perf_counter()
-    engine = await InflightEngine.start(EngineConfig(model=str(model_dir), max_model_len=512))
+    engine = await InflightEngine.start(standalone_engine_config(ServeConfig(max_model_len=512), model_dir))
     try:
         started = time.perf_counter()
         groups = await sample_groups(engine, tokenizer, problems, cfg)

@@ -23,7 +23,7 @@ from inflight.serve.config import ServeConfig
 # The serve's own flags this script takes (same names, defaults and help).
 SERVE_FLAGS = ("model", "task", "prompt_key", "answer_key", "system_prompt", "max_operand", "reward",
                "reward_weights", "reward_convention", "temperature", "top_p", "top_k", "min_p",
-               "max_tokens", "task_args")  # fmt: skip
+               "max_tokens", "task_args", "dtype", "head_dtype", "max_model_len")  # fmt: skip
 
 
 async def measure(args) -> dict:
@@ -31,10 +31,11 @@ async def measure(args) -> dict:
     from vllm import SamplingParams
 
     from inflight.models import resolve_model
+    from inflight.serve.app import standalone_engine_config
     from inflight.serve.driver import prompt_token_ids
     from inflight.tasks.loading import load_task
     from inflight.tasks.rewards import RewardMeans, load_rewards, score_group
-    from vllm_patches.engine import EngineConfig, InflightEngine
+    from vllm_patches.engine import InflightEngine
 
     path = resolve_model(args.model)
     task, default_reward = load_task(args.task, args.task_seed, args.max_operand, args.prompt_key, args.answer_key,
@@ -42,7 +43,8 @@ async def measure(args) -> dict:
     rewards = load_rewards(args.reward or default_reward, args.reward_weights, args.reward_convention)
     problems = [p for _, p in zip(range(args.problems), task, strict=False)]
     tok = AutoTokenizer.from_pretrained(path)
-    engine = await InflightEngine.start(EngineConfig(model=str(path)))
+    serve_flags = ServeConfig(**{name: getattr(args, name) for name in SERVE_FLAGS})
+    engine = await InflightEngine.start(standalone_engine_config(serve_flags, path))  # the engine a serve would run
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p)  # fmt: skip
     means = RewardMeans()

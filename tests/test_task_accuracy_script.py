@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from inflight.machine import resolve_precision, serve_device
 from inflight.serve.config import ServeConfig
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "task_accuracy.py"
@@ -106,6 +107,14 @@ def test_a_users_task_file_and_trl_reward_are_scored_and_summarized_with_standar
     out = capsys.readouterr().out
     [started] = engine.started
     assert started.cfg.model == model and len(started.prompts) == 2 * 4
+    # the engine a serve with these flags runs here (its precision resolved for this machine), not a bare EngineConfig
+    serve = ServeConfig()
+    assert started.cfg.dtype == resolve_precision(serve.dtype, serve_device()).dtype
+    assert (started.cfg.head_dtype, started.cfg.update_memory, started.cfg.kv_cache_gib) == (
+        serve.head_dtype,
+        serve.engine_mode(serve_device()).update_memory,
+        serve.kv_cache_gib,
+    )
     assert {(p.temperature, p.max_tokens) for p in started.params} == {(0.5, 16)}
     # Natalia's group: 1 of 4 right (its reference ends in #### 72); Weng's: 0 of 4. Per problem 0.25 and 0.0: mean
     # 0.125, standard error sqrt(((0.125² + 0.125²) / 1) / 2) = 0.125; one group of two has signal.

@@ -41,9 +41,10 @@ JOIN_MARGIN_S = 10.0  # past the group's own timeout, by which each worker's joi
 
 @dataclass
 class EngineConfig(EngineSizing):
-    """What `InflightEngine.start` builds AsyncLLM from. Defaults run the embedded demo on CPU. Its size (context,
-    batch, workers, KV cache or GPU fraction, seed) is `EngineSizing`'s, declared once with the serve's flags
-    (inflight/config.py); the fields below are the serve's knobs resolved (inflight/serve/app.py:engine_config)."""
+    """What `InflightEngine.start` builds AsyncLLM from: a serve's is built from its flags (inflight/serve/app.py:
+    engine_config; a tool without a serve: standalone_engine_config), and the defaults below are the tests' and the
+    benchmarks'. Its size (context, batch, workers, KV cache or GPU fraction, seed) is `EngineSizing`'s, declared once
+    with the serve's flags (inflight/config.py); the fields below are the serve's knobs resolved."""
 
     model: str = field(kw_only=True)
     # False lets vLLM compile the model and, on CUDA, capture CUDA graphs, which hold parameter addresses: allowed

@@ -17,7 +17,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -163,6 +163,14 @@ def served_engine_config(cfg: ServeConfig, model_path: Path, delta: bool = False
     if config.gpu_plan is not None:
         log.info("%s", config.gpu_plan.describe())
     return config
+
+
+def standalone_engine_config(cfg: ServeConfig, model_path: Path) -> EngineConfig:
+    """The engine a serve given `cfg`'s flags starts on this machine, its precision resolved as `main` resolves it:
+    for the tools that run the engine without a serve (scripts/task_accuracy.py, the generation demo), so that they
+    measure what a serve runs (its dtype, LM head precision, update path), not a bare EngineConfig's test values."""
+    resolved = replace(cfg, dtype=resolve_precision(cfg.dtype, serve_device()).dtype)
+    return served_engine_config(resolved, model_path)
 
 
 def engine_config(
