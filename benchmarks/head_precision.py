@@ -35,10 +35,12 @@ async def sample(model_dir: Path, head_dtype: str, prompts: list[list[int]], max
     """Completions of a bf16 engine with the given head precision (one sample per prompt, temperature 1)."""
     from vllm import SamplingParams
 
-    from vllm_patches.engine import EngineConfig, InflightEngine
+    from inflight.serve.app import standalone_engine_config
+    from inflight.serve.config import ServeConfig
+    from vllm_patches.engine import InflightEngine
 
-    cfg = EngineConfig(model=str(model_dir), max_model_len=512, dtype="bfloat16", head_dtype=head_dtype,
-                       kv_cache_gib=0.25)  # fmt: skip
+    flags = ServeConfig(max_model_len=512, dtype="bfloat16", head_dtype=head_dtype, kv_cache_gib=0.25)
+    cfg = standalone_engine_config(flags, model_dir)
     engine = await InflightEngine.start(cfg)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0)  # the engine seed fixes draws

@@ -35,19 +35,23 @@ async def run_kind(kind: str, args, tmp: Path) -> dict:
     from test_lora_swap import random_adapter
 
     from inflight.models import model_dir
+    from inflight.serve.app import standalone_engine_config
+    from inflight.serve.config import ServeConfig
     from inflight.wire.weights import AdapterSpec
     from vllm_patches.adapter import ServedAdapter
-    from vllm_patches.engine import EngineConfig, InflightEngine
+    from vllm_patches.engine import InflightEngine
 
     base = model_dir("smollm2")
     lora = {}
     if kind == "adapter":
         states = [random_adapter(base, tmp / name, seed, rank=args.rank) for seed, name in ((1, "A"), (2, "B"))]
-        lora = {"lora_dir": str(tmp / "A"), "lora_rank": args.rank}
         spec: AdapterSpec | None = ServedAdapter.read(tmp / "A").spec
+        lora = {"lora_rank": spec.rank, "lora_alpha": spec.alpha, "lora_targets": ",".join(spec.targets),
+                "lora_init": str(tmp / "A")}  # fmt: skip
     else:
         states, spec = [load_state(base), perturbed_checkpoint(base, tmp / "B", seed=7)], None
-    cfg = EngineConfig(model=str(base), max_model_len=512, kv_cache_gib=args.kv_cache_gib, **lora)
+    flags = ServeConfig(max_model_len=512, kv_cache_gib=args.kv_cache_gib, dtype="bfloat16", head_dtype="model", **lora)
+    cfg = standalone_engine_config(flags, base)
     engine = await InflightEngine.start(cfg)
     try:
         sender = Sender(timeout_s=120)

@@ -70,9 +70,12 @@ async def measure(model: str, dtype: str, repeats: int) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from inflight.models import resolve_model
-    from vllm_patches.engine import EngineConfig, engine_kwargs
+    from inflight.serve.app import standalone_engine_config
+    from inflight.serve.config import ServeConfig
+    from vllm_patches.engine import engine_kwargs
 
-    cfg = EngineConfig(model=str(resolve_model(model)), dtype=dtype, update_memory="low", kv_cache_gib=0.25)
+    flags = ServeConfig(dtype=dtype, head_dtype="model", update_memory="low", kv_cache_gib=0.25)
+    cfg = standalone_engine_config(flags, resolve_model(model))
     kwargs = engine_kwargs(cfg, "cpu") | {"worker_extension_cls": f"{__name__}.TimedWorker"}
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     try:

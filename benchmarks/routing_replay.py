@@ -46,7 +46,9 @@ def sample(model_dir: Path, args) -> list:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from vllm_patches.engine import EngineConfig, InflightEngine
+    from inflight.serve.app import standalone_engine_config
+    from inflight.serve.config import ServeConfig
+    from vllm_patches.engine import InflightEngine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rng = np.random.default_rng(0)
@@ -56,9 +58,8 @@ def sample(model_dir: Path, args) -> list:
         chat = [{"role": "user", "content": text}]
         prompts.append(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0, ignore_eos=True)
-    cfg = EngineConfig(
-        model=str(model_dir), dtype=args.dtype, head_dtype="float32", kv_cache_gib=0.25, routing_replay=True
-    )
+    flags = ServeConfig(dtype=args.dtype, head_dtype="float32", kv_cache_gib=0.25, routing_replay="on")
+    cfg = standalone_engine_config(flags, model_dir)
 
     async def run():
         engine = await InflightEngine.start(cfg)

@@ -360,14 +360,18 @@ def probe_decode(model: str, core: int, out: Path, dtype: str = "bfloat16") -> d
     os.environ["OMP_NUM_THREADS"] = "1"
     from inflight.demo import import_vllm_optional_media
     from inflight.models import resolve_model
-    from vllm_patches.engine import EngineConfig, InflightEngine
+    from inflight.serve.app import standalone_engine_config
+    from inflight.serve.config import ServeConfig
+    from vllm_patches.engine import InflightEngine
 
     import_vllm_optional_media()
 
     async def run() -> dict:
         from vllm import SamplingParams
 
-        engine = await InflightEngine.start(EngineConfig(model=str(resolve_model(model)), dtype=dtype))
+        engine = await InflightEngine.start(
+            standalone_engine_config(ServeConfig(dtype=dtype, head_dtype="model"), resolve_model(model))
+        )
         try:
             prompt = list(range(100, 140))
             points, tokens = [], 24

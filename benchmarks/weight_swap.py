@@ -353,12 +353,15 @@ async def running_engine(name: str, args, tmp: Path, update_memory: str):
     sys.path.insert(0, str(TESTS_DIR))
     from support import Sender
 
-    from vllm_patches.engine import EngineConfig, InflightEngine
+    from inflight.serve.app import standalone_engine_config
+    from inflight.serve.config import ServeConfig
+    from vllm_patches.engine import InflightEngine
 
     model_dir = model_path(name)
     states = _states(model_dir, tmp, args.precision.dtype)
-    cfg = EngineConfig(model=str(model_dir), max_model_len=512, dtype=args.precision.dtype,
-                       kv_cache_gib=args.kv_cache_gib, update_memory=update_memory)  # fmt: skip
+    flags = ServeConfig(max_model_len=512, dtype=args.precision.dtype, head_dtype="model",
+                        kv_cache_gib=args.kv_cache_gib, update_memory=update_memory)  # fmt: skip
+    cfg = standalone_engine_config(flags, model_dir)
     engine = await InflightEngine.start(cfg)
     try:
         sender = Sender(timeout_s=120)

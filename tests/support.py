@@ -130,10 +130,17 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
                                               tokenize=True, return_dict=False))  # fmt: skip
 
 
+# The engine the in-process tests start, unless a test says otherwise: bf16 on every machine (the bit-for-bit
+# comparisons run one computation on both engines, and bf16 is what a GPU serve runs), eager, the engine dtype's LM
+# head, the prepared swap, no adapter, no routes. A serve's comes from its flags instead (inflight/serve/app.py).
+TEST_ENGINE = {"dtype": "bfloat16", "enforce_eager": True, "head_dtype": "model", "update_memory": "double",
+               "lora_rank": 0, "routing_replay": False, "kv_cache_gib": TEST_KV_GIB}  # fmt: skip
+
+
 def start_engine(loop, model_dir, **overrides):
     from vllm_patches.engine import EngineConfig, InflightEngine
 
-    cfg = EngineConfig(model=str(model_dir), **{"kv_cache_gib": TEST_KV_GIB, **overrides})
+    cfg = EngineConfig(model=str(model_dir), **{**TEST_ENGINE, **overrides})
     return loop.run_until_complete(InflightEngine.start(cfg))
 
 

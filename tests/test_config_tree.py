@@ -51,19 +51,6 @@ HOMONYMS = {
     ("RunKnobs", "run_dir"): "run.run_dir",  # the run's directory (default: dated); the learner's is derived from it
 }
 
-# Knobs still declared in two places (a ratchet: the list may only shrink; issue 39 wants it empty). 35 when the
-# test was written; what remains is a lower package's own value of a knob the tree declares with another default:
-STILL_DUPLICATED = {
-    # the serve's knobs resolved for the engine (`auto` -> the device's choice; on/off -> bool); a bare EngineConfig
-    # (tests, benchmarks) keeps its own defaults
-    "dtype": ["EngineKnobs.dtype", "EngineConfig.dtype"],
-    "enforce_eager": ["EngineKnobs.enforce_eager", "EngineConfig.enforce_eager"],
-    "head_dtype": ["EngineKnobs.head_dtype", "EngineConfig.head_dtype"],
-    "update_memory": ["EngineKnobs.update_memory", "EngineConfig.update_memory"],
-    "lora_rank": ["SharedKnobs.lora_rank", "EngineConfig.lora_rank"],
-    "routing_replay": ["SharedKnobs.routing_replay", "EngineConfig.routing_replay"],
-}
-
 # Flags of the other `python -m` entry points that share a name with a knob of the tree but are another knob: a demo's
 # or a benchmark's own setting of what it measures, at the size its measurement needs (a flag that reuses the tree's
 # declaration, with its help, needs no entry: scripts/task_accuracy.py builds its serve flags from ServeConfig's).
@@ -137,12 +124,11 @@ def duplicates() -> dict[str, list[str]]:
 
 
 def test_every_knob_of_the_config_tree_is_declared_in_one_place():
+    """35 knobs were declared twice when this test was written; the last were the engine's resolved values, now slots
+    its builders fill (vllm_patches/engine.py:EngineConfig)."""
     found = duplicates()
-    grown = {k: v for k, v in found.items() if not set(v) <= set(STILL_DUPLICATED.get(k, ()))}
-    listing = "\n".join(f"  {knob}: {', '.join(where)}" for knob, where in grown.items())
-    assert not grown, f"{len(found)} knobs declared in more than one place; not in the ratchet:\n{listing}"
-    gone = sorted(f"{k}: {w}" for k, where in STILL_DUPLICATED.items() for w in where if w not in found.get(k, ()))
-    assert not gone, f"no longer duplicated, take them off STILL_DUPLICATED: {gone}"
+    listing = "\n".join(f"  {knob}: {', '.join(where)}" for knob, where in found.items())
+    assert not found, f"{len(found)} knobs declared in more than one place:\n{listing}"
 
 
 def test_the_duplicate_finder_finds_a_knob_restated_in_a_second_class():

@@ -42,29 +42,31 @@ JOIN_MARGIN_S = 10.0  # past the group's own timeout, by which each worker's joi
 @dataclass
 class EngineConfig(EngineSizing):
     """What `InflightEngine.start` builds AsyncLLM from: a serve's is built from its flags (inflight/serve/app.py:
-    engine_config; a tool without a serve: standalone_engine_config), and the defaults below are the tests' and the
-    benchmarks'. Its size (context, batch, workers, KV cache or GPU fraction, seed) is `EngineSizing`'s, declared once
+    engine_config; a tool without a serve: standalone_engine_config), and the tests' (tests/support.py:TEST_ENGINE).
+    Its size (context, batch, workers, KV cache or GPU fraction, seed) is `EngineSizing`'s, declared once
     with the serve's flags (inflight/config.py); the fields below are the serve's knobs resolved."""
 
     model: str = field(kw_only=True)
+    # The serve's knobs resolved, slots its builder fills (their defaults and help are the serve's flags'):
     # False lets vLLM compile the model and, on CUDA, capture CUDA graphs, which hold parameter addresses: allowed
     # only with update_memory "low", which commits into every parameter's existing storage (check_graph_safe_updates).
-    enforce_eager: bool = True
-    dtype: str = "bfloat16"
-    enable_prefix_caching: bool = True
+    enforce_eager: bool = field(kw_only=True)
+    dtype: str = field(kw_only=True)
     # The LM head's precision: "float32" projects in fp32 (vLLM's head_dtype, through hf_overrides), as the learner's
     # fp32 head does; "model" keeps the engine dtype. Changes nothing when dtype is already float32.
-    head_dtype: str = "model"
-    update_memory: str = "double"  # one of UPDATE_MEMORY
+    head_dtype: str = field(kw_only=True)
+    update_memory: str = field(kw_only=True)  # one of UPDATE_MEMORY
+    # LoRA: the adapter's rank (vLLM's max_lora_rank holds it), 0 without one; --routing-replay on: the workers record
+    # every token's routed experts (vllm_patches/routes.py), which needs every position fed, so prefix caching is then
+    # off whatever `enable_prefix_caching` says
+    lora_rank: int = field(kw_only=True)
+    routing_replay: bool = field(kw_only=True)
+    enable_prefix_caching: bool = True
     # CUDA: the staging plan (vllm_patches/device_plan.py); vLLM gets its lowered fraction, never the raw one.
     gpu_plan: GpuMemoryPlan | None = None
     # LoRA: the PEFT adapter every request is served with, whose updates arrive in flight (vllm_patches/adapter.py);
-    # None serves the model's own weights. `lora_rank` is that adapter's rank (vLLM's max_lora_rank holds it).
+    # None serves the model's own weights.
     lora_dir: str | None = None
-    lora_rank: int = 0
-    # --routing-replay on: the workers record every token's routed experts (vllm_patches/routes.py), which needs every
-    # position fed, so prefix caching is then off whatever `enable_prefix_caching` says
-    routing_replay: bool = False
     # Each worker's device arena, every update is staged within (vllm_patches/arenas.py): None, the staging plan's
     # `arena_bytes`; a number overrides it (tests: an arena too small, whose updates are refused).
     arena_bytes: int | None = None

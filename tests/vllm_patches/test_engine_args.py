@@ -7,9 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from support import TEST_ENGINE
 
 from vllm_patches.device_plan import GIB, StagingPlan, plan_gpu_memory
 from vllm_patches.engine import EngineConfig, check_graph_safe_updates, engine_kwargs
+
+
+def config(**fields) -> EngineConfig:
+    """The tests' engine config (tests/support.py:TEST_ENGINE) of a model "m", `fields` changed."""
+    return EngineConfig(**{"model": "m", **TEST_ENGINE, **fields})
 
 
 def planned(cfg: EngineConfig, weight_bytes: int = 4 * GIB, device_bytes: int = 80 * GIB) -> EngineConfig:
@@ -19,52 +25,52 @@ def planned(cfg: EngineConfig, weight_bytes: int = 4 * GIB, device_bytes: int = 
 
 
 def test_a_cuda_engine_sizes_its_memory_by_gpu_memory_utilization_and_passes_no_kv_cache_bytes() -> None:
-    kwargs = engine_kwargs(planned(EngineConfig(model="m", gpu_memory_utilization=0.75, kv_cache_gib=0.25)), "cuda")
+    kwargs = engine_kwargs(planned(config(gpu_memory_utilization=0.75, kv_cache_gib=0.25)), "cuda")
     assert kwargs["gpu_memory_utilization"] == pytest.approx(0.75 - 2 * 4 / 80)  # the double update set aside
     assert "kv_cache_memory_bytes" not in kwargs  # vLLM would read it in place of the fraction
 
 
 def test_a_cpu_engine_sizes_its_kv_cache_in_bytes_and_passes_no_gpu_fraction() -> None:
-    kwargs = engine_kwargs(EngineConfig(model="m", gpu_memory_utilization=0.75, kv_cache_gib=0.25), "cpu")
+    kwargs = engine_kwargs(config(gpu_memory_utilization=0.75, kv_cache_gib=0.25), "cpu")
     assert kwargs["kv_cache_memory_bytes"] == 1 << 28
     assert "gpu_memory_utilization" not in kwargs
 
 
 def test_a_cuda_device_with_an_index_is_still_cuda() -> None:
-    assert "gpu_memory_utilization" in engine_kwargs(planned(EngineConfig(model="m")), "cuda:1")
+    assert "gpu_memory_utilization" in engine_kwargs(planned(config()), "cuda:1")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_scheduling_stays_synchronous_and_eager_is_the_default_on_every_device(device) -> None:
-    kwargs = engine_kwargs(planned(EngineConfig(model="m")), device)
+def test_scheduling_stays_synchronous_and_an_eager_config_stays_eager_on_every_device(device) -> None:
+    kwargs = engine_kwargs(planned(config(enforce_eager=True)), device)
     assert kwargs["async_scheduling"] is False  # exact token versions need the synchronous step path
     assert kwargs["enforce_eager"] is True
 
 
 def test_cuda_graphs_are_allowed_with_the_update_path_that_keeps_parameter_storage() -> None:
-    kwargs = engine_kwargs(planned(EngineConfig(model="m", enforce_eager=False, update_memory="low")), "cuda")
+    kwargs = engine_kwargs(planned(config(enforce_eager=False, update_memory="low")), "cuda")
     assert kwargs["enforce_eager"] is False
 
 
 def test_a_cuda_engine_without_a_staging_plan_is_refused_naming_the_plan() -> None:
     with pytest.raises(ValueError, match="needs a staging plan"):
-        engine_kwargs(EngineConfig(model="m"), "cuda")
+        engine_kwargs(config(), "cuda")
 
 
 def test_a_staging_plan_made_for_other_engine_values_is_refused() -> None:
-    cfg = planned(EngineConfig(model="m", gpu_memory_utilization=0.9))
+    cfg = planned(config(gpu_memory_utilization=0.9))
     with pytest.raises(ValueError, match="plan again"):
         engine_kwargs(dataclasses.replace(cfg, gpu_memory_utilization=0.8), "cuda")
 
 
 def test_a_cpu_engine_refuses_compilation_which_may_freeze_the_weights_into_its_graph() -> None:
     with pytest.raises(ValueError, match="--enforce-eager false on a CPU serve.*Keep --enforce-eager true on CPU"):
-        engine_kwargs(EngineConfig(model="m", enforce_eager=False, update_memory="low"), "cpu")
+        engine_kwargs(config(enforce_eager=False, update_memory="low"), "cpu")
 
 
 def test_cuda_graphs_with_the_double_update_path_are_refused_naming_both_flags_and_the_fix() -> None:
     with pytest.raises(ValueError, match="--enforce-eager false with --update-memory double") as refused:
-        engine_kwargs(EngineConfig(model="m", enforce_eager=False, update_memory="double"), "cuda")
+        engine_kwargs(config(enforce_eager=False, update_memory="double"), "cuda")
     assert "--update-memory low" in str(refused.value)
 
 
@@ -76,7 +82,7 @@ def test_every_other_combination_of_eager_and_update_memory_is_accepted(enforce_
 @pytest.mark.parametrize("fraction", [0.0, -0.1, 1.01])
 def test_a_gpu_memory_utilization_outside_zero_to_one_is_refused_naming_the_field(fraction) -> None:
     with pytest.raises(ValueError, match=rf"gpu_memory_utilization must be in \(0, 1\] \(got {fraction}\)"):
-        engine_kwargs(EngineConfig(model="m", gpu_memory_utilization=fraction), "cuda")
+        engine_kwargs(config(gpu_memory_utilization=fraction), "cuda")
 
 
 def test_every_argument_is_a_field_of_vllms_async_engine_args() -> None:
@@ -85,13 +91,13 @@ def test_every_argument_is_a_field_of_vllms_async_engine_args() -> None:
 
     fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     for device in ("cpu", "cuda"):
-        unknown = set(engine_kwargs(planned(EngineConfig(model="m")), device)) - fields
+        unknown = set(engine_kwargs(planned(config()), device)) - fields
         assert not unknown, f"not AsyncEngineArgs fields in vLLM {vllm.__version__}: {unknown}"
 
 
 def test_routing_replay_turns_prefix_caching_off_since_a_cached_block_has_no_route() -> None:
-    assert engine_kwargs(EngineConfig(model="m"), "cpu")["enable_prefix_caching"] is True
-    assert engine_kwargs(EngineConfig(model="m", routing_replay=True), "cpu")["enable_prefix_caching"] is False
+    assert engine_kwargs(config(), "cpu")["enable_prefix_caching"] is True
+    assert engine_kwargs(config(routing_replay=True), "cpu")["enable_prefix_caching"] is False
 
 
 @pytest.mark.parametrize(
@@ -122,7 +128,7 @@ def test_a_cuda_config_under_which_routes_would_go_unrecorded_is_refused_naming_
     with pytest.raises(ValueError, match=f"--routing-replay on with {names}"):
         route_capture("cuda", True, eager, environ)
     if not eager:
-        cfg = planned(EngineConfig(model="m", routing_replay=True, enforce_eager=False, update_memory="low"))
+        cfg = planned(config(routing_replay=True, enforce_eager=False, update_memory="low"))
         with pytest.raises(ValueError, match="no route would be recorded"):
             engine_kwargs(cfg, "cuda")
 
