@@ -14,10 +14,14 @@ This module also turns an `EngineConfig` into vLLM's engine arguments, without i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import psutil
 
 from inflight.config import EngineSizing
 from inflight.machine import is_cuda, serve_device
@@ -216,6 +220,33 @@ def count_engine_start(cfg: EngineConfig, seconds: float) -> None:
         os.close(fd)
 
 
+def finish_interrupted_shutdown(llm: AsyncLLM) -> None:
+    """vLLM 0.32 force-kills an EngineCore that outlives its shutdown timeout by naming each of its children first, and
+    raises psutil.NoSuchProcess when one has just exited, before killing the rest (seen under load in the suite,
+    2026-11-28): kill what remains of each engine process's tree, then release the client's sockets and its output
+    task as its own shutdown would have."""
+    resources = llm.engine_core.resources
+    for proc in resources.engine_manager.processes if resources.engine_manager is not None else []:
+        if proc.is_alive():
+            kill_tree(proc.pid)
+            proc.join(10)
+    resources()
+    handler = getattr(llm, "output_handler", None)
+    if handler is not None:
+        with contextlib.suppress(RuntimeError):  # its loop already closed: nothing left to cancel
+            handler.get_loop().call_soon_threadsafe(handler.cancel)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it, any of which may already be gone."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                child.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 class InflightEngine:
     """AsyncLLM and its collaborators: generation, weight updates, the weights group. One per serve process."""
 
@@ -264,8 +295,12 @@ class InflightEngine:
         return engine
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
-        self.signals.close()
+        try:
+            self.llm.shutdown()
+        except psutil.NoSuchProcess:
+            finish_interrupted_shutdown(self.llm)
+        finally:
+            self.signals.close()
 
     @property
     def version(self) -> int:

@@ -264,7 +264,8 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_af
         assert time.monotonic() - died_at < 30
     finally:
         run.stop()
-    out = run.tail(80)
+    # the driver's own lines: a stopping serve's engine traceback can outnumber them at the end
+    out = "\n".join(line for line in run.lines if not line.startswith("[serve"))
     assert "learner actor learn" in out and "exited with code -9 (SIGKILL)" in out and "on node" in out, out
     assert_nothing_left(sides_before, 60, ray=False)  # the serves and their engines went with the job
 
