@@ -364,7 +364,7 @@ async def running_engine(name: str, args, tmp: Path, update_memory: str):
     cfg = standalone_engine_config(flags, model_dir)
     engine = await InflightEngine.start(cfg)
     try:
-        sender = Sender(timeout_s=120)
+        sender = Sender(timeout_s=120, bucket_bytes=args.update_bucket_mib << 20)
         await sender.connect(engine)
         yield engine, sender, states, model_dir
     finally:
@@ -530,6 +530,10 @@ def parse_args(argv: list[str] | None):
     models_help = f"models for the commit-stall table; {RANDOM_360M} is built on first use (~1.4 GB, a minute)"
     parser.add_argument("--models", nargs="+", default=["tiny-llama", "smollm2", RANDOM_360M], help=models_help)
     parser.add_argument("--buckets-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    from inflight.learn.config import PublishKnobs  # the learner's --bucket-mb, declared once
+
+    update_help = "bucket size of the commit and generation tables' updates, MiB; default: a learner's --bucket-mb"
+    parser.add_argument("--update-bucket-mib", type=int, default=PublishKnobs.bucket_mb, help=update_help)
     dtype_help = "engine precision; auto = bf16 only where this machine computes it natively"
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help=dtype_help)
     kv_help = "KV cache per engine, GiB; 0.25 holds 16 x 512 tokens and is zeroed faster at start than vLLM's 1"
@@ -554,6 +558,7 @@ def header(rec: Recorder, args, argv: list[str]) -> None:
     rec.emit(f"- CPU: {rec.context['cpu']}")
     rec.emit(f"- Command: `{command}`")
     rec.emit(f"- Engine precision: {args.precision.dtype} ({args.precision.reason})")
+    rec.emit(f"- Updates of the commit and generation tables sent in {args.update_bucket_mib} MiB buckets")
     rec.emit(f"- vllm {vllm.__version__}, torch {torch.__version__}; sender and engine share the machine's cores")
 
 

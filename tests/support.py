@@ -51,9 +51,10 @@ def perturbed_checkpoint(src: Path, dest: Path, seed: int, scale: float = 0.25) 
 class Sender:
     """The learner's rank 0, in a thread of the test process: hosts the store and broadcasts updates."""
 
-    def __init__(self, world_size: int = 2, timeout_s: float = 20.0):
+    def __init__(self, world_size: int = 2, timeout_s: float = 20.0, bucket_bytes: int = 1 << 20):
         self.store = open_store(GroupAddress("127.0.0.1", 0, world_size, timeout_s=timeout_s), is_host=True)
         self.timeout_s, self.world_size, self.generation = timeout_s, world_size, 0
+        self.bucket_bytes = bucket_bytes  # the tests' 1 MiB: many buckets from small models; a learner's is --bucket-mb
         self.group: WeightsGroup | None = None
 
     def address(self) -> GroupAddress:
@@ -77,8 +78,8 @@ class Sender:
         self.group, joined = await asyncio.gather(group_task, join)
         return joined
 
-    def manifest(self, state, version: int, bucket_bytes: int = 1 << 20) -> UpdateManifest:
-        return plan_manifest(state, version, bucket_bytes)
+    def manifest(self, state, version: int, bucket_bytes: int | None = None) -> UpdateManifest:
+        return plan_manifest(state, version, bucket_bytes or self.bucket_bytes)
 
     def send_in_thread(self, manifest: UpdateManifest, state) -> tuple[threading.Thread, dict]:
         result: dict = {}
@@ -97,7 +98,7 @@ class Sender:
         """The update's manifest and payloads (push's `planned=`), planned on a thread (checksums of every tensor):
         on the event loop it held up the client's other requests, a cost of the test harness that benchmarks would
         book against the update."""
-        return await asyncio.to_thread(plan_update, state, version, kw.get("bucket_bytes", 1 << 20),
+        return await asyncio.to_thread(plan_update, state, version, kw.get("bucket_bytes", self.bucket_bytes),
                                        base=kw.get("base"), keep_base=kw.get("keep_base", False),
                                        adapter=kw.get("adapter"))  # fmt: skip
 

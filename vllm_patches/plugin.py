@@ -10,6 +10,8 @@ vllm_patches/update_frontend.py); the others, which read a finished request's KV
 
 from __future__ import annotations
 
+import atexit
+import gc
 import multiprocessing
 import os
 import signal
@@ -49,6 +51,16 @@ def register() -> None:
             setattr(EngineCore, method.__name__, method)
     install()
     _exit_with_parent()
+    _freeze_heap_at_exit()
+
+
+def _freeze_heap_at_exit() -> None:
+    """In vLLM's child processes (EngineCore, workers): freeze the heap as the interpreter exits, so its last cyclic
+    collection does not walk gigabytes of objects the exit frees at once anyway. That walk was most of an engine's
+    stop: 2.8 -> 1.2 s with the worker inside EngineCore, 4.5 -> 1.4 s with a worker process of its own (SmolLM2, idle,
+    AMD EPYC, 2026-11-28). vLLM does the same on ROCm after a clean shutdown (vllm/v1/engine/core.py)."""
+    if multiprocessing.parent_process() is not None:
+        atexit.register(gc.freeze)
 
 
 def _exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
