@@ -42,7 +42,7 @@ test: models
 	$(VENV)/bin/mkdocs build --strict  # not --quiet: with it mkdocs 1.6 drops the warnings that --strict counts
 	@if grep -q avx512f /proc/cpuinfo; then \
 		echo "== numerically sensitive tests on AVX2 kernels only: $(AVX2_ONLY) =="; \
-		$(AVX2_ONLY) $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS) -n $(TEST_WORKERS) --dist loadfile; \
+		$(AVX2_ONLY) $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS); \
 	else echo "== no AVX-512 on this CPU: the whole suite below runs the numerically sensitive tests on AVX2 kernels =="; fi
 	@echo "== the whole suite =="
 	$(PY) -m pytest -q -p no:cacheprovider tests benchmarks/micro -m "not engine_bench" -n $(TEST_WORKERS) \
