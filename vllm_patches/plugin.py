@@ -2,10 +2,11 @@
 `inflight_track_kv`, `inflight_kv_spans` and `inflight_routes` utilities to EngineCore, and the KV-age hook to the
 scheduler (vllm_patches/kv_age.py).
 
-vLLM loads general plugins in every process; `register` is idempotent and only adds a method. The two utilities of a
-weight update, `inflight_commit` and `inflight_park`, are the EngineCore half of its choreography and live in
-vllm_patches/update_enginecore.py (the front-end half is
-vllm_patches/update_frontend.py); the others, which read a finished request's KV ages and routes, are here.
+Runs in every vLLM process (front end, EngineCore, workers): vLLM loads general plugins in each, and `register` is
+idempotent. In EngineCore and the workers it also starts the parent watch and freezes the heap at exit. The two
+utilities of a weight update, `inflight_commit` and `inflight_park`, are the EngineCore half of its choreography and
+live in vllm_patches/update_enginecore.py (the front-end half is vllm_patches/update_frontend.py); the others, which
+read a finished request's KV ages and routes, are here.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _freeze_heap_at_exit() -> None:
     stop: 2.8 -> 1.2 s with the worker inside EngineCore, 4.5 -> 1.4 s with a worker process of its own (SmolLM2, idle,
     AMD EPYC, 2026-11-28). vLLM does the same on ROCm after a clean shutdown (vllm/v1/engine/core.py)."""
     if multiprocessing.parent_process() is not None:
+        atexit.unregister(gc.freeze)  # once, however often `register` runs
         atexit.register(gc.freeze)
 
 
