@@ -11,7 +11,6 @@ import time
 from types import SimpleNamespace
 
 import psutil
-import pytest
 
 from vllm_patches.engine import InflightEngine, finish_interrupted_shutdown
 
@@ -81,7 +80,3 @@ def test_finishing_a_shutdown_whose_processes_are_already_gone_does_nothing_but_
     llm = SimpleNamespace(output_handler=None, engine_core=SimpleNamespace(resources=Resources(None)))
     finish_interrupted_shutdown(llm)
     assert llm.engine_core.resources.released == 1
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__]))
