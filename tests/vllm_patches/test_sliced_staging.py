@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from support import Sender, greedy, perturbed_checkpoint, start_engine, stop_engine
+from support import Sender, greedy, load_state, start_engine, stop_engine
 from test_swap_exact import assert_same_outputs
+from tp_support import TP
 from transformers import AutoTokenizer
 
 from inflight.wire.checksum import tensor_checksum
@@ -24,31 +25,13 @@ pytestmark = [
 ]
 
 PARAMS = [("tiny-qwen2", "low"), ("tiny-qwen2", "double"), ("tiny-moe", "low"), ("tiny-moe", "double")]
-TP = 2
-
-
-@pytest.fixture(scope="module")
-def fresh_b(loop, model_dirs, tmp_path_factory, one_core_per_worker):
-    """Each model's B checkpoint and the answers of a fresh two-worker engine started from it (made once)."""
-    made = {}
-
-    def get(name: str):
-        if name not in made:
-            b_dir = tmp_path_factory.mktemp("ckpt") / f"{name}-B"
-            b_state = perturbed_checkpoint(model_dirs[name], b_dir, seed=11)
-            tok = AutoTokenizer.from_pretrained(model_dirs[name])
-            engine = start_engine(loop, b_dir, tensor_parallel_size=TP)
-            made[name] = (b_state, tok, loop.run_until_complete(greedy(engine, tok, tag="fresh")))
-            stop_engine(loop, engine)
-        return made[name]
-
-    return get
 
 
 @pytest.fixture(scope="module", params=PARAMS, ids=["-".join(p) for p in PARAMS])
-def swapped(request, loop, model_dirs, fresh_b):
+def swapped(request, loop, model_dirs, fresh_tp2):
     name, update_memory = request.param
-    b_state, tok, want = fresh_b(name)
+    fresh = fresh_tp2(name)  # a fresh two-worker engine of checkpoint B: its answers (conftest.py)
+    b_state, tok, want = load_state(fresh.b_dir), AutoTokenizer.from_pretrained(model_dirs[name]), fresh.answers
     engine = start_engine(loop, model_dirs[name], tensor_parallel_size=TP, update_memory=update_memory)
     try:
         sender = Sender(world_size=1 + TP)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from support import Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
+from support import Sender, greedy, load_state, start_engine, stop_engine
 from test_swap_exact import assert_same_outputs
+from tp_support import TP
 from transformers import AutoTokenizer
 
 pytestmark = [
@@ -24,30 +25,15 @@ pytestmark = [
 
 # A tied head through the prepared swap, an untied one through the in-place reload.
 PARAMS = [("tiny-llama", "double"), ("tiny-qwen2", "low")]
-TP = 2
-
-
-@pytest.fixture(scope="module")
-def one_core_per_worker():
-    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # EngineCore and its workers are spawned: they inherit it
-    yield
-    if before is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
 @pytest.fixture(scope="module", params=PARAMS, ids=["-".join(p) for p in PARAMS])
-def tp_env(request, loop, model_dirs, tmp_path_factory, one_core_per_worker):
+def tp_env(request, loop, model_dirs, fresh_tp2):
     name, update_memory = request.param
     a_dir = model_dirs[name]
     tok = AutoTokenizer.from_pretrained(a_dir)
-    b_dir = tmp_path_factory.mktemp("ckpt") / f"{name}-B"
-    b_state = perturbed_checkpoint(a_dir, b_dir, seed=7)
-    fresh_b = start_engine(loop, b_dir, tensor_parallel_size=TP)
-    want_b = loop.run_until_complete(greedy(fresh_b, tok, tag="fresh"))
-    stop_engine(loop, fresh_b)
+    fresh = fresh_tp2(name)  # a fresh two-worker engine of checkpoint B: its answers (conftest.py)
+    b_state, want_b = load_state(fresh.b_dir), fresh.answers
     engine = start_engine(loop, a_dir, tensor_parallel_size=TP, update_memory=update_memory)
     sender = Sender(world_size=1 + TP)  # the learner's rank 0 and one rank per worker
     joined = loop.run_until_complete(sender.connect(engine))
