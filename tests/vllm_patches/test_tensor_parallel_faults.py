@@ -12,7 +12,6 @@ import os
 import pytest
 from support import Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
 from test_swap_exact import assert_same_outputs
-from test_tensor_parallel import one_core_per_worker  # noqa: F401  (a fixture)
 from transformers import AutoTokenizer
 
 from vllm_patches.update_enginecore import RANKS_SPLIT
