@@ -28,17 +28,30 @@ $(STAMP): pyproject.toml
 models: setup
 	$(PY) -m inflight.models prepare $(MODELS)
 
+# The numerically sensitive tests run twice on a CPU with AVX-512: once as the machine is, once limited to the kernels
+# a CPU without AMX or avx512_bf16 takes (oneDNN and MKL capped at AVX2, ATen's own kernels at AVX2), so an AMX machine
+# also proves that the tolerances (tests/tolerances.py, derived from the arithmetic) hold on the other kind. A CPU
+# without AVX-512 already takes exactly those kernels: there the whole suite's run is the AVX2 run, and a second pass
+# would only repeat it (minutes, a serve's engine start among them).
+AVX2_ONLY := ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
+NUMERIC_TESTS := tests/learner/test_step.py tests/learner/test_logprobs.py tests/learner/test_fused_loss.py \
+	tests/learner/test_model.py tests/learner/test_losses.py tests/inflight/test_advantages.py \
+	tests/inflight/test_logprob_parity.py
+
 # Two pytest-xdist workers, each given whole modules (a module's engine starts once): on 2 cores the suite's engine
-# starts and subprocess waits overlap. Modules are handed out in the order tests/conftest.py gives them, the engine
-# modules (the long ones) first: --no-loadscope-reorder, or xdist hands out the modules with the most tests first and
-# leaves the one-test modules of two or three minutes to the end. TEST_WORKERS=0: one process.
+# starts and subprocess waits overlap (tests/conftest.py orders the engine modules first). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: models
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mkdocs build --strict  # not --quiet: with it mkdocs 1.6 drops the warnings that --strict counts
+	@if grep -q avx512f /proc/cpuinfo; then \
+		echo "== numerically sensitive tests on AVX2 kernels only: $(AVX2_ONLY) =="; \
+		$(AVX2_ONLY) $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS); \
+	else echo "== no AVX-512 on this CPU: the whole suite below runs the numerically sensitive tests on AVX2 kernels =="; fi
+	@echo "== the whole suite =="
 	$(PY) -m pytest -q -p no:cacheprovider tests benchmarks/micro -m "not engine_bench" -n $(TEST_WORKERS) \
-		--dist loadfile --no-loadscope-reorder --durations=40
+		--dist loadfile --durations=40
 
 test-fast: setup
 	$(PY) -m pytest -q tests -m "not engine"

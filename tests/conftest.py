@@ -94,8 +94,7 @@ def loop():
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """Modules that start an engine first, the rest after: the run's order in one process (TEST_WORKERS=0), and the
-    order in which `make test`'s two xdist workers are handed modules (--no-loadscope-reorder), so that the last
-    modules to run are short ones and neither worker waits long on the other at the end."""
+    """Modules that start an engine first, the rest after. In one process (TEST_WORKERS=0) that is the run's order;
+    under `make test`'s two xdist workers, xdist hands out modules with the most tests first (its own reorder)."""
     engine_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("engine")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in engine_modules)  # stable: order within a module stays
