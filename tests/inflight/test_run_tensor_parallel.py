@@ -42,12 +42,14 @@ def test_a_two_rank_learner_trains_a_tp2_serve_whose_workers_each_stage_only_the
     assert all(s["tokens"] > 0 and s["grad_norm"] > 0 and not s["publish_failed"] for s in steps)
     updates = [e for e in read_jsonl(run_dir / "serve-metrics.jsonl") if e["event"] == "update" and e["ok"]]
     assert [u["version"] for u in updates] == list(range(1, STEPS + 1)), updates
-    for step, update in zip(steps, updates, strict=True):
-        assert 0 < update["bytes_kept"] < 0.6 * step["publish_bytes"] and not update.get("full_tensors")
+    # every update is the whole model's bytes; a step published before the serve joined its group sent 0 (the serve
+    # was streamed that version on joining: RankSender.catch_up), so the update's size is the largest publish
+    update_bytes = max(s["publish_bytes"] for s in steps)
+    assert all(0 < u["bytes_kept"] < 0.6 * update_bytes and not u.get("full_tensors") for u in updates), updates
     peaks = [s["publish_peak_bytes"] for s in steps]
     if None in peaks:
         pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
     # two 1-MiB buckets, a 1-MiB block, and 32 MiB for the allocator and gloo (seen: 9-13 MiB): less than the update
     # (49 MiB), while a bucket held the largest tensor whole (before tensors went in parts) the peaks were 64-77 MB
     bound = 2 * (1 << 20) + (1 << 20) + (32 << 20)
-    assert all(peak <= bound < steps[0]["publish_bytes"] for peak in peaks), (peaks, bound)
+    assert all(peak <= bound < update_bytes for peak in peaks), (peaks, bound)
