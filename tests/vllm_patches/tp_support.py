@@ -45,4 +45,7 @@ def ask_a_fresh_engine(loop, a_dir: Path, here: Path) -> None:
         stop_engine(loop, engine)
     said = {"answers": [{"token_ids": a.token_ids, "logprobs": a.logprobs} for a in answers],
             "placements": placements, "refused": refused}  # fmt: skip
-    (here / "said.json").write_bytes(msgspec.json.encode(said))  # floats round-trip exactly (shortest repr)
+    # whole or not at all (a worker killed mid-write must not leave half a record for the next to read); floats
+    # round-trip exactly (shortest repr)
+    (here / "said.json.part").write_bytes(msgspec.json.encode(said))
+    (here / "said.json.part").replace(here / "said.json")
