@@ -116,12 +116,18 @@ def _reason(code: int | None) -> str:
 
 
 def normal_priority() -> str | None:
-    """Back to nice 0 for this actor's process, and so for the side it starts (a child inherits it); None when done,
-    else why not and the fix. Why: Ray runs its workers at nice 15 (`RAY_worker_niceness`, so its own daemons come
-    first), and a serve at nice 15 yields its core to any nice-0 thread that wakes there (the driver, kernel threads)
-    at once, not for a fair share: measured on this 2-core machine, the commit stall 6.7 vs 3.6 ms locally and 13%
-    fewer tokens/s (benchmarks/launchers.py). Raising a priority needs CAP_SYS_NICE or RLIMIT_NICE (root in most
-    containers has it)."""
+    """Back to the normal scheduling class at nice 0 for this actor's thread, and so for the side it starts (a child
+    inherits both); None when done, else why not and the fix. Why: Ray runs its workers at nice 15
+    (`RAY_worker_niceness`, so its own daemons come first), and a serve at nice 15 yields its core to any nice-0 thread
+    that wakes there (the driver, kernel threads) at once, not for a fair share: measured on this 2-core machine, the
+    commit stall 6.7 vs 3.6 ms locally and 13% fewer tokens/s (benchmarks/launchers.py); a local Ray the run starts
+    runs its own processes in the idle class (inflight/run/ray_launcher.py:ray_system_cores), which a side must leave.
+    Raising a priority or leaving the idle class needs CAP_SYS_NICE or RLIMIT_NICE (root in most containers has it)."""
+    if os.sched_getscheduler(0) == os.SCHED_IDLE:
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except PermissionError:
+            return "runs in the idle scheduling class and may not leave it: start Ray's nodes in the normal class"
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     if nice <= 0:
         return None

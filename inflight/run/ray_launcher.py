@@ -27,6 +27,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -168,11 +169,14 @@ def connect(ray, cfg: RunConfig) -> str:
         return f"Ray: joined the cluster at {found}"
     cpus = max(os.cpu_count() or 1, int(demand(cfg, cfg.serves)["CPU"]))  # logical CPUs: placement, not pinning
     mine = sorted(os.sched_getaffinity(0))
-    system = ray_system_cores(mine, side_env(cfg, "serve")[1])
-    # The GCS, the raylet and every worker the raylet forks inherit the affinity of the process that starts them:
-    # started here off the serve's cores, Ray's own processes never preempt the engine thread between two decode
-    # steps (on 2 cores they tripled the commit stall). Each side's process then pins itself to its own cores.
+    idle = may_leave_idle_class()
+    system = ray_system_cores(mine, side_env(cfg, "serve")[1], idle)
+    # The GCS, the raylet and every worker the raylet forks inherit the affinity and the scheduling class of the thread
+    # that starts them (ray_system_cores says where and why). Each side's process then pins itself to its own cores,
+    # and each actor puts its side back in the normal class (inflight/run/ray_actor.py:normal_priority).
     os.sched_setaffinity(0, system)
+    if idle:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     # its workers, which host the sides, at normal priority (Ray's default is nice 15: inflight/run/ray_actor.py:
     # normal_priority says what that costs a serve)
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -180,14 +184,42 @@ def connect(ray, cfg: RunConfig) -> str:
         # "local": a new Ray, never a cluster that appeared since find_cluster looked (num_cpus would be refused)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **common)
     finally:
+        if idle:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         os.sched_setaffinity(0, mine)
     return f"Ray: started a local Ray for this run ({cpus} CPUs), stopped with it"
 
 
-def ray_system_cores(mine: list[int], serve_cores: list[int] | None) -> list[int]:
-    """The cores a local Ray's own processes run on: this process's cores less the serve's, where any remain."""
+def ray_system_cores(mine: list[int], serve_cores: list[int] | None, idle_class: bool) -> list[int]:
+    """The cores a local Ray's own processes run on. In the idle scheduling class (SCHED_IDLE: a thread that runs only
+    where nothing else wants the core and never preempts one that does): the serve's cores, where the engine leaves
+    time idle while it waits for the learner at its lag bound; beside the learner they preempted it ~440 times a
+    second against ~80 locally and slowed its training 6% per token (2 cores, BENCHMARKS.md). In the normal class
+    (the idle class is refused): this process's cores less the serve's, where any remain, since a normal-class daemon
+    woken between two decode steps delays the commit (on 2 cores it tripled the stall)."""
+    if idle_class:
+        return [core for core in mine if core in (serve_cores or [])] or mine
     rest = [core for core in mine if core not in (serve_cores or [])]
     return rest or mine
+
+
+def may_leave_idle_class() -> bool:
+    """Whether a thread of this process may return from the idle scheduling class to the normal one (root,
+    CAP_SYS_NICE, or RLIMIT_NICE 20: Linux's rule for leaving SCHED_IDLE); tried on a thread of its own."""
+    allowed: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            allowed.append(True)
+        except (PermissionError, AttributeError):  # AttributeError: not Linux
+            pass
+
+    thread = threading.Thread(target=probe, name="idle-class-probe")
+    thread.start()
+    thread.join()
+    return bool(allowed)
 
 
 def main(cfg: RunConfig, tables: dict[str, dict], run_dir: Path, interrupted: list[int]) -> int:

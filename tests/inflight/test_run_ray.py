@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -323,28 +324,32 @@ def test_a_learner_bound_to_every_interface_needs_a_secret():
 
 
 def _niced_then_normal(out) -> None:
-    """In a child: be a Ray worker at nice 15, then `normal_priority`; report both and the child's own nice."""
+    """In a child: be a Ray worker of a local Ray (nice 15, the idle scheduling class), then `normal_priority`; report
+    what it said, this process's nice and class, and those its own child inherits."""
     from inflight.run.ray_actor import normal_priority
 
     os.setpriority(os.PRIO_PROCESS, 0, 15)
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     refused = normal_priority()
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"],
-                           capture_output=True, text=True)  # fmt: skip
-    out.put((refused, os.getpriority(os.PRIO_PROCESS, 0), int(child.stdout)))
+    probe = "import os; print(os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))"
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    mine = (os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))
+    out.put((refused, mine, tuple(int(x) for x in child.stdout.split())))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="raising a process's priority needs root (CAP_SYS_NICE)")
-def test_an_actor_at_rays_worker_niceness_starts_its_side_at_normal_priority():
-    """Ray starts its workers at nice 15; a serve that inherits it yields its core to any nice-0 thread at once."""
+def test_an_actor_at_rays_worker_niceness_and_in_the_idle_class_starts_its_side_at_normal_priority():
+    """Ray starts its workers at nice 15, a local Ray the run starts in the idle class; a serve that inherits either
+    yields its core to any other thread at once."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_niced_then_normal, args=(out,))
     proc.start()
-    refused, nice, child = out.get(timeout=60)
+    refused, mine, child = out.get(timeout=60)
     proc.join(10)
-    assert (refused, nice, child) == (None, 0, 0)
+    assert (refused, mine, child) == (None, (0, os.SCHED_OTHER), (0, os.SCHED_OTHER))
 
 
 def test_an_actor_that_may_not_raise_its_priority_says_so_naming_the_ray_setting(monkeypatch):
@@ -359,13 +364,38 @@ def test_an_actor_that_may_not_raise_its_priority_says_so_naming_the_ray_setting
     assert "nice 15" in refused and "RAY_worker_niceness=0 ray start" in refused, refused
 
 
-def test_a_local_rays_own_processes_start_off_the_serves_cores_where_any_are_left():
+def test_a_local_rays_own_processes_run_idle_class_on_the_serves_cores_or_normal_class_off_them():
     from inflight.run.ray_launcher import ray_system_cores
 
-    assert ray_system_cores([0, 1], [0]) == [1]  # the demo's split: the serve on core 0, Ray beside the learner
-    assert ray_system_cores([0, 1, 2, 3], [0, 1]) == [2, 3]
-    assert ray_system_cores([0, 1], None) == [0, 1]  # a serve on GPUs is not pinned
-    assert ray_system_cores([0], [0]) == [0]  # one core: nowhere else to go
+    # the idle class: on the serve's cores, where the engine waits for the learner and is never preempted by them
+    assert ray_system_cores([0, 1], [0], idle_class=True) == [0]  # the demo's split: the serve on core 0
+    assert ray_system_cores([0, 1, 2, 3], [0, 1], idle_class=True) == [0, 1]
+    assert ray_system_cores([0, 1], None, idle_class=True) == [0, 1]  # a serve on GPUs is not pinned
+    # the normal class (the idle class refused): off the serve's cores, beside the learner
+    assert ray_system_cores([0, 1], [0], idle_class=False) == [1]
+    assert ray_system_cores([0, 1, 2, 3], [0, 1], idle_class=False) == [2, 3]
+    assert ray_system_cores([0, 1], None, idle_class=False) == [0, 1]
+    assert ray_system_cores([0], [0], idle_class=False) == [0]  # one core: nowhere else to go
+
+
+def test_the_idle_class_is_used_only_where_a_thread_may_leave_it_again(monkeypatch):
+    """Linux lets a thread leave SCHED_IDLE only with CAP_SYS_NICE or RLIMIT_NICE 20: without, a local Ray's daemons
+    stay in the normal class rather than leave the driver's thread, or a side, stuck in the idle one."""
+    from inflight.run import ray_launcher
+
+    assert ray_launcher.may_leave_idle_class() == (
+        os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+    )
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the probe ran on a thread of its own
+    real = os.sched_setscheduler
+
+    def no_leaving(pid, policy, param):
+        if policy != os.SCHED_IDLE:
+            raise PermissionError(1, "Operation not permitted")
+        real(pid, policy, param)
+
+    monkeypatch.setattr(ray_launcher.os, "sched_setscheduler", no_leaving)
+    assert ray_launcher.may_leave_idle_class() is False
 
 
 def test_stopping_a_side_waits_as_long_as_its_actor_may_take_to_stop_it():
