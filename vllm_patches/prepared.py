@@ -20,8 +20,12 @@ engine thread while generation waits. Here the same vLLM machinery runs on a *sh
    weights; the work is O(number of layers). A failure part-way puts back what it changed.
 
 The cost is one processed copy of the weights while an update is staged (the staged checkpoint-format tensors are
-released once it is built), and the previous processed set until the swap returns. Where a kernel holds a parameter's
-address (CUDA graphs), references cannot be swapped: such engines use `--update-memory low`, the in-place path.
+released once it is built), and the previous processed set until the swap returns.
+
+Where a kernel holds a parameter's address (CUDA graphs), references cannot be swapped: there the prepared layers are
+committed by copying (`PreparedWeights.kernel_weights`, vllm_patches/commit.py): vLLM's own kernel-format reload,
+`reload_weights(is_checkpoint_format=False)`, one `copy_` per parameter into the live storage, so the engine thread
+pays the copy and none of the loaders' Python, and every parameter keeps its address.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from vllm.model_executor.model_loader.reload import layerwise
 from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, restore_layer_on_meta, to_meta_tensor
 from vllm.model_executor.model_loader.reload.utils import get_layer_size
 
+from inflight.wire.weights import ManifestError
 from vllm_patches import faults
 from vllm_patches.cores import leave_the_engines_core
 
@@ -89,14 +94,67 @@ class PreparedWeights:
         swap itself), or put the old ones back."""
         undo, self.replaced = self.replaced, []
         if keep:
-            threading.Thread(target=_release, args=(undo,), name="inflight-release-old-weights", daemon=True).start()
+            _release_elsewhere(undo)
         else:
             _restore(undo)
+
+    def release(self) -> None:
+        """Drop the prepared layers once the copy commit has written them into the live storage (off this thread)."""
+        layers, self.layers = self.layers, []
+        _release_elsewhere(layers)
+
+    def kernel_weights(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The prepared layers as vLLM's kernel-format weights, for the copy commit: (the live parameter's name in
+        `model`, its new tensor), each live parameter once (a tied head is the embedding). Checked whole before anything
+        is written, because `copy_` broadcasts and casts in silence: every new tensor must have a live parameter of its
+        shape, dtype and device, and processing must have replaced no buffer (vLLM's kernel-format reload copies
+        parameters only). Raises ManifestError naming the first that does not fit."""
+        names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
+        weights, seen = [], set()
+        for live, new in self.layers:
+            prefix = names[live] + "." if names[live] else ""
+            for name, _ in _replaced(live._buffers, new.get("_buffers")):
+                raise ManifestError(
+                    f"{prefix}{name}: processing replaced this buffer, which the copy commit (vLLM's kernel-format "
+                    "reload) does not copy: serve with --update-memory low"
+                )
+            for name, tensor in _replaced(live._parameters, new.get("_parameters")):
+                old = live._parameters.get(name)
+                _check_fits(prefix + name, tensor, old)
+                if id(old) not in seen:
+                    seen.add(id(old))
+                    weights.append((prefix + name, tensor))
+        return weights
+
+
+def _replaced(live: dict, new: dict | object) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of `new` (a shadow's parameter or buffer dict, if processing replaced it) that are not `live`'s."""
+    if not isinstance(new, dict):
+        return []
+    return [(n, t) for n, t in new.items() if t is not None and t is not live.get(n)]
+
+
+def _check_fits(name: str, new: torch.Tensor, old: torch.Tensor | None) -> None:
+    if old is None:
+        raise ManifestError(
+            f"{name}: processing added this parameter, which the live model does not have, so the copy commit cannot "
+            "write it: serve with --update-memory low"
+        )
+    if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+        raise ManifestError(
+            f"{name}: the prepared tensor is {tuple(new.shape)} {new.dtype} on {new.device}, the live parameter "
+            f"{tuple(old.shape)} {old.dtype} on {old.device}: the copy commit writes into the live storage and needs "
+            "both alike; serve with --update-memory low"
+        )
 
 
 def _restore(undo: list[tuple[torch.nn.Module, dict[str, object]]]) -> None:
     for live, old in reversed(undo):
         _set_attributes(live, old)
+
+
+def _release_elsewhere(layers: list) -> None:
+    threading.Thread(target=_release, args=(layers,), name="inflight-release-old-weights", daemon=True).start()
 
 
 def _release(old: list) -> None:
@@ -201,12 +259,18 @@ def _forget(pairs: dict[torch.nn.Module, torch.nn.Module]) -> None:
 def _rebind_loaders(tensor: torch.Tensor, shadow: torch.nn.Module, live: torch.nn.Module) -> None:
     """`tensor`'s loaders unwrapped from vLLM's online wrappers (kept as `__wrapped__`) and bound to `live`, not
     `shadow`. (vLLM's parameter classes keep theirs in `_weight_loader`, plain tensors in `weight_loader`.)"""
+    for key, value in _unwrapped(tensor).__dict__.items():
+        if isinstance(value, MethodType) and value.__self__ is shadow:
+            tensor.__dict__[key] = value.__func__.__get__(live)
+
+
+def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with every loader of its own unwrapped from vLLM's online wrappers (kept as `__wrapped__`)."""
     for key, value in list(tensor.__dict__.items()):
         while getattr(value, "__name__", "") == "online_process_loader":
             value = value.__wrapped__
-        if isinstance(value, MethodType) and value.__self__ is shadow:
-            value = value.__func__.__get__(live)
         tensor.__dict__[key] = value
+    return tensor
 
 
 def _yielding(weights: Iterable[tuple[str, torch.Tensor]], pause_s: float = 0.002):
@@ -244,9 +308,12 @@ def _own_metadata(metadata):
     """Copies of the layer's recorded checkpoint-format meta tensors. vLLM registers these very objects as the layer's
     parameters on every reload and wraps their loaders in place, harmless when the layer is always the same one; with a
     new shadow per update, the second update's loads would go through the first shadow's wrappers — into the layer
-    that update made live. Each shadow therefore gets tensors of its own (same class and attributes)."""
+    that update made live. Each shadow therefore gets tensors of its own (same class and attributes), and loaders
+    without the wrappers an in-place reload of the live layer (the copy commit's rollback) left on the recorded
+    tensors: a wrapper closes over the live layer, and a shadow loading through it wrote into the live model."""
     params, buffers = metadata
-    return {n: to_meta_tensor(t) for n, t in params.items()}, {n: to_meta_tensor(t) for n, t in buffers.items()}
+    own = {n: _unwrapped(to_meta_tensor(t)) for n, t in params.items()}
+    return own, {n: _unwrapped(to_meta_tensor(t)) for n, t in buffers.items()}
 
 
 def _own_copies_of_the_rest(live: torch.nn.Module, shadow: torch.nn.Module) -> None:

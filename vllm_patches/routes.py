@@ -112,12 +112,18 @@ def route_capture(device: str, routing_replay: bool, enforce_eager: bool, enviro
     return RouteCapture("recorder", {"VLLM_USE_V2_MODEL_RUNNER": "0"})
 
 
-def check_eager_runner(model_runner: Any) -> None:
-    """Refuse to record on a runner that replays CUDA graphs: the capture would never run (`route_capture`)."""
+def replays_cuda_graphs(vllm_config: Any) -> bool:
+    """Whether the engine's runner captures and replays CUDA graphs (vLLM's resolved `cudagraph_mode`)."""
     from vllm.config import CUDAGraphMode
 
-    mode = model_runner.vllm_config.compilation_config.cudagraph_mode
-    if mode is not None and mode != CUDAGraphMode.NONE:
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return mode is not None and mode != CUDAGraphMode.NONE
+
+
+def check_eager_runner(model_runner: Any) -> None:
+    """Refuse to record on a runner that replays CUDA graphs: the capture would never run (`route_capture`)."""
+    if replays_cuda_graphs(model_runner.vllm_config):
+        mode = model_runner.vllm_config.compilation_config.cudagraph_mode
         raise ValueError(
             f"routing replay on an engine that replays CUDA graphs (cudagraph_mode {mode.name}) would record no "
             "route: serve with --enforce-eager true"

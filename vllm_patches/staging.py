@@ -107,6 +107,7 @@ class StagedUpdate:
         on_finished: Callable[[StageStatus], None] | None = None,
         layout: SliceLayout | None = None,
         arenas: StagingArenas | None = None,
+        keep_source: bool = False,
     ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`), then
@@ -114,11 +115,13 @@ class StagedUpdate:
         the whole tensors the receiver keeps of its live version, what a delta update is applied to (a delta on
         anything else fails the stage, naming both versions), moved into the host arena first. `on_finished`: handed
         the final status (staged or failed) once, by this thread (the worker's `StagedNotifier.announce`). `layout`:
-        keep only this rank's slices (vllm_patches/placement.py). `arenas`: stage within the worker's device arena."""
+        keep only this rank's slices (vllm_patches/placement.py). `arenas`: stage within the worker's device arena.
+        `keep_source`: keep the verified tensors once prepared too (the copy commit's rollback source)."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
         self.held, self.on_finished, self.layout, self.arenas = held, on_finished, layout, arenas
         self.base = held if manifest.is_delta else None
         self.prepare, self.prepared, self.prepare_s = prepare, None, 0.0
+        self.keep_source = keep_source
         self.state = StageState.RECEIVING
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
@@ -152,7 +155,7 @@ class StagedUpdate:
                 self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
                 if self.prepare is not None:
                     self.prepared = self.prepare(self.tensors)  # on the side stream too: its kernels queue there
-                    self.tensors = self.tensors if self.manifest.keep_base else {}
+                    self.tensors = self.tensors if self.manifest.keep_base or self.keep_source else {}
                     self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
                 if side is not None:
                     self._ready = torch.cuda.Event()
@@ -200,8 +203,9 @@ class StagedUpdate:
     @property
     def keeps_tensors(self) -> bool:
         """Whether the worker keeps this update's tensors (a rank's slices) once committed: always in place (the
-        rollback source), and when the sender may send a delta on it next (`keep_base`)."""
-        return self.prepare is None or self.manifest.keep_base
+        rollback source, also of a prepared update that is copied in: `keep_source`), and when the sender may send a
+        delta on it next (`keep_base`)."""
+        return self.prepare is None or self.manifest.keep_base or self.keep_source
 
     def kept(self) -> dict[str, torch.Tensor]:
         """The whole tensors (or slices) to keep after the commit: the verified tensors themselves, in the device

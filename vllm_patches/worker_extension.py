@@ -42,11 +42,11 @@ from vllm_patches import faults, placement
 from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
 from vllm_patches.arenas import StagingArenas
 from vllm_patches.checkpoint import ServedCheckpoint
-from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed
+from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed, prepared_commit
 from vllm_patches.joining import GroupJoin
 from vllm_patches.placement import Placement, SliceLayout
 from vllm_patches.prepared import ShadowPreparer
-from vllm_patches.routes import RoutedExperts, RouteRecorder
+from vllm_patches.routes import RoutedExperts, RouteRecorder, replays_cuda_graphs
 from vllm_patches.rpc import GroupJoined, HeldWeights, RankCommit, RankSettled, StageStatus
 from vllm_patches.staging import PrepareUpdate, StagedNotifier, StagedUpdate, StageState, check_committable
 
@@ -112,7 +112,10 @@ class WorkerUpdateState:
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
         held, arenas = self.live.held, self.arenas
-        stage = StagedUpdate(manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas)
+        keep = self.adapter is None and self.live.copies_prepared  # the copy commit's rollback source
+        stage = StagedUpdate(
+            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, keep_source=keep
+        )
         if self.adapter is not None and _split(vllm_config):  # vLLM's LoRA layers slice A/B at commit: named whole
             stage.whole = sorted(t.name for t in manifest.tensors)
         self.stage = stage.start()
@@ -206,8 +209,7 @@ class InflightWorkerExtension:
 
     def _inflight_state(self) -> WorkerUpdateState:
         if self._inflight is None:
-            served = str(self.model_config.dtype).removeprefix("torch.")
-            checkpoint = ServedCheckpoint(self.model_config.model, served)
+            checkpoint = ServedCheckpoint(self.model_config.model, str(self.model_config.dtype).removeprefix("torch."))
             self._inflight = WorkerUpdateState(checkpoint, LiveWeights(self, checkpoint))
         return self._inflight
 
@@ -242,10 +244,11 @@ class InflightWorkerExtension:
         state.notifier = StagedNotifier(address, self.rank)
         return True
 
-    def inflight_set_update_memory(self, mode: str) -> str:
-        """The commit path, "double" or "low", for the engine's life (vllm_patches/commit.py); fixed by an update."""
-        state = self._inflight_state()
-        return state.live.choose_memory(mode, updated=state.stage is not None)
+    def inflight_set_update_memory(self, mode: str, prepared: str = "auto") -> str:
+        """The commit path, "double" or "low", for the engine's life (vllm_patches/commit.py), and how `double` puts
+        its prepared layers in (`prepared`: auto, swap or copy, `commit.prepared_commit`); fixed by an update."""
+        state, commit = self._inflight_state(), prepared_commit(mode, prepared, replays_cuda_graphs(self.vllm_config))
+        return state.live.choose_memory(mode, updated=state.stage is not None, commit=commit)
 
     def inflight_set_staging(self, mode: str) -> str:
         """What a worker stages of a model update: "sliced" (its tensor-parallel slices), "full" (every

@@ -187,8 +187,9 @@ def engine_config(
     plan = None
     if is_cuda(device):
         tp = cfg.tensor_parallel_size
+        copies = mode.update_memory == "double" and not mode.enforce_eager  # graphs: prepared layers copied in
         staging = checkpoint_staging_plan(
-            model_path, cfg.dtype, tp, mode.update_memory, delta, WEIGHTS_MAX_CTAS, LEARNER_BUCKET_BYTES
+            model_path, cfg.dtype, tp, mode.update_memory, delta, WEIGHTS_MAX_CTAS, LEARNER_BUCKET_BYTES, copies
         )
         plan = plan_gpu_memory(staging, device_bytes, cfg.gpu_memory_utilization)
     return EngineConfig(

@@ -163,9 +163,9 @@ class EngineKnobs(EngineSizing):
 
     enforce_eager: str = knob(
         "auto",
-        "auto = CUDA graphs on a GPU with --update-memory low (vLLM's own default: compiled forward passes), "
-        "eager on CPU; true = eager forward passes; false = compile and capture CUDA graphs, which hold parameter "
-        "addresses, so it needs --update-memory low",
+        "auto = CUDA graphs on a GPU (vLLM's own default: compiled forward passes), eager on CPU; true = eager "
+        "forward passes; false = compile and capture CUDA graphs, which hold parameter addresses, so every commit "
+        "writes into the existing storage (double copies its prepared layers in instead of swapping them)",
         choices=("auto", "true", "false"),
     )
     dtype: str = knob(
@@ -186,9 +186,10 @@ class EngineKnobs(EngineSizing):
         "auto",
         "double = each update is loaded and processed into a second copy of the "
         "weights off the engine thread and swapped in by reference (the commit stalls "
-        "generation O(layers), not O(bytes); one extra copy of the weights while staged); low "
-        "= copied into the live weights on the engine thread (no copy; keeps storage "
-        "addresses, as CUDA graphs need); auto = low on a GPU (or with --enforce-eager false), double on CPU",
+        "generation O(layers), not O(bytes); one extra copy of the weights while staged), or under CUDA graphs "
+        "copied into the live storage (a device copy, none of the loaders' Python); low "
+        "= loaded into the live weights on the engine thread (no extra copy; keeps storage "
+        "addresses); auto = low on a GPU (or with --enforce-eager false), double on CPU",
         choices=("auto", *UPDATE_MEMORY),
     )
     lora_init: str = knob(
@@ -207,17 +208,13 @@ class EngineKnobs(EngineSizing):
             self.gpu_memory_utilization,
             "in (0, 1]: the fraction of the GPU's memory vLLM may take, e.g. 0.9",
         )
-        # Imported here: inflight.run (on a learner node, without vllm_patches) imports this module for the knobs it
-        # forwards to the serve, and only a serve validates its engine.
-        from vllm_patches.engine import check_graph_safe_updates
-
-        mode = self.engine_mode("cuda")  # the rule that depends on no device: graphs need the in-place path
-        check_graph_safe_updates(mode.enforce_eager, mode.update_memory)
         trim_every_s()  # INFLIGHT_TRIM_EVERY_S: a bad value is refused here, not after the first update
 
     def engine_mode(self, device: str) -> EngineMode:
         """--enforce-eager and --update-memory resolved for `device` (vllm_patches/device_plan.py)."""
-        from vllm_patches.device_plan import resolve_engine_mode  # lazy: see validate_engine
+        # Imported here: inflight.run (on a learner node, without vllm_patches) imports this module for the knobs it
+        # forwards to the serve, and only a serve resolves its engine.
+        from vllm_patches.device_plan import resolve_engine_mode
 
         return resolve_engine_mode(device, self.enforce_eager, self.update_memory)
 

