@@ -26,12 +26,12 @@ import asyncio
 import cProfile
 import json
 import os
-import platform
 import pstats
 import statistics
 import time
 from pathlib import Path
 
+from inflight.machine import cpu_label
 from vllm_patches.worker_extension import InflightWorkerExtension
 
 GB = 1e9
@@ -129,21 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     raw = asyncio.run(measure(args.model, args.dtype, args.repeats))
-    result = {"model": args.model, "dtype": args.dtype, "cpu": _cpu(), "raw": raw, **summary(raw)}
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    result = {"model": args.model, "dtype": args.dtype, "cpu": cpu_label(), "date": when, "raw": raw, **summary(raw)}
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":
