@@ -125,6 +125,25 @@ def test_a_cuda_serve_plans_its_updates_memory_from_the_checkpoint_and_hands_vll
     assert deltas.arena_bytes - plan.staging.arena_bytes == plan.staging.weight_bytes  # the arena holds them too
 
 
+def test_a_cuda_serve_with_double_under_graphs_plans_the_kept_version_it_rolls_back_to() -> None:
+    """Its prepared layers are copied into the live storage, so it keeps the staged version as `low` does; eager,
+    it swaps them in and keeps nothing."""
+    from inflight.models import model_dir
+    from inflight.serve.app import engine_config
+
+    def staging(*flags: str):
+        return engine_config(
+            parse("--dtype", "bfloat16", *flags), model_dir("smollm2"), "cuda", 8 << 30
+        ).gpu_plan.staging
+
+    graphs, eager = (
+        staging("--update-memory", "double"),
+        staging("--update-memory", "double", "--enforce-eager", "true"),
+    )
+    assert graphs.copy_commit and graphs.host_bytes == graphs.weight_bytes
+    assert not eager.copy_commit and eager.host_bytes == 0
+
+
 def test_a_gpu_too_small_for_an_update_beside_the_engine_is_refused_before_vllm_starts() -> None:
     from inflight.models import model_dir
     from inflight.serve.app import engine_config

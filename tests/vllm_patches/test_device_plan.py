@@ -138,6 +138,27 @@ def test_the_staging_plan_counts_checksum_padding_the_reloaded_layer_and_the_wei
     assert sum31_pad_bytes(1 << 17) == 0 and sum31_pad_bytes(1) == 1 << 17
 
 
+def test_pinned_host_memory_is_planned_for_every_commit_that_writes_into_the_live_storage():
+    """`low` and `double` under CUDA graphs (its prepared layers copied in) keep the staged version to roll back to;
+    `double` swapping its layers in keeps nothing unless deltas need a base. The device peak is the path's own."""
+    from vllm_patches.device_plan import WeightSizes, staging_plan
+
+    sizes = WeightSizes(total=TWO_B_BF16, largest_tensor=1 << 20, largest_layer=300 << 20)
+    kept = {
+        (memory, copy, delta): staging_plan(sizes, memory, delta, 0, copy_commit=copy).host_bytes
+        for memory, copy, delta in [("low", False, False), ("double", True, False), ("double", False, False),
+                                    ("double", False, True)]
+    }  # fmt: skip
+    assert kept == {
+        ("low", False, False): TWO_B_BF16,
+        ("double", True, False): TWO_B_BF16,
+        ("double", False, False): 0,
+        ("double", False, True): TWO_B_BF16,
+    }
+    swap, copy = (staging_plan(sizes, "double", False, 0, copy_commit=c).peak_bytes for c in (False, True))
+    assert swap == copy
+
+
 def test_a_host_arena_holds_one_version_in_exactly_its_planned_bytes_and_refuses_more():
     """Issue 40, point 5: one buffer reused by every update, never a second copy; the old per-update pinned copies
     cost 2x rounded up to powers of two."""
