@@ -5,7 +5,8 @@
 # refuse. tests/wire/test_cuda_serve_checks.py is the torch-only proof of the serve's GPU path (no vLLM needed):
 # a forked child initialises CUDA after the front end's device checks (1), staging that overflows its arena is refused
 # while the engine stream's cached blocks survive (4), pinned host bytes stay at the arena's figure over ten updates
-# (5), a broadcast stalled by a sleeping peer leaves another stream's kernels alone (6, two GPUs);
+# (5), a broadcast stalled by a sleeping peer leaves another stream's kernels alone (6, two GPUs), a captured graph
+# computes with prepared weights copied in the copy commit's way and not with ones swapped in by reference (7);
 # tests/wire/test_cuda_staging.py runs the real staging thread in a worker's arenas (4, 5).
 #
 # The learner on CUDA (benchmarks/gpu_learner.py) trains from a recorded journal: INFLIGHT_GPU_JOURNAL names the run

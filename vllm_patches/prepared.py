@@ -46,9 +46,9 @@ from vllm.model_executor.model_loader.reload import layerwise
 from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, restore_layer_on_meta, to_meta_tensor
 from vllm.model_executor.model_loader.reload.utils import get_layer_size
 
-from inflight.wire.weights import ManifestError
 from vllm_patches import faults
 from vllm_patches.cores import leave_the_engines_core
+from vllm_patches.kernel_copy import kernel_weights
 
 _MISSING = object()  # an attribute the live module did not have before a swap
 _OWN_STATE = ("_parameters", "_buffers", "_non_persistent_buffers_set")
@@ -104,48 +104,9 @@ class PreparedWeights:
         _release_elsewhere(layers)
 
     def kernel_weights(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """The prepared layers as vLLM's kernel-format weights, for the copy commit: (the live parameter's name in
-        `model`, its new tensor), each live parameter once (a tied head is the embedding). Checked whole before anything
-        is written, because `copy_` broadcasts and casts in silence: every new tensor must have a live parameter of its
-        shape, dtype and device, and processing must have replaced no buffer (vLLM's kernel-format reload copies
-        parameters only). Raises ManifestError naming the first that does not fit."""
-        names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
-        weights, seen = [], set()
-        for live, new in self.layers:
-            prefix = names[live] + "." if names[live] else ""
-            for name, _ in _replaced(live._buffers, new.get("_buffers")):
-                raise ManifestError(
-                    f"{prefix}{name}: processing replaced this buffer, which the copy commit (vLLM's kernel-format "
-                    "reload) does not copy: serve with --update-memory low"
-                )
-            for name, tensor in _replaced(live._parameters, new.get("_parameters")):
-                old = live._parameters.get(name)
-                _check_fits(prefix + name, tensor, old)
-                if id(old) not in seen:
-                    seen.add(id(old))
-                    weights.append((prefix + name, tensor))
-        return weights
-
-
-def _replaced(live: dict, new: dict | object) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of `new` (a shadow's parameter or buffer dict, if processing replaced it) that are not `live`'s."""
-    if not isinstance(new, dict):
-        return []
-    return [(n, t) for n, t in new.items() if t is not None and t is not live.get(n)]
-
-
-def _check_fits(name: str, new: torch.Tensor, old: torch.Tensor | None) -> None:
-    if old is None:
-        raise ManifestError(
-            f"{name}: processing added this parameter, which the live model does not have, so the copy commit cannot "
-            "write it: serve with --update-memory low"
-        )
-    if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
-        raise ManifestError(
-            f"{name}: the prepared tensor is {tuple(new.shape)} {new.dtype} on {new.device}, the live parameter "
-            f"{tuple(old.shape)} {old.dtype} on {old.device}: the copy commit writes into the live storage and needs "
-            "both alike; serve with --update-memory low"
-        )
+        """The prepared layers named as vLLM's kernel-format weights, checked for the copy commit
+        (vllm_patches/kernel_copy.py)."""
+        return kernel_weights(self.layers, model)
 
 
 def _restore(undo: list[tuple[torch.nn.Module, dict[str, object]]]) -> None:

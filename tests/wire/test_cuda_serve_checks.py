@@ -7,7 +7,11 @@ tests/vllm_patches/test_device_plan.py (points 4 and 5) and tests/wire/test_grou
 4. staging that overflows its device arena is refused while a concurrent "engine" stream keeps its cached blocks
    (a plain allocation that overflows makes the caching allocator free them: `num_alloc_retries`);
 5. pinned host memory after ten updates stays at the arena's planned bytes;
-6. a weights-group broadcast stalled by a sleeping peer does not delay kernels on another stream (two GPUs).
+6. a weights-group broadcast stalled by a sleeping peer does not delay kernels on another stream (two GPUs);
+7. a captured CUDA graph computes with prepared weights copied into its parameters' storage the way the copy commit
+   writes them (vllm_patches/kernel_copy.py's names and checks, then one `copy_` per parameter as vLLM's kernel-format
+   reload does), and with the old ones when new tensors are swapped in by reference (why `double` copies under
+   graphs).
 
 Whether CUDA is there is asked without initialising it here (inflight/machine.py:cuda_device_count): check 1 needs a
 parent that never ran cuInit."""
@@ -224,3 +228,45 @@ def test_6_a_group_formed_on_a_joining_thread_broadcasts_from_another_thread():
     torch.cuda.synchronize()
     assert int(bucket[-1]) == (1 << 20) - 1
     formed[0].close()
+
+
+def captured_linear() -> tuple[torch.nn.Module, torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor]:
+    """A model of one linear layer, its input, and a CUDA graph captured on it with its output buffer."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(64, 64, bias=False, device="cuda").requires_grad_(False)
+    x = torch.randn(8, 64, device="cuda")
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        model.proj(x)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model.proj(x)
+    return model, x, graph, out
+
+
+def test_7_a_cuda_graph_replays_on_prepared_weights_copied_into_its_parameters_storage():
+    from vllm_patches.kernel_copy import kernel_weights
+
+    model, x, graph, out = captured_linear()
+    new = torch.randn(64, 64, device="cuda")
+    weights = kernel_weights([(model.proj, {"_parameters": {"weight": new}})], model)
+    assert [name for name, _ in weights] == ["proj.weight"]
+    with torch.no_grad():
+        for name, tensor in weights:  # vLLM's kernel-format reload: one copy_ per named parameter
+            model.get_parameter(name).copy_(tensor)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x @ new.t())
+
+
+def test_7_the_hazard_a_graph_keeps_computing_with_the_old_weights_when_new_ones_are_swapped_in_by_reference():
+    model, x, graph, out = captured_linear()
+    old = model.proj.weight.detach().clone()
+    model.proj.__dict__["_parameters"] = {"weight": torch.nn.Parameter(torch.randn_like(old), requires_grad=False)}
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x @ old.t())
+    assert not torch.allclose(out, x @ model.proj.weight.t())
