@@ -11,6 +11,7 @@ import os
 
 import pytest
 from support import Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
+from test_copy_commit import as_float32
 from test_swap_exact import assert_same_outputs
 from transformers import AutoTokenizer
 
@@ -31,8 +32,12 @@ def live_versions(loop, engine) -> list[int]:
 
 @pytest.mark.parametrize(
     ("name", "update_memory", "planned"),
-    [("tiny-llama", "double", "swap@1:1,slice@2:1"), ("tiny-qwen2", "low", "apply@1:1,slice@2:1")],
-    ids=["double-swap", "low-apply"],
+    [
+        ("tiny-llama", "double", "swap@1:1,slice@2:1"),
+        ("tiny-qwen2", "low", "apply@1:1,slice@2:1"),
+        ("tiny-llama", "copy", "apply@1:1,slice@2:1"),  # double's prepared layers copied in (as under CUDA graphs)
+    ],
+    ids=["double-swap", "low-apply", "double-copy"],
 )
 def test_a_commit_that_fails_on_one_rank_leaves_both_ranks_on_the_previous_weights(
     loop,
@@ -47,8 +52,15 @@ def test_a_commit_that_fails_on_one_rank_leaves_both_ranks_on_the_previous_weigh
     a_dir = model_dirs[name]
     tok = AutoTokenizer.from_pretrained(a_dir)
     b = perturbed_checkpoint(a_dir, tmp_path / "B", seed=7)
-    engine = start_engine(loop, a_dir, tensor_parallel_size=TP, update_memory=update_memory)
+    copies = update_memory == "copy"
+    if copies:  # linear layers that compute from their parameters, float32 (tests/vllm_patches/test_copy_commit.py)
+        monkeypatch.setenv("INFLIGHT_CPU_LINEAR", "torch")
+        b, update_memory = as_float32(b), "double"
+    dtype = "float32" if copies else "bfloat16"
+    engine = start_engine(loop, a_dir, tensor_parallel_size=TP, update_memory=update_memory, dtype=dtype)
     try:
+        if copies:
+            loop.run_until_complete(engine.llm.collective_rpc("inflight_set_update_memory", args=("double", "copy")))
         sender = Sender(world_size=1 + TP)
         loop.run_until_complete(sender.connect(engine))
         before = loop.run_until_complete(greedy(engine, tok, tag="a"))
