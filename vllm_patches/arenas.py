@@ -7,6 +7,8 @@ Runs in the serve's worker process (vllm_patches/staging.py). Two kinds:
   engine's next prefill then goes to cudaMalloc and may run out; an arena overflow is refused before any allocation.
 - `HostArena`: the one page-locked host buffer a GPU worker keeps its live version's whole tensors in (the `low`
   path's rollback source, a delta's base).
+- `ArenaTail`: the rest of the device arena, past an update's pieces, where the copy commit's preparation
+  materialises its layers (dropped at the commit, so the next update may lay itself out over them).
 
 Why not `torch.empty(..., pin_memory=True)` per update for the host copy: torch's CachingHostAllocator rounds every
 block up to a power of two and never gives a block back to the system, and the copy of update v+1 is made while v's
@@ -27,6 +29,7 @@ device arena (vllm_patches/staging.py). On CPU both arenas are plain host memory
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 ALIGN = 64  # bytes: every tensor starts on a cache line, and any dtype's alignment holds
 
@@ -74,6 +77,11 @@ class Arena:
             for (name, t), offset, size in zip(tensors.items(), offsets, sizes, strict=True)
         }
 
+    def end(self, views: dict[str, torch.Tensor]) -> int:
+        """The byte offset just past the last of `views` (tensors of this arena), 0 for none."""
+        start = self.buffer.data_ptr()
+        return max((v.data_ptr() - start + v.numel() * v.element_size() for v in views.values()), default=0)
+
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lies in this arena's buffer."""
         start = self.buffer.data_ptr()
@@ -91,6 +99,43 @@ class Arena:
         if self.pinned:
             torch.cuda.current_stream().synchronize()
         return views
+
+
+class ArenaTail(TorchFunctionMode):
+    """While active on a thread, every `torch.empty_strided` for the arena's device is served from `arena` past byte
+    `start`, laid end to end and aligned, ArenaFull beyond its end: the layers the copy commit's preparation
+    materialises (vLLM's `materialize_meta_tensor` makes each with one such call), so they can hold no more than the
+    plan set aside. Only for tensors dropped at the commit: the next update lays itself out over them."""
+
+    def __init__(self, arena: Arena, start: int):
+        super().__init__()
+        self.arena, self.used = arena, -(-start // ALIGN) * ALIGN
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty_strided and self._same_device(kwargs.get("device")):
+            return self.take(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _same_device(self, device) -> bool:
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        return device.type == self.arena.buffer.device.type
+
+    def take(self, size, stride, *, dtype=None, **_) -> torch.Tensor:
+        """A tensor of `size` and `stride` in the arena (uninitialised, as `empty_strided`'s)."""
+        dtype = dtype or torch.get_default_dtype()
+        extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
+        nbytes = extent * dtype.itemsize
+        if self.used + nbytes > self.arena.nbytes:
+            raise ArenaFull(
+                f"the update's prepared layers need more than the {self.arena.nbytes - self.used} bytes of "
+                f"{self.arena.kind} left after its buckets (a tensor of {nbytes} bytes did not fit): refused, the "
+                "engine serves on. The plan sets 1x the weights aside for them; a backend that pads its layers needs "
+                "more: serve with --update-memory low"
+            )
+        flat = self.arena.buffer[self.used : self.used + nbytes].view(dtype)
+        self.used = -(-(self.used + nbytes) // ALIGN) * ALIGN
+        return flat.as_strided(tuple(size), tuple(stride))
 
 
 class DeviceArena(Arena):

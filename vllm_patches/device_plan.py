@@ -96,11 +96,13 @@ class StagingPlan:
     def arena_bytes(self) -> int:
         """The worker's device arena (vllm_patches/arenas.py), the bound an update is staged within: whole staging,
         every bucket and the trailer (1x the weights) and, with deltas, the decoded tensors (another 1x at most);
-        sliced staging, the receive buffer and the rank's kept slices."""
+        sliced staging, the receive buffer and the rank's kept slices; with the copy commit, its prepared layers
+        beside them (another 1x: `ArenaTail`)."""
         slack = self.tensors * ARENA_BYTES_PER_TENSOR + ALIGN
+        prepared = self.weight_bytes + slack if self.copy_commit else 0
         if self.bucket_bytes:
-            return self.bucket_bytes + self.weight_bytes + slack
-        return self.weight_bytes * (2 if self.delta else 1) + slack
+            return self.bucket_bytes + self.weight_bytes + slack + prepared
+        return self.weight_bytes * (2 if self.delta else 1) + slack + prepared
 
     @property
     def host_arena_bytes(self) -> int:

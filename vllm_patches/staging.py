@@ -49,7 +49,7 @@ import zmq
 from inflight.wire.group import WeightsGroup
 from inflight.wire.transfer import drain_update, receive_kept, receive_update, update_buffers
 from inflight.wire.weights import DTYPES, ManifestError, UpdateManifest, unpack_buckets
-from vllm_patches.arenas import ArenaFull, DeviceArena, StagingArenas
+from vllm_patches.arenas import ArenaFull, ArenaTail, DeviceArena, StagingArenas
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.rpc import StagedSignal, StageStatus
 
@@ -107,7 +107,7 @@ class StagedUpdate:
         on_finished: Callable[[StageStatus], None] | None = None,
         layout: SliceLayout | None = None,
         arenas: StagingArenas | None = None,
-        keep_source: bool = False,
+        copy_commit: bool = False,
     ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`), then
@@ -116,12 +116,11 @@ class StagedUpdate:
         anything else fails the stage, naming both versions), moved into the host arena first. `on_finished`: handed
         the final status (staged or failed) once, by this thread (the worker's `StagedNotifier.announce`). `layout`:
         keep only this rank's slices (vllm_patches/placement.py). `arenas`: stage within the worker's device arena.
-        `keep_source`: keep the verified tensors once prepared too (the copy commit's rollback source)."""
+        `copy_commit`: the prepared layers are to be copied in (commit.py): prepare them in the arena, keep the rest."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
         self.held, self.on_finished, self.layout, self.arenas = held, on_finished, layout, arenas
         self.base = held if manifest.is_delta else None
-        self.prepare, self.prepared, self.prepare_s = prepare, None, 0.0
-        self.keep_source = keep_source
+        self.prepare, self.prepared, self.prepare_s, self.copy_commit = prepare, None, 0.0, copy_commit
         self.state = StageState.RECEIVING
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
@@ -151,11 +150,13 @@ class StagedUpdate:
             side = staging_stream(str(self.device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 into = None if self.arenas is None else stage_in_arenas(self, side)
+                laid_out = 0 if into is None else self.arenas.staging.end(into)
                 self._receive_and_verify(side, into)
                 self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
                 if self.prepare is not None:
-                    self.prepared = self.prepare(self.tensors)  # on the side stream too: its kernels queue there
-                    self.tensors = self.tensors if self.manifest.keep_base or self.keep_source else {}
+                    with preparing_in_arena(self, laid_out):  # on the side stream too: its kernels queue there
+                        self.prepared = self.prepare(self.tensors)
+                    self.tensors = self.tensors if self.manifest.keep_base or self.copy_commit else {}
                     self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
                 if side is not None:
                     self._ready = torch.cuda.Event()
@@ -203,9 +204,9 @@ class StagedUpdate:
     @property
     def keeps_tensors(self) -> bool:
         """Whether the worker keeps this update's tensors (a rank's slices) once committed: always in place (the
-        rollback source, also of a prepared update that is copied in: `keep_source`), and when the sender may send a
+        rollback source, also of a prepared update that is copied in: `copy_commit`), and when the sender may send a
         delta on it next (`keep_base`)."""
-        return self.prepare is None or self.manifest.keep_base or self.keep_source
+        return self.prepare is None or self.manifest.keep_base or self.copy_commit
 
     def kept(self) -> dict[str, torch.Tensor]:
         """The whole tensors (or slices) to keep after the commit: the verified tensors themselves, in the device
@@ -261,6 +262,15 @@ def stage_status(stage: StagedUpdate) -> StageStatus:
         started_at=stage.started_at,
         staged_at=stage.staged_at,
     )
+
+
+def preparing_in_arena(stage: StagedUpdate, laid_out: int) -> contextlib.AbstractContextManager:
+    """The copy commit's layers are materialised in the device arena past the update's `laid_out` bytes
+    (`ArenaTail`): they are dropped at the commit, and the verified tensors are kept as its rollback source. A swap's
+    prepared layers go live: allocated as usual."""
+    if stage.copy_commit and stage.arenas is not None:
+        return ArenaTail(stage.arenas.staging, laid_out)
+    return contextlib.nullcontext()
 
 
 def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> dict[str, torch.Tensor]:

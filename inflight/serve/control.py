@@ -90,6 +90,7 @@ class ControlClient:
         self.rejected = 0
         self._update_task: asyncio.Task | None = None
         self._pending: UpdateWeights | None = None  # arrived while an update was running; starts when that one ends
+        self._joining: asyncio.Task | None = None  # the last JoinGroup's join, which an update waits for
         self.on_update = None  # called with each UpdateDone (progress metrics)
 
     async def send(self, message) -> None:
@@ -151,7 +152,7 @@ class ControlClient:
                     resent,
                 )
         elif isinstance(message, JoinGroup):
-            asyncio.create_task(self._join(message))
+            self._joining = asyncio.create_task(self._join(message))
         elif isinstance(message, UpdateWeights):
             self.driver.set_consumed(message.groups_consumed)
             if self._update_task is not None and not self._update_task.done():
@@ -188,6 +189,10 @@ class ControlClient:
         await self.send(reply)
 
     async def _update(self, m: UpdateWeights) -> None:
+        if self._joining is not None:
+            # The learner sends an update once its side of the group formed, which can be before every worker's
+            # joining thread has taken the group (a loaded machine: "no usable weights group", and the update lost).
+            await asyncio.shield(self._joining)  # _join never raises: a failed join fails the update below
         if self.cfg.mode == "blocking":
             await self.driver.wait_idle()
         try:

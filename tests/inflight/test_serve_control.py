@@ -1,4 +1,5 @@
-"""The serve's control client queues an update that arrives while another is applied (inflight/serve/control.py).
+"""The serve's control client queues an update that arrives while another is applied, and one that arrives while its
+workers are still joining the weights group (inflight/serve/control.py).
 
 A narrow unit test: a real ROUTER socket plays the learner and a stand-in engine takes 0.3 s per update, so the order
 of the replies is the client's alone. The real path (a cut link, a re-formed group, the rejoined serve's next update)
@@ -13,14 +14,28 @@ import types
 import zmq
 
 from inflight.serve.control import ControlClient
-from inflight.wire.control import Hello, UpdateDone, UpdateWeights, decode_control, encode_control
+from inflight.wire.control import (
+    Hello,
+    Joined,
+    JoinGroup,
+    UpdateDone,
+    UpdateWeights,
+    decode_control,
+    encode_control,
+)
 
 
 class SlowEngine:
-    def __init__(self) -> None:
-        self.version, self.applied = 0, []
+    def __init__(self, join_s: float = 0.0) -> None:
+        self.version, self.applied, self.join_s, self.events = 0, [], join_s, []
+
+    async def join_weights_group(self, *args, **kw):
+        self.events.append("join begins")
+        await asyncio.sleep(self.join_s)  # every worker's joining thread takes the group
+        self.events.append("joined")
 
     async def update(self, manifest: bytes, mode: str, kv: str):
+        self.events.append("update begins")
         await asyncio.sleep(0.3)
         self.applied.append(manifest)
         self.version += 1
@@ -74,3 +89,39 @@ def test_an_update_that_arrives_during_another_starts_when_it_ends_and_a_newer_o
     assert not superseded.ok and "superseded" in superseded.error
     assert first.ok and first.version == 1 and last.ok and last.version == 2
     assert engine.applied == [b"v1", b"v3"]
+
+
+def test_an_update_that_arrives_while_the_workers_still_join_the_group_waits_for_the_join():
+    """The learner sends an update once its own side of the group formed; a worker's joining thread may not have
+    taken the group yet (a loaded machine), and an update begun then failed with "no usable weights group"."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    engine = SlowEngine(join_s=0.5)
+    replies: list = []
+
+    async def main() -> None:
+        client = ControlClient(f"tcp://127.0.0.1:{port}", fake_driver(engine), tensors=[])
+        task = asyncio.create_task(client.serve())
+        loop = asyncio.get_running_loop()
+
+        def recv():
+            assert router.poll(10_000), "nothing from the client within 10 s"
+            return router.recv_multipart()
+
+        try:
+            identity, _ = await loop.run_in_executor(None, recv)  # Hello
+            router.send_multipart([identity, encode_control(JoinGroup(group_name="g"))])
+            router.send_multipart([identity, encode_control(UpdateWeights(manifest=b"v1"))])
+            while len(replies) < 2:
+                _, data = await loop.run_in_executor(None, recv)
+                replies.append(decode_control(data, to="learner"))
+        finally:
+            task.cancel()
+            client.close()
+
+    asyncio.run(main())
+    router.close()
+    assert engine.events == ["join begins", "joined", "update begins"]
+    joined, done = replies
+    assert isinstance(joined, Joined) and joined.ok and isinstance(done, UpdateDone) and done.ok and done.version == 1
