@@ -179,8 +179,8 @@ class AdapterPreparer:
     slot: AdapterSlot
     version: int
 
-    def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedAdapter:
-        return PreparedAdapter(self.version, self.slot.build(tensors))
+    def __call__(self, tensors: dict[str, torch.Tensor], tail: object = None) -> PreparedAdapter:
+        return PreparedAdapter(self.version, self.slot.build(tensors))  # a few MB: no arena tail (`tail` is None)
 
 
 class AdapterSlot:

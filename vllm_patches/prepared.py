@@ -35,6 +35,7 @@ import gc
 import threading
 import time
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -149,13 +150,13 @@ class ShadowPreparer:
     vllm_config: Any = None  # vLLM's VllmConfig; None outside a worker (a narrow test)
     layout: Any = None  # vllm_patches/placement.py:SliceLayout when `tensors` are this rank's slices
 
-    def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedWeights:
+    def __call__(self, tensors: dict[str, torch.Tensor], tail: AbstractContextManager | None = None) -> PreparedWeights:
+        """`tail`: where the layers are materialised (the copy commit's arenas.py:ArenaTail), else as usual."""
         weights = faults.half_way(list(tensors.items()), "prepare", self.ordinal)
         if self.layout is not None:
             weights = self.layout.carriers(weights)
-        if self.vllm_config is None:
-            return prepare(self.model, weights, self.version)
-        with set_current_vllm_config(self.vllm_config):
+        config = set_current_vllm_config(self.vllm_config) if self.vllm_config is not None else nullcontext()
+        with config, tail or nullcontext():
             return prepare(self.model, weights, self.version)
 
 

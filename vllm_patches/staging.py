@@ -81,7 +81,7 @@ class PrepareUpdate(Protocol):
     """Builds the processed weights of one update from its verified tensors (vllm_patches/prepared.py:ShadowPreparer),
     on the staging thread, without touching the live model."""
 
-    def __call__(self, tensors: dict[str, torch.Tensor]) -> PreparedWeights: ...
+    def __call__(self, tensors: dict[str, torch.Tensor], tail: ArenaTail | None = None) -> PreparedWeights: ...
 
 
 @functools.cache
@@ -149,13 +149,11 @@ class StagedUpdate:
         try:
             side = staging_stream(str(self.device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                into = None if self.arenas is None else stage_in_arenas(self, side)
-                laid_out = 0 if into is None else self.arenas.staging.end(into)
+                into, laid_out = stage_in_arenas(self, side) if self.arenas is not None else (None, 0)
                 self._receive_and_verify(side, into)
                 self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
-                if self.prepare is not None:
-                    with preparing_in_arena(self, laid_out):  # on the side stream too: its kernels queue there
-                        self.prepared = self.prepare(self.tensors)
+                if self.prepare is not None:  # on the side stream too: its kernels queue there
+                    self.prepared = self.prepare(self.tensors, arena_tail(self, laid_out))
                     self.tensors = self.tensors if self.manifest.keep_base or self.copy_commit else {}
                     self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
                 if side is not None:
@@ -264,23 +262,23 @@ def stage_status(stage: StagedUpdate) -> StageStatus:
     )
 
 
-def preparing_in_arena(stage: StagedUpdate, laid_out: int) -> contextlib.AbstractContextManager:
-    """The copy commit's layers are materialised in the device arena past the update's `laid_out` bytes
-    (`ArenaTail`): they are dropped at the commit, and the verified tensors are kept as its rollback source. A swap's
-    prepared layers go live: allocated as usual."""
-    if stage.copy_commit and stage.arenas is not None:
-        return ArenaTail(stage.arenas.staging, laid_out)
-    return contextlib.nullcontext()
+def arena_tail(stage: StagedUpdate, laid_out: int) -> ArenaTail | None:
+    """Where `stage`'s prepared layers are materialised: for the copy commit, the device arena past the update's
+    `laid_out` bytes (they are dropped at the commit; the verified tensors are kept as its rollback source); None, as
+    usual, for a swap, whose prepared layers go live."""
+    return ArenaTail(stage.arenas.staging, laid_out) if stage.copy_commit and stage.arenas is not None else None
 
 
-def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> dict[str, torch.Tensor]:
+def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> tuple[dict[str, torch.Tensor], int]:
     """`stage`'s place in its device arena (`lay_out_in_arena`), once the live version kept there moved to the host
-    arena (ArenaFull then: nothing received, the version stays where it was). On the staging thread."""
+    arena (ArenaFull then: nothing received, the version stays where it was), and the arena's bytes it takes. On the
+    staging thread."""
     if stage.held is not None:  # the version every rank kept: out of the device arena before it is overwritten
         stage.held.tensors = stage.arenas.hold(stage.held.tensors)
     if side is not None:
         torch.cuda.synchronize(stage.device)  # the engine's reads of the arena (the last commit's) are done
-    return lay_out_in_arena(stage.arenas.staging, stage.manifest, stage.layout, stage.group)
+    views = lay_out_in_arena(stage.arenas.staging, stage.manifest, stage.layout, stage.group)
+    return views, stage.arenas.staging.end(views)
 
 
 def lay_out_in_arena(
