@@ -138,6 +138,11 @@ TEST_ENGINE = {"dtype": "bfloat16", "enforce_eager": True, "head_dtype": "model"
                "lora_rank": 0, "routing_replay": False, "kv_cache_gib": TEST_KV_GIB}  # fmt: skip
 
 
+def as_float32(state: dict) -> dict:
+    """A checkpoint's tensors as a float32 engine serves them (the learner sends the serve's dtype)."""
+    return {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
+
+
 def start_engine(loop, model_dir, **overrides):
     from vllm_patches.engine import EngineConfig, InflightEngine
 

@@ -112,9 +112,9 @@ class WorkerUpdateState:
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
         held, arenas = self.live.held, self.arenas
-        keep = self.adapter is None and self.live.copies_prepared  # prepared in the arena, staged tensors kept
+        copies = self.adapter is None and self.live.copies_prepared  # prepared in the arena, staged tensors kept
         stage = StagedUpdate(
-            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, copy_commit=keep
+            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, copy_commit=copies
         )
         if self.adapter is not None and _split(vllm_config):  # vLLM's LoRA layers slice A/B at commit: named whole
             stage.whole = sorted(t.name for t in manifest.tensors)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
+from support import Sender, as_float32, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
 from test_swap_exact import assert_same_outputs, storage
 from transformers import AutoTokenizer
 
@@ -39,11 +39,6 @@ def start(loop, name: str, label: str, model_dir, tok) -> dict:
     loop.run_until_complete(sender.connect(engine))
     before = loop.run_until_complete(greedy(engine, tok, tag=f"{label}-start"))
     return {"name": name, "label": label, "engine": engine, "sender": sender, "before": before}
-
-
-def as_float32(state: dict) -> dict:
-    """A checkpoint's tensors as a float32 engine serves them (the learner sends the serve's dtype)."""
-    return {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -114,6 +109,7 @@ def test_prepared_layers_that_outgrow_the_device_arena_are_refused_and_the_engin
     env = pair[0]
     engine, version, planned = env["engine"], env["engine"].version, env["engine"].arena_sizes[0]
     buckets_only = checkpoint_staging_plan(model_dirs[env["name"]], "float32", 1, "double", False, 0, 0)  # 1x
+    served = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-before-arena-full"))
     loop.run_until_complete(engine.set_staging_arena(buckets_only.arena_bytes))
     refused = engine.updates_refused
     try:
@@ -123,7 +119,7 @@ def test_prepared_layers_that_outgrow_the_device_arena_are_refused_and_the_engin
         loop.run_until_complete(engine.set_staging_arena(planned))
     assert engine.updates_refused == refused + 1 and engine.version == version
     still = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-arena-full"))
-    assert_same_outputs(still, env["other"]["before"], f"{env['name']} {env['label']} after a refused update")
+    assert_same_outputs(still, served, f"{env['name']} {env['label']} after a refused update")
     loop.run_until_complete(env["sender"].push(engine, env["state"], version + 1))
     back = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-after-arena-full"))
     assert_same_outputs(back, env["before"], f"{env['name']} {env['label']} committed after a refused update")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from support import Sender, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
-from test_copy_commit import as_float32
+from support import Sender, as_float32, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
 from test_swap_exact import assert_same_outputs
 from transformers import AutoTokenizer
 
