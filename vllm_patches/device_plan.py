@@ -90,16 +90,19 @@ class StagingPlan:
     comm_bytes: int = 0  # the weights group's NCCL buffers
     bucket_bytes: int = 0  # sliced staging (a tensor-parallel rank): the one reused bucket buffer; 0: whole buckets
     tensors: int = 0  # the update's tensors (the arenas' alignment and trailer: `ARENA_BYTES_PER_TENSOR` each)
-    copy_commit: bool = False  # `double` under CUDA graphs: the prepared layers are copied in, the staged ones kept
+    copy_commit: bool = False  # prepared layers copied in: `double`'s beside the staged tensors, `low`'s over them
 
     @property
     def arena_bytes(self) -> int:
         """The worker's device arena (vllm_patches/arenas.py), the bound an update is staged within: whole staging,
         every bucket and the trailer (1x the weights) and, with deltas, the decoded tensors (another 1x at most);
         sliced staging, the receive buffer and the rank's kept slices; with the copy commit, its prepared layers
-        beside them (another 1x: `ArenaTail`)."""
+        beside them (another 1x: `ArenaTail`), or with `low`'s copies over them, one layer ahead (`ReusingTail`:
+        the largest layer's room, which the in-place reload would take on the engine's stream instead)."""
         slack = self.tensors * ARENA_BYTES_PER_TENSOR + ALIGN
-        prepared = self.weight_bytes + slack if self.copy_commit else 0
+        prepared = 0
+        if self.copy_commit:
+            prepared = self.weight_bytes + slack if self.update_memory == "double" else self.layer_bytes + slack
         if self.bucket_bytes:
             return self.bucket_bytes + self.weight_bytes + slack + prepared
         return self.weight_bytes * (2 if self.delta else 1) + slack + prepared

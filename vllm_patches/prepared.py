@@ -48,6 +48,7 @@ from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, restore_l
 from vllm.model_executor.model_loader.reload.utils import get_layer_size
 
 from vllm_patches import faults
+from vllm_patches.arenas import ReusingTail
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.kernel_copy import kernel_weights
 
@@ -151,13 +152,26 @@ class ShadowPreparer:
     layout: Any = None  # vllm_patches/placement.py:SliceLayout when `tensors` are this rank's slices
 
     def __call__(self, tensors: dict[str, torch.Tensor], tail: AbstractContextManager | None = None) -> PreparedWeights:
-        """`tail`: where the layers are materialised (the copy commit's arenas.py:ArenaTail), else as usual."""
+        """`tail`: where the layers are materialised (the copy commit's arenas.py:ArenaTail, or `low`'s ReusingTail
+        over the staged tensors already read), else as usual."""
         weights = faults.half_way(list(tensors.items()), "prepare", self.ordinal)
+        if isinstance(tail, ReusingTail):
+            weights = tail.track(weights, buffered_tensors)
         if self.layout is not None:
             weights = self.layout.carriers(weights)
         config = set_current_vllm_config(self.vllm_config) if self.vllm_config is not None else nullcontext()
         with config, tail or nullcontext():
             return prepare(self.model, weights, self.version)
+
+
+def buffered_tensors() -> list[torch.Tensor]:
+    """Every tensor vLLM's layerwise loaders hold for a layer not processed yet (`ReusingTail` must not write over
+    them): the arguments of each buffered loader call."""
+    held = []
+    for info in list(layerwise.LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            held += [value for value in bound.arguments.values() if isinstance(value, torch.Tensor)]
+    return held
 
 
 def shadow_tree(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[torch.nn.Module, torch.nn.Module]]:

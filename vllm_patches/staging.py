@@ -49,7 +49,7 @@ import zmq
 from inflight.wire.group import WeightsGroup
 from inflight.wire.transfer import drain_update, receive_kept, receive_update, update_buffers
 from inflight.wire.weights import DTYPES, ManifestError, UpdateManifest, unpack_buckets
-from vllm_patches.arenas import ArenaFull, ArenaTail, DeviceArena, StagingArenas
+from vllm_patches.arenas import ArenaFull, ArenaTail, DeviceArena, ReusingTail, StagingArenas
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.rpc import StagedSignal, StageStatus
 
@@ -75,6 +75,7 @@ class HeldTensors:
     version: int
     tensors: dict[str, torch.Tensor]
     layout: SliceLayout | None = None  # a tensor-parallel rank's: `tensors` are its slices (`carriers` restores shapes)
+    kernel: bool = False  # `tensors` are the live parameters' kernel-format tensors, by vLLM's names (`low`'s copies)
 
 
 class PrepareUpdate(Protocol):
@@ -108,6 +109,7 @@ class StagedUpdate:
         layout: SliceLayout | None = None,
         arenas: StagingArenas | None = None,
         copy_commit: bool = False,
+        reuse_staged: bool = False,
     ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`), then
@@ -116,11 +118,14 @@ class StagedUpdate:
         anything else fails the stage, naming both versions), moved into the host arena first. `on_finished`: handed
         the final status (staged or failed) once, by this thread (the worker's `StagedNotifier.announce`). `layout`:
         keep only this rank's slices (vllm_patches/placement.py). `arenas`: stage within the worker's device arena.
-        `copy_commit`: the prepared layers are to be copied in (commit.py): prepare them in the arena, keep the rest."""
+        `copy_commit`: the prepared layers are to be copied in (commit.py): prepare them in the arena, keep the rest.
+        `reuse_staged`: `low`'s copies (commit.py): prepare the layers in the arena over the staged tensors they
+        replace (`arenas.ReusingTail`), and keep the prepared ones instead."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
         self.held, self.on_finished, self.layout, self.arenas = held, on_finished, layout, arenas
         self.base = held if manifest.is_delta else None
         self.prepare, self.prepared, self.prepare_s, self.copy_commit = prepare, None, 0.0, copy_commit
+        self.reuse_staged = reuse_staged
         self.state = StageState.RECEIVING
         self.error: str | None = None
         self.tensors: dict[str, torch.Tensor] = {}
@@ -154,7 +159,7 @@ class StagedUpdate:
                 self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
                 if self.prepare is not None:  # on the side stream too: its kernels queue there
                     self.prepared = self.prepare(self.tensors, arena_tail(self, laid_out))
-                    self.tensors = self.tensors if self.manifest.keep_base or self.copy_commit else {}
+                    self.tensors = self.tensors if self.manifest.keep_base or self.copy_commit else {}  # reuse: gone
                     self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
                 if side is not None:
                     self._ready = torch.cuda.Event()
@@ -202,14 +207,21 @@ class StagedUpdate:
     @property
     def keeps_tensors(self) -> bool:
         """Whether the worker keeps this update's tensors (a rank's slices) once committed: always in place (the
-        rollback source, also of a prepared update that is copied in: `copy_commit`), and when the sender may send a
-        delta on it next (`keep_base`)."""
-        return self.prepare is None or self.manifest.keep_base or self.copy_commit
+        rollback source, also of a prepared update that is copied in: `copy_commit`, `reuse_staged`), and when the
+        sender may send a delta on it next (`keep_base`)."""
+        return self.prepare is None or self.manifest.keep_base or self.copy_commit or self.reuse_staged
 
     def kept(self) -> dict[str, torch.Tensor]:
-        """The whole tensors (or slices) to keep after the commit: the verified tensors themselves, in the device
-        arena until the next update moves them to the host arena."""
+        """The whole tensors (or slices) to keep after the commit: the verified tensors themselves, or with
+        `reuse_staged` the kernel-format tensors the commit copied in (commit.py sets them), in the device arena until
+        the next update moves them to the host arena."""
         return self.tensors
+
+    def held_after(self, version: int) -> HeldTensors | None:
+        """What the worker keeps of `version`, this update, once committed (`kept()`), if anything."""
+        if not self.keeps_tensors:
+            return None
+        return HeldTensors(version, self.kept(), None if self.reuse_staged else self.layout, kernel=self.reuse_staged)
 
     def release(self) -> None:
         """Drop the references to the staged buffers once committed (what is kept is `kept()`'s, held by the caller)."""
@@ -264,9 +276,14 @@ def stage_status(stage: StagedUpdate) -> StageStatus:
 
 def arena_tail(stage: StagedUpdate, laid_out: int) -> ArenaTail | None:
     """Where `stage`'s prepared layers are materialised: for the copy commit, the device arena past the update's
-    `laid_out` bytes (they are dropped at the commit; the verified tensors are kept as its rollback source); None, as
-    usual, for a swap, whose prepared layers go live."""
-    return ArenaTail(stage.arenas.staging, laid_out) if stage.copy_commit and stage.arenas is not None else None
+    `laid_out` bytes (they are dropped at the commit; the verified tensors are kept as its rollback source); for
+    `low`'s copies, the arena's start, over the staged tensors already read (`ReusingTail`); None, as usual, for a
+    swap, whose prepared layers go live."""
+    if stage.arenas is None:
+        return None
+    if stage.reuse_staged:
+        return ReusingTail(stage.arenas.staging)
+    return ArenaTail(stage.arenas.staging, laid_out) if stage.copy_commit else None
 
 
 def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> tuple[dict[str, torch.Tensor], int]:
@@ -277,18 +294,20 @@ def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> tupl
         stage.held.tensors = stage.arenas.hold(stage.held.tensors)
     if side is not None:
         torch.cuda.synchronize(stage.device)  # the engine's reads of the arena (the last commit's) are done
-    views = lay_out_in_arena(stage.arenas.staging, stage.manifest, stage.layout, stage.group)
+    at_end = stage.reuse_staged  # the layers are prepared from the arena's start (`ReusingTail`)
+    views = lay_out_in_arena(stage.arenas.staging, stage.manifest, stage.layout, stage.group, at_end)
     return views, stage.arenas.staging.end(views)
 
 
 def lay_out_in_arena(
-    arena: DeviceArena, manifest: UpdateManifest, layout: SliceLayout | None, group: WeightsGroup
+    arena: DeviceArena, manifest: UpdateManifest, layout: SliceLayout | None, group: WeightsGroup, at_end: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Every piece `manifest` places in `arena` (`arena_pieces`), each a view, laid out before a bucket moves. An
+    """Every piece `manifest` places in `arena` (`arena_pieces`), each a view, laid out before a bucket moves (from
+    the arena's start, or `at_end` ending at its end). An
     update that does not fit is refused here: ArenaFull, once its broadcasts are drained through the arena's start
     (the sender goes on as for any receiver; without it the group would break by its timeout)."""
     try:
-        return arena.views(arena_pieces(manifest, layout))
+        return arena.views(arena_pieces(manifest, layout), at_end)
     except ArenaFull:
         try:
             drain_update(group, manifest, arena.empty(max(update_buffers(manifest), default=0)))

@@ -48,9 +48,19 @@ from vllm_patches.placement import Placement, SliceLayout
 from vllm_patches.prepared import ShadowPreparer
 from vllm_patches.routes import RoutedExperts, RouteRecorder, replays_cuda_graphs
 from vllm_patches.rpc import GroupJoined, HeldWeights, RankCommit, RankSettled, StageStatus
-from vllm_patches.staging import PrepareUpdate, StagedNotifier, StagedUpdate, StageState, check_committable
+from vllm_patches.staging import HeldTensors, PrepareUpdate, StagedNotifier, StagedUpdate, StageState, check_committable
 
 log = logging.getLogger(__name__)
+
+
+def check_delta_base(manifest: UpdateManifest, held: HeldTensors | None) -> None:
+    """A delta applies to checkpoint-format tensors: refused (ManifestError) on a version `low` kept as kernel-format
+    copies, which the learner said it would send no delta on (its `keep_base`); its next update is then a full one."""
+    if manifest.is_delta and held is not None and held.kernel:
+        raise ManifestError(
+            f"update v{manifest.version} is a delta on v{manifest.base_version}, whose manifest said no delta would "
+            f"follow (keep_base false): this worker kept v{held.version} as kernel-format copies, not its tensors"
+        )
 
 
 @dataclass
@@ -106,15 +116,18 @@ class WorkerUpdateState:
             raise ManifestError("no staged-signal channel: call inflight_signal_staged_to first (InflightEngine.start)")
         if self.stage is not None and self.stage.state == StageState.RECEIVING:
             raise ManifestError(f"update v{self.stage.manifest.version} is still being received; wait for it first")
+        held, arenas = self.live.held, self.arenas
+        check_delta_base(manifest, held)
         self.updates += 1
         layout = self._layout(manifest, model, vllm_config)  # a contradicting shape fails here, before any bucket
-        prepare = self._preparer(manifest, model, vllm_config, layout)
+        copies = self.adapter is None and self.live.copies_prepared  # prepared off this thread, copied in
+        reuse = copies and self.live.memory == "low" and not manifest.keep_base  # over the staged tensors
+        prepare = self._preparer(manifest, model, vllm_config, layout, reuse)
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
-        held, arenas = self.live.held, self.arenas
-        copies = self.adapter is None and self.live.copies_prepared  # prepared in the arena, staged tensors kept
+        copies = copies and self.live.memory == "double"  # prepared in the arena, staged tensors kept
         stage = StagedUpdate(
-            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, copy_commit=copies
+            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, copies, reuse
         )
         if self.adapter is not None and _split(vllm_config):  # vLLM's LoRA layers slice A/B at commit: named whole
             stage.whole = sorted(t.name for t in manifest.tensors)
@@ -134,12 +147,18 @@ class WorkerUpdateState:
         return layout
 
     def _preparer(
-        self, manifest: UpdateManifest, model: torch.nn.Module, vllm_config: Any, layout: SliceLayout | None
+        self,
+        manifest: UpdateManifest,
+        model: torch.nn.Module,
+        vllm_config: Any,
+        layout: SliceLayout | None,
+        reuse: bool,
     ) -> PrepareUpdate | None:
-        """An adapter update is always prepared (into vLLM's LoRAModel); a model update with `double`."""
+        """An adapter update is always prepared (into vLLM's LoRAModel); a model update with `double`, or with `low`'s
+        copies (`reuse`)."""
         if self.adapter is not None:
             return AdapterPreparer(self.adapter, manifest.version)
-        if self.live.memory == "double":
+        if self.live.memory == "double" or reuse:
             return ShadowPreparer(model, manifest.version, self.updates, vllm_config, layout)
         return None
 
@@ -245,10 +264,10 @@ class InflightWorkerExtension:
         return True
 
     def inflight_set_update_memory(self, mode: str, prepared: str = "auto") -> str:
-        """The commit path, "double" or "low", for the engine's life (vllm_patches/commit.py), and how `double` puts
-        its prepared layers in (`prepared`: auto, swap or copy, `commit.prepared_commit`); fixed by an update."""
+        """The commit path, "double" or "low", for the engine's life (vllm_patches/commit.py), and how it puts its
+        prepared layers in (`prepared`: auto, swap, copy or reload, `commit.prepared_commit`); fixed by an update."""
         state, commit = self._inflight_state(), prepared_commit(mode, prepared, replays_cuda_graphs(self.vllm_config))
-        return state.live.choose_memory(mode, updated=state.stage is not None, commit=commit)
+        return state.live.choose_memory(mode, updated=state.stage is not None, commit=commit, asked=prepared)
 
     def inflight_set_staging(self, mode: str) -> str:
         """What a worker stages of a model update: "sliced" (its tensor-parallel slices), "full" (every

