@@ -13,7 +13,13 @@ One more reload runs under cProfile, whose split is: time inside C calls (`copy_
 frames (vLLM's per-layer bookkeeping: materialising each layer, its loaders, the `replace_parameter` calls).
 cProfile's per-call overhead inflates the Python share: it is an upper bound.
 
-    python -m benchmarks.low_commit [--model smollm2] [--dtype float32] [--repeats 3] [--out FILE.json]
+Then the commit as a serve runs it (`stalls`): two `--update-memory low` engines one after the other, the first
+reloading in place (`prepared_commit` "reload"), the second taking the copies its staging thread prepared over the
+staged tensors ("copy", what `low` does wherever the layers compute from their parameters); each is sent `--updates`
+full updates over the weights group, alternating between the checkpoint and a perturbed copy, and the engine's own
+report of each commit (the stall between two steps) and of the preparation off the engine thread is kept.
+
+    python -m benchmarks.low_commit [--model smollm2] [--dtype float32] [--repeats 3] [--updates 6] [--out FILE.json]
 
 Not part of the product: the worker class is the product's extension with one timing method added, passed to vLLM as
 the engine's `worker_extension_cls`.
@@ -99,6 +105,52 @@ async def measure(model: str, dtype: str, repeats: int) -> dict:
         llm.shutdown()
 
 
+async def measure_stalls(model: str, dtype: str, updates: int) -> dict:
+    """The engine-reported commit and preparation seconds of `updates` updates on a `low` engine per commit way."""
+    import sys
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support.Sender, the checkpoints
+    from support import Sender, as_float32, load_state, perturbed_checkpoint
+
+    from inflight.models import resolve_model
+    from inflight.serve.app import standalone_engine_config
+    from inflight.serve.config import ServeConfig
+    from vllm_patches.engine import InflightEngine
+
+    os.environ["INFLIGHT_CPU_LINEAR"] = "torch"
+    model_dir = resolve_model(model)
+    flags = ServeConfig(dtype=dtype, head_dtype="model", update_memory="low", kv_cache_gib=0.25)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        states = [
+            as_float32(load_state(model_dir)),
+            as_float32(perturbed_checkpoint(model_dir, Path(tmp) / "B", seed=3)),
+        ]
+        for way in ("reload", "copy"):
+            engine = await InflightEngine.start(standalone_engine_config(flags, model_dir))
+            try:
+                await engine.llm.collective_rpc("inflight_set_update_memory", args=("low", way))
+                sender = Sender(timeout_s=120, bucket_bytes=64 << 20)
+                await sender.connect(engine)
+                reports = [await sender.push(engine, states[(i + 1) % 2], i + 1) for i in range(updates)]
+                out[way] = {"commit_s": [r.commit_s for r in reports], "prepare_s": [r.prepare_s for r in reports]}
+            finally:
+                engine.shutdown()
+    return out
+
+
+def stall_summary(stalls: dict, gb: float) -> dict:
+    reload, copy = (statistics.median(stalls[way]["commit_s"]) for way in ("reload", "copy"))
+    return {
+        "reload_commit_s": round(reload, 4),
+        "copies_commit_s": round(copy, 4),
+        "reload_over_copies": round(reload / copy, 1),
+        "copies_commit_s_per_gb": round(copy / gb, 3),
+        "copies_prepare_s": round(statistics.median(stalls["copy"]["prepare_s"]), 3),
+    }
+
+
 def summary(raw: dict) -> dict:
     """Per GB: the two commits over the checkpoint's bytes, the copy floor over the parameters' own (the same bytes
     here: no linear weight is held outside `parameters()`)."""
@@ -126,11 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="float32", help="float32 on an AVX2-only CPU (bf16 there is emulated)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--updates", type=int, default=6, help="updates per engine in the serve's own commits")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     raw = asyncio.run(measure(args.model, args.dtype, args.repeats))
+    raw["stalls"] = asyncio.run(measure_stalls(args.model, args.dtype, args.updates))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result = {"model": args.model, "dtype": args.dtype, "cpu": cpu_label(), "date": when, "raw": raw, **summary(raw)}
+    result["stalls"] = stall_summary(raw["stalls"], raw["bytes"] / GB)
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -147,6 +147,10 @@ class ArenaTail(TorchFunctionMode):
         """The byte offset materialised layers may reach now."""
         return self.arena.nbytes
 
+    def track(self, weights: Iterable[tuple[str, torch.Tensor]], buffered: Callable) -> Iterable:
+        """`weights` as the loaders are to take them: here as they are (`ReusingTail` watches them)."""
+        return weights
+
     def full_message(self, nbytes: int) -> str:
         return (
             f"the update's prepared layers need more than the {self.arena.nbytes - self.used} bytes of "

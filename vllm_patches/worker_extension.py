@@ -42,7 +42,7 @@ from vllm_patches import faults, placement
 from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
 from vllm_patches.arenas import StagingArenas
 from vllm_patches.checkpoint import ServedCheckpoint
-from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed, prepared_commit
+from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed, held_checksums, prepared_commit
 from vllm_patches.joining import GroupJoin
 from vllm_patches.placement import Placement, SliceLayout
 from vllm_patches.prepared import ShadowPreparer
@@ -299,7 +299,7 @@ class InflightWorkerExtension:
 
     def inflight_held_weights(self) -> HeldWeights:
         """What this worker keeps of its live version for a delta to apply to (tests: bitwise the learner's)."""
-        return self._inflight_state().live.held_weights()
+        return held_checksums(self._inflight_state().live.held)
 
     def inflight_expected_tensors(self) -> dict[str, tuple[str, list[int]]]:
         """HF name → (dtype, shape) of every tensor an update must contain: the served checkpoint's, or with an

@@ -159,6 +159,25 @@ def test_pinned_host_memory_is_planned_for_every_commit_that_writes_into_the_liv
     assert swap == copy
 
 
+def test_lows_copies_are_planned_in_the_device_arena_as_one_layer_beside_the_update_and_doubles_as_a_second_copy():
+    """`low`'s copies are prepared over the staged tensors (vllm_patches/arenas.py:ReusingTail): the arena holds the
+    update and its largest layer, the layer the in-place reload would materialise on the engine's stream, so the peak
+    is `low`'s either way; `double`'s copy commit prepares beside them: another 1x. Sliced staging adds its buffer."""
+    from vllm_patches.arenas import ALIGN
+    from vllm_patches.device_plan import ARENA_BYTES_PER_TENSOR, WeightSizes, staging_plan
+
+    sizes = WeightSizes(total=TWO_B_BF16, largest_tensor=1 << 20, largest_layer=300 << 20, count=10)
+    slack = 10 * ARENA_BYTES_PER_TENSOR + ALIGN
+    reload, copies = (staging_plan(sizes, "low", False, 0, copy_commit=c) for c in (False, True))
+    assert reload.arena_bytes == TWO_B_BF16 + slack
+    assert copies.arena_bytes == TWO_B_BF16 + slack + (300 << 20) + slack
+    assert copies.peak_bytes == reload.peak_bytes and copies.host_bytes == reload.host_bytes == TWO_B_BF16
+    double = staging_plan(sizes, "double", False, 0, copy_commit=True)
+    assert double.arena_bytes == 2 * (TWO_B_BF16 + slack)
+    sliced = staging_plan(sizes, "low", False, 0, bucket_bytes=64 << 20, copy_commit=True)
+    assert sliced.arena_bytes == (64 << 20) + TWO_B_BF16 + slack + (300 << 20) + slack
+
+
 def test_a_host_arena_holds_one_version_in_exactly_its_planned_bytes_and_refuses_more():
     """Issue 40, point 5: one buffer reused by every update, never a second copy; the old per-update pinned copies
     cost 2x rounded up to powers of two."""
@@ -343,3 +362,35 @@ def test_a_ranks_arena_follows_its_slice_plan_and_its_kept_slices_are_received_i
         expected = layout.keep(name, state[name])
         assert arena.holds(tensor) and not arena.holds(alone[name])
         assert torch.equal(tensor, expected) and torch.equal(alone[name], expected)
+
+
+def test_a_reusing_tail_materialises_layers_only_below_the_staged_bytes_the_loaders_may_still_read():
+    """`low`'s preparation (vllm_patches/arenas.py:ReusingTail): the update lies at the arena's end; a layer is
+    served from its start while it stays below the tensors not handed out yet, the views handed out and alive, and the
+    tensors the loaders buffer; a view that died frees its bytes. Beyond that: ArenaFull, nothing written."""
+    import torch
+
+    from vllm_patches.arenas import ArenaFull, DeviceArena, ReusingTail
+
+    arena = DeviceArena(1024, "cpu")
+    staged = arena.views({"a": torch.empty(64, device="meta"), "b": torch.empty(64, device="meta")}, at_end=True)
+    assert [t.data_ptr() - arena.buffer.data_ptr() for t in staged.values()] == [512, 768]
+    for t in staged.values():
+        t.fill_(1.0)
+    tail, buffered = ReusingTail(arena), []
+    weights = tail.track(staged.items(), lambda: buffered)
+    with tail:
+        _, a = next(weights)  # the loaders read `a`: 512 bytes below it are free
+        layer = torch.empty_strided((128,), (1,), dtype=torch.float32)
+        assert layer.data_ptr() == arena.buffer.data_ptr() and tail.used == 512
+        with pytest.raises(ArenaFull, match="reached the staged tensors the loaders still read"):
+            torch.empty_strided((16,), (1,), dtype=torch.float32)
+        buffered.append(a[32:])  # a loader's buffer holds a part of `a` beyond the view's own life
+        del a
+        _, b = next(weights)  # the loaders move on to `b`: `a`'s view is dropped, its buffered part still to be read
+        assert tail.limit() == 512 + 128
+        buffered.clear()
+        assert tail.limit() == 768  # `a` is read: its bytes go to the next layer, up to `b`
+        second = torch.empty_strided((64,), (1,), dtype=torch.float32)
+        assert second.data_ptr() - arena.buffer.data_ptr() == 512
+        assert torch.equal(b, torch.ones(64)), "a layer was written over a tensor still to be read"

@@ -35,8 +35,9 @@ def live_versions(loop, engine) -> list[int]:
         ("tiny-llama", "double", "swap@1:1,slice@2:1"),
         ("tiny-qwen2", "low", "apply@1:1,slice@2:1"),
         ("tiny-llama", "copy", "apply@1:1,slice@2:1"),  # double's prepared layers copied in (as under CUDA graphs)
+        ("tiny-qwen2", "low-copy", "apply@1:1,slice@2:1"),  # low's, prepared over its staged slices and copied in
     ],
-    ids=["double-swap", "low-apply", "double-copy"],
+    ids=["double-swap", "low-apply", "double-copy", "low-copy"],
 )
 def test_a_commit_that_fails_on_one_rank_leaves_both_ranks_on_the_previous_weights(
     loop,
@@ -51,14 +52,14 @@ def test_a_commit_that_fails_on_one_rank_leaves_both_ranks_on_the_previous_weigh
     a_dir = model_dirs[name]
     tok = AutoTokenizer.from_pretrained(a_dir)
     b = perturbed_checkpoint(a_dir, tmp_path / "B", seed=7)
-    copies = update_memory == "copy"
+    copies = update_memory.endswith("copy")
     if copies:  # linear layers that compute from their parameters, float32 (tests/vllm_patches/test_copy_commit.py)
         monkeypatch.setenv("INFLIGHT_CPU_LINEAR", "torch")
-        b, update_memory = as_float32(b), "double"
+        b, update_memory = as_float32(b), "low" if update_memory == "low-copy" else "double"
     dtype = "float32" if copies else "bfloat16"
     engine = start_engine(loop, a_dir, tensor_parallel_size=TP, update_memory=update_memory, dtype=dtype)
     try:
-        if copies:
+        if copies and update_memory == "double":  # low's engines take the copies themselves (prepared_commit auto)
             loop.run_until_complete(engine.llm.collective_rpc("inflight_set_update_memory", args=("double", "copy")))
         sender = Sender(world_size=1 + TP)
         loop.run_until_complete(sender.connect(engine))
