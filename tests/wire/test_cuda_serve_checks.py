@@ -11,7 +11,7 @@ tests/vllm_patches/test_device_plan.py (points 4 and 5) and tests/wire/test_grou
 7. a captured CUDA graph computes with prepared weights copied into its parameters' storage the way the copy commit
    writes them (vllm_patches/kernel_copy.py's names and checks, then one `copy_` per parameter as vLLM's kernel-format
    reload does), and with the old ones when new tensors are swapped in by reference (why `double` copies under
-   graphs).
+   graphs); `low`'s copies, prepared over their own staged tensors on the staging stream, are exact.
 
 Whether CUDA is there is asked without initialising it here (inflight/machine.py:cuda_device_count): check 1 needs a
 parent that never ran cuInit."""
@@ -270,3 +270,42 @@ def test_7_the_hazard_a_graph_keeps_computing_with_the_old_weights_when_new_ones
     torch.cuda.synchronize()
     torch.testing.assert_close(out, x @ old.t())
     assert not torch.allclose(out, x @ model.proj.weight.t())
+
+
+def test_7_lows_copies_prepared_over_their_staged_tensors_on_the_staging_stream_are_exact():
+    """`low` on a GPU (vllm_patches/arenas.py:ReusingTail): on the staging thread's stream each layer is materialised
+    over staged bytes an earlier layer's copy read, those reads still queued when the layer's writes are; one stream
+    orders them. Every layer must equal what it was made from, lie in the arena, and reach the live tensors through
+    the engine stream's copy behind one event, as `low`'s commit copies them in."""
+    from vllm_patches.arenas import DeviceArena, ReusingTail
+
+    count, numel = 8, 4 << 20  # 16 MiB tensors: copies that take long enough to still be queued
+    arena = DeviceArena((count + 1) * numel * 4 + 4096, "cuda")  # the update and one layer's room
+    staged = arena.views({f"t{i}": torch.empty(numel, device="meta") for i in range(count)}, at_end=True)
+    sources = [torch.full((numel,), float(i + 1), device="cuda") for i in range(count)]
+    live = [torch.zeros(numel, device="cuda") for _ in range(count)]
+    side, ready, layers = torch.cuda.Stream(), torch.cuda.Event(), []
+    torch.cuda.synchronize()
+
+    def stage() -> None:
+        with torch.cuda.stream(side):
+            for tensor, source in zip(staged.values(), sources, strict=True):
+                tensor.copy_(source)  # the receive
+            tail = ReusingTail(arena)
+            with tail:
+                for _, view in tail.track(list(staged.items())):
+                    layer = torch.empty_strided((numel,), (1,), dtype=torch.float32, device="cuda")
+                    layers.append(layer.copy_(view))  # a loader's copy into the materialised layer
+                    del view
+            ready.record(side)
+
+    thread = threading.Thread(target=stage)
+    thread.start()
+    thread.join()
+    torch.cuda.current_stream().wait_event(ready)
+    for target, layer in zip(live, layers, strict=True):
+        target.copy_(layer)  # the commit's copies, on the engine's stream
+    torch.cuda.synchronize()
+    assert all(arena.holds(layer) for layer in layers) and len(layers) == count
+    for i, target in enumerate(live):
+        assert torch.equal(target, sources[i]), f"layer {i} was written over before its source was read"
