@@ -13,7 +13,8 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
   payload buckets (another 1x at most);
 - while verifying, `sum31`'s padded copy of the largest tensor not a multiple of its row and its int64 workspace
   (inflight/wire/checksum.py);
-- `low`: the largest layer vLLM's layerwise reload materialises at the commit, on the engine's stream;
+- `low`: its largest layer: the one vLLM's layerwise reload materialises at the commit, on the engine's stream, or
+  with `low`'s copies the room its preparation keeps ahead of the staged tensors (vllm_patches/arenas.py:ReusingTail);
 - the weights group's NCCL buffers, for as long as the group lives (`comm_bytes`, bounded by its `max_ctas`).
 `WeightSizes` (from the checkpoint's headers) gives the largest tensor and layer; `staging_plan` adds it all up.
 With tensor (or expert) parallelism each worker keeps only its slice of an update

