@@ -45,6 +45,11 @@ class ArenaFull(RuntimeError):
     """An update's tensors do not fit the arena its plan sized: the update is refused, decoding goes on."""
 
 
+class LayersOutgrewArena(ArenaFull):
+    """`low`'s prepared layers reached staged tensors still to be read (`ReusingTail`): refused, and the worker
+    reloads in place from the next update on (vllm_patches/worker_extension.py:reload_after_outgrown)."""
+
+
 def arena_offsets(sizes: list[int], align: int = ALIGN) -> tuple[list[int], int]:
     """Each tensor's offset in the arena, in order, and the arena's bytes: sizes laid end to end, each aligned."""
     offsets, end = [], 0
@@ -118,6 +123,8 @@ class ArenaTail(TorchFunctionMode):
     materialises (vLLM's `materialize_meta_tensor` makes each with one such call), so they can hold no more than the
     plan set aside. Only for tensors dropped at the commit: the next update lays itself out over them."""
 
+    full_error: type[ArenaFull] = ArenaFull
+
     def __init__(self, arena: Arena, start: int):
         super().__init__()
         self.arena, self.used = arena, -(-start // ALIGN) * ALIGN
@@ -138,7 +145,7 @@ class ArenaTail(TorchFunctionMode):
         extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
         nbytes = extent * dtype.itemsize
         if self.used + nbytes > self.limit():
-            raise ArenaFull(self.full_message(nbytes))
+            raise self.full_error(self.full_message(nbytes))
         flat = self.arena.buffer[self.used : self.used + nbytes].view(dtype)
         self.used = -(-(self.used + nbytes) // ALIGN) * ALIGN
         return flat.as_strided(tuple(size), tuple(stride))
@@ -170,6 +177,8 @@ class ReusingTail(ArenaTail):
     What may still be read: the tensors not handed to the loaders yet, the views `track` handed out that are still
     alive (a model's `load_weights` may hold one), and whatever tensors `buffered` names (the loaders' buffers, which
     may hold a tensor derived from a view, e.g. a transpose, that outlives the view itself)."""
+
+    full_error = LayersOutgrewArena
 
     def __init__(self, arena: Arena):
         super().__init__(arena, 0)
@@ -204,9 +213,9 @@ class ReusingTail(ArenaTail):
         return (
             f"the update's prepared layers reached the staged tensors the loaders still read (a tensor of {nbytes} "
             f"bytes did not fit below byte {self.limit()} of the {self.arena.nbytes}-byte {self.arena.kind}): "
-            "refused, the engine serves on. The plan leaves its largest layer's room ahead of the update; a backend "
-            "whose kernel format outgrows the checkpoint's, or a model whose loader holds its tensors to the end, "
-            "needs the in-place reload (prepared_commit 'reload')"
+            "refused, the engine serves on and reloads in place from the next update on. The plan leaves its largest "
+            "layer's room ahead of the update: a backend whose kernel format outgrows the checkpoint's, or a model "
+            "whose loader holds its tensors to the end, needs the in-place reload"
         )
 
 

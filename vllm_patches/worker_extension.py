@@ -40,7 +40,7 @@ from inflight.wire.group import GroupAddress, WeightsGroup, member_rank
 from inflight.wire.weights import ManifestError, UpdateManifest, check_against
 from vllm_patches import faults, placement
 from vllm_patches.adapter import AdapterPreparer, AdapterSlot, ServedAdapter, check_adapter_update
-from vllm_patches.arenas import StagingArenas
+from vllm_patches.arenas import LayersOutgrewArena, StagingArenas
 from vllm_patches.checkpoint import ServedCheckpoint
 from vllm_patches.commit import LiveWeights, ModelRunner, RollbackFailed, held_checksums, prepared_commit
 from vllm_patches.joining import GroupJoin
@@ -61,6 +61,18 @@ def check_delta_base(manifest: UpdateManifest, held: HeldTensors | None) -> None
             f"update v{manifest.version} is a delta on v{manifest.base_version}, whose manifest said no delta would "
             f"follow (keep_base false): this worker kept v{held.version} as kernel-format copies, not its tensors"
         )
+
+
+def reload_after_outgrown(stage: StagedUpdate | None, live: LiveWeights) -> None:
+    """After `low`'s copies outgrew the arena (`LayersOutgrewArena`: a kernel format larger than the checkpoint's by
+    more than the plan's one layer, e.g. padded or repacked), the engine reloads in place from the next update on,
+    which needs the update's own bytes only: one update refused, not every one. Logged once."""
+    if stage is None or not stage.reuse_staged or stage.state != StageState.FAILED or not live.copies_prepared:
+        return
+    if (stage.error or "").startswith(f"{LayersOutgrewArena.__name__}:"):
+        live.copies_prepared = False
+        version = stage.manifest.version
+        log.warning("v%d's prepared layers outgrew the arena: the engine reloads in place from now on", version)
 
 
 @dataclass
@@ -118,6 +130,7 @@ class WorkerUpdateState:
             raise ManifestError(f"update v{self.stage.manifest.version} is still being received; wait for it first")
         held, arenas = self.live.held, self.arenas
         check_delta_base(manifest, held)
+        reload_after_outgrown(self.stage, self.live)
         self.updates += 1
         layout = self._layout(manifest, model, vllm_config)  # a contradicting shape fails here, before any bucket
         copies = self.adapter is None and self.live.copies_prepared  # prepared off this thread, copied in

@@ -75,21 +75,22 @@ def test_a_copy_commit_matches_a_fresh_engine_of_the_other_checkpoint_and_keeps_
         assert storage(loop, engine) == before, "the copy commit moved parameter storage"
         after = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-to-other"))
         assert [set(o.versions) for o in after] == [{report.version}] * len(after)
-        assert_keeps(loop, engine, env["memory"], report.version)
+        assert_keeps(loop, engine, env["memory"] == "low", report.version)
         assert any(a.token_ids != b.token_ids for a, b in zip(after, env["before"], strict=True)), "B equals A"
         what = f"{env['name']} {env['label']} copied to {other['label']} vs a fresh {other['label']} engine"
         assert_same_outputs(after, other["before"], what)
 
 
-def assert_keeps(loop, engine, memory: str, version: int) -> None:
-    """What the worker kept of `version`: `double`, the staged checkpoint-format tensors (its rollback source); `low`,
-    the kernel-format copies it wrote in (fused `qkv_proj`, no `q_proj`): the update was prepared, not reloaded."""
+def assert_keeps(loop, engine, kernel: bool, version: int) -> None:
+    """What the worker kept of `version`: the staged checkpoint-format tensors (`double`'s rollback source, and
+    `low`'s when it reloads in place), or `kernel`, the kernel-format copies `low` wrote in (fused `qkv_proj`, no
+    `q_proj`): the update was prepared, not reloaded."""
     held = loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))[0]
     held = rpc_result(held, HeldWeights, "inflight_held_weights")
     assert held.version == version
     names = held.crc32
-    assert any(".qkv_proj." in n for n in names) == (memory == "low"), sorted(names)[:4]
-    assert any(".q_proj." in n for n in names) == (memory == "double"), sorted(names)[:4]
+    assert any(".qkv_proj." in n for n in names) == kernel, sorted(names)[:4]
+    assert any(".q_proj." in n for n in names) == (not kernel), sorted(names)[:4]
 
 
 def test_a_copy_commit_back_to_the_start_reproduces_its_first_answers(pair, loop):
@@ -119,41 +120,41 @@ def test_a_copy_commit_that_fails_half_way_leaves_the_weights_and_the_version_as
 
 REFUSALS = {
     "double": "ArenaFull: the update's prepared layers need more than",
-    "low": "ArenaFull: the update's prepared layers reached the staged tensors the loaders still read",
+    "low": "LayersOutgrewArena: the update's prepared layers reached the staged tensors the loaders still read",
 }
 
 
 def test_prepared_layers_that_outgrow_the_device_arena_are_refused_and_the_engine_serves_on(pair, loop, model_dirs):
     """`double`'s copy commit prepares its layers in the worker's device arena past the update's buckets, `low`'s
-    over the buckets themselves, one layer ahead: an arena with room for the buckets alone refuses the update —
-    counted, the weights and version untouched — and with the room the plan gives that path (`double`: 2x the
-    weights; `low`: 1x and its largest layer) it commits."""
+    over the buckets themselves, one layer ahead: with the room the plan gives that path (`double`: 2x the weights;
+    `low`: 1x and its largest layer) an update commits; an arena with room for the buckets alone refuses it — counted,
+    the weights and version untouched. `double` then needs its plan's arena again; `low` reloads in place from then
+    on, within that same arena."""
     from vllm_patches.device_plan import checkpoint_staging_plan
 
-    env, memory = pair[0], pair[0]["memory"]
-    engine, version, planned = env["engine"], env["engine"].version, env["engine"].arena_sizes[0]
-    model = model_dirs[env["name"]]
+    env, memory, other = pair[0], pair[0]["memory"], pair[0]["other"]
+    engine, planned, model = env["engine"], env["engine"].arena_sizes[0], model_dirs[env["name"]]
     buckets_only = checkpoint_staging_plan(model, "float32", 1, memory, False, 0, 0)  # 1x
     plan = checkpoint_staging_plan(model, "float32", 1, memory, False, 0, 0, copy_commit=True)
-    served = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-before-arena-full"))
-    loop.run_until_complete(engine.set_staging_arena(buckets_only.arena_bytes))
-    refused = engine.updates_refused
     try:
-        with pytest.raises(UpdateError, match=REFUSALS[memory]):
-            loop.run_until_complete(env["sender"].push(engine, env["state"], version + 1))
-        assert engine.updates_refused == refused + 1 and engine.version == version
         loop.run_until_complete(engine.set_staging_arena(plan.arena_bytes))  # the plan of this path, no more
-        assert_same_outputs(
-            loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-arena-full")),
-            served,
-            f"{env['name']} {env['label']} after a refused update",
-        )
-        loop.run_until_complete(env["sender"].push(engine, env["state"], version + 1))
+        report = loop.run_until_complete(env["sender"].push(engine, env["state"], engine.version + 1))
+        assert_keeps(loop, engine, memory == "low", report.version)
+        loop.run_until_complete(engine.set_staging_arena(buckets_only.arena_bytes))
+        refused, version = engine.updates_refused, engine.version
+        with pytest.raises(UpdateError, match=REFUSALS[memory]):
+            loop.run_until_complete(env["sender"].push(engine, other["state"], version + 1))
+        assert engine.updates_refused == refused + 1 and engine.version == version
+        still = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-arena-full"))
+        assert_same_outputs(still, env["before"], f"{env['name']} {env['label']} after a refused update")
+        if memory == "double":
+            loop.run_until_complete(engine.set_staging_arena(plan.arena_bytes))
+        report = loop.run_until_complete(env["sender"].push(engine, other["state"], version + 1))
+        assert_keeps(loop, engine, False, report.version)  # low: reloaded in place, its staged tensors kept
     finally:
         loop.run_until_complete(engine.set_staging_arena(planned))
-    assert engine.version == version + 1
-    back = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-after-arena-full"))
-    assert_same_outputs(back, env["before"], f"{env['name']} {env['label']} committed after a refused update")
+    after = loop.run_until_complete(greedy(engine, env["tok"], tag=f"{env['label']}-after-arena-full"))
+    assert_same_outputs(after, other["before"], f"{env['name']} {env['label']} committed after a refused update")
 
 
 # The decisions and checks alone, on plain torch modules.
