@@ -79,17 +79,15 @@ class Arena:
         shifted to end at its end, leaving its start free); ArenaFull beyond it."""
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         offsets, needed = arena_offsets(sizes)
-        if at_end and needed <= self.nbytes:
-            shift = (self.nbytes - needed) // ALIGN * ALIGN
-            offsets = [offset + shift for offset in offsets]
         if needed > self.nbytes:
             raise ArenaFull(
                 f"the update's {len(sizes)} pieces need {needed} bytes of {self.kind}, the plan sized {self.nbytes}: "
                 "refused before any of it was kept, the engine serves on (a delta's decoded tensors come beside its "
                 "payloads: the plan counts them when the learner says it sends deltas, its --full-every > 1)"
             )
+        shift = (self.nbytes - needed) // ALIGN * ALIGN if at_end else 0
         return {
-            name: self.buffer[offset : offset + size].view(t.dtype).view(t.shape)
+            name: self.buffer[shift + offset : shift + offset + size].view(t.dtype).view(t.shape)
             for (name, t), offset, size in zip(tensors.items(), offsets, sizes, strict=True)
         }
 

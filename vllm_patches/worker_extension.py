@@ -138,9 +138,9 @@ class WorkerUpdateState:
         prepare = self._preparer(manifest, model, vllm_config, layout, reuse)
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
-        copies = copies and self.live.memory == "double"  # prepared in the arena, staged tensors kept
+        copy_commit = copies and self.live.memory == "double"  # prepared in the arena, staged tensors kept
         stage = StagedUpdate(
-            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, copies, reuse
+            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, copy_commit, reuse
         )
         if self.adapter is not None and _split(vllm_config):  # vLLM's LoRA layers slice A/B at commit: named whole
             stage.whole = sorted(t.name for t in manifest.tensors)
