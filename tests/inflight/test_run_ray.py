@@ -68,7 +68,22 @@ def side_processes() -> list[psutil.Process]:
 
 
 def ray_processes() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in RAY_PROCESSES}
+    """Ray's running daemons: a zombie (exited, its parent not reaping yet, as in a container whose init does not)
+    is not one, though psutil still names it raylet."""
+    return {
+        p.pid
+        for p in psutil.process_iter(["name", "status"])
+        if p.info["name"] in RAY_PROCESSES and p.info["status"] != psutil.STATUS_ZOMBIE
+    }
+
+
+def wait_for_ray(allowed: set[int], timeout_s: float = 30.0) -> set[int]:
+    """Ray's daemons once none but `allowed` runs, or as they are after `timeout_s`: a refused run's own Ray exits in
+    the idle class on the serve's cores (inflight/run/ray_launcher.py), which on a busy machine takes seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not (now := ray_processes()) <= allowed and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return now
 
 
 def assert_nothing_left(before: set[int], timeout_s: float = 30.0, ray: bool = True) -> None:
@@ -91,12 +106,7 @@ def refused(run_dir: Path, *flags: str, env: dict | None = None) -> str:
     before = ray_processes()
     proc = launcher(run_dir, *FAST, *flags, env=env)
     assert proc.proc.wait(120) == 1, proc.tail()
-    # Ray's own processes run in the idle class on the serve's cores (inflight/run/ray_launcher.py): on a busy machine
-    # their exit takes more than the second this waited, so it waits as `assert_nothing_left` does
-    deadline = time.monotonic() + 30
-    while ray_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not (ray_processes() - before), "a Ray process outlived the refused run by 30 s"
+    assert wait_for_ray(before) <= before, "a Ray process outlived the refused run by 30 s"
     return proc.tail()
 
 
@@ -175,7 +185,8 @@ def refused_beside(cluster: dict, run_dir: Path, *flags: str, address: str) -> s
     proc = launcher(run_dir, *FAST, *flags, env={"RAY_ADDRESS": address})
     assert proc.proc.wait(120) == 1, proc.tail()
     assert_nothing_left(before | cluster["processes"])
-    assert ray_processes() == cluster["processes"], "the run stopped the cluster it joined, or left its own Ray"
+    left = wait_for_ray(cluster["processes"])
+    assert left == cluster["processes"], "the run stopped the cluster it joined, or left its own Ray"
     return proc.tail()
 
 
