@@ -125,7 +125,7 @@ class StagedUpdate:
         self.base = held if manifest.is_delta else None
         self.prepare, self.prepared, self.prepare_s, self.copy_commit = prepare, None, 0.0, copy_commit
         self.reuse_staged = reuse_staged  # `low`'s copies (the prepared layers lie over the staged tensors)
-        self.state, self.error = StageState.RECEIVING, None  # error: str | None, set when the stage fails
+        self.state, self.error, self.failed_with = StageState.RECEIVING, None, None  # set when the stage fails
         self.tensors: dict[str, torch.Tensor] = {}
         self.refused = False  # the update did not fit the device arena (ArenaFull): refused before any bucket
         self.bytes_received = self.bytes_kept = 0  # kept: what this rank staged (its slices, with a layout)
@@ -165,7 +165,7 @@ class StagedUpdate:
             self.staged_at = time.time()
             self.state = StageState.STAGED
         except Exception as exc:  # any failure must surface as a status, never kill the worker
-            self.refused = isinstance(exc, ArenaFull)
+            self.refused, self.failed_with = isinstance(exc, ArenaFull), type(exc)
             self.error = f"{type(exc).__name__}: {exc}"
             self.tensors = {}
             self.state = StageState.FAILED

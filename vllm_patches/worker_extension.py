@@ -67,9 +67,9 @@ def reload_after_outgrown(stage: StagedUpdate | None, live: LiveWeights) -> None
     """After `low`'s copies outgrew the arena (`LayersOutgrewArena`: a kernel format larger than the checkpoint's by
     more than the plan's one layer, e.g. padded or repacked), the engine reloads in place from the next update on,
     which needs the update's own bytes only: one update refused, not every one. Logged once."""
-    if stage is None or not stage.reuse_staged or stage.state != StageState.FAILED or not live.copies_prepared:
+    if stage is None or not stage.reuse_staged or not live.copies_prepared:
         return
-    if (stage.error or "").startswith(f"{LayersOutgrewArena.__name__}:"):
+    if stage.failed_with is not None and issubclass(stage.failed_with, LayersOutgrewArena):
         live.copies_prepared = False
         version = stage.manifest.version
         log.warning("v%d's prepared layers outgrew the arena: the engine reloads in place from now on", version)
