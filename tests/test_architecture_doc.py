@@ -125,7 +125,7 @@ GATES = {
 # learner's resolved --autocast became train_step's argument, no longer a second declaration in TrainConfig (issue 39);
 # the weight path's from 640 with the one line by which the preparer hands its tensors to the arena's tail (issue 40:
 # `low`'s layers prepared over the staged tensors they replace, vllm_patches/arenas.py:ReusingTail)
-MAX_LINES_READ = {"The token path": 809, "The weight path": 641}
+MAX_LINES_READ = {"The token path": 809, "The weight path": 642}
 HOPS_BLOCK = re.compile(r"^```hops\n(.*?)^```$", flags=re.MULTILINE | re.DOTALL)
 
 # A whole backtick span: a repository-relative .py path, optionally ':' and a dotted name defined in it.

@@ -23,7 +23,8 @@ tensor of unknown layout whole — and the buckets are one reused buffer (the la
 Buckets, slices and a delta's decoded tensors are staged within one device arena per worker of the plan's
 `arena_bytes` (vllm_patches/arenas.py), reserved with the rest of the peak; what a worker keeps of the live version —
 `low`'s rollback source of a failed in-place commit, a delta's base — stays there until the next update begins, which
-first copies it into one host arena (pinned on CUDA: `host_arena_bytes`, 1x) and then stages over it. Whether deltas
+first copies it into one host arena (pinned on CUDA: `host_arena_bytes`, 1x; with `low`'s copies, which keep the
+kernel format, 1x and one layer) and then stages over it. Whether deltas
 come is the learner's to say (`Agreed.full_every`, `plans_deltas`).
 """
 
@@ -111,8 +112,12 @@ class StagingPlan:
     @property
     def host_arena_bytes(self) -> int:
         """The worker's host arena: the whole tensors (or slices) of the live version it keeps, whatever the mode (it
-        is made only once something is kept: `low`'s rollback source, a delta's base)."""
-        return self.weight_bytes + self.tensors * ARENA_BYTES_PER_TENSOR + ALIGN
+        is made only once something is kept: `low`'s rollback source, a delta's base). `low`'s copies keep the kernel
+        format, which the device arena lets outgrow the checkpoint's by its layer's room (`arena_bytes`): the host
+        arena has the same room, so whatever was committed can be kept (else every next update would be refused)."""
+        slack = self.tensors * ARENA_BYTES_PER_TENSOR + ALIGN
+        kernel = self.layer_bytes + slack if self.copy_commit and self.update_memory == "low" else 0
+        return self.weight_bytes + slack + kernel
 
     @property
     def host_bytes(self) -> int:

@@ -89,14 +89,17 @@ class StagedSignals:
         self._decoder = msgspec.msgpack.Decoder(StagedSignal)
 
     async def wait(self, ticket: int, workers: int, timeout_s: float) -> list[StageStatus]:
-        """Every worker's final status for the update begun under `ticket`, by worker rank, or as soon as one worker
-        failed, that worker's alone; raises TimeoutError naming what arrived when not all `workers` signalled within
-        `timeout_s` seconds."""
+        """Every worker's final status for the update begun under `ticket`, by rank; a failure once the others ended too
+        (they may still be preparing it: the next begin would be refused there) or alone at the deadline, a refusal at
+        once (its rank takes no part); raises TimeoutError naming what arrived if not all signalled in `timeout_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         arrived: dict[int, StageStatus] = {}
         while len(arrived) < workers:
             remaining = deadline - loop.time()
+            failed = [s for s in arrived.values() if s.state == "failed"]
+            if failed and (failed[0].refused or remaining <= 0):
+                return failed[:1]
             if remaining <= 0:
                 raise TimeoutError(f"{len(arrived)} of {workers} workers signalled staged within {timeout_s:.0f}s")
             try:
@@ -106,8 +109,6 @@ class StagedSignals:
             signal = self._decode(frame)
             if signal is None or signal.ticket != ticket:
                 continue  # a late signal of an update the engine gave up on
-            if signal.status.state == "failed":
-                return [signal.status]  # the update cannot commit: no need to wait for the other workers
             arrived[signal.worker] = signal.status
         return [arrived[rank] for rank in sorted(arrived)]
 

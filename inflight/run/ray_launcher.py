@@ -175,19 +175,44 @@ def connect(ray, cfg: RunConfig) -> str:
     # that starts them (ray_system_cores says where and why). Each side's process then pins itself to its own cores,
     # and each actor puts its side back in the normal class (inflight/run/ray_actor.py:normal_priority).
     os.sched_setaffinity(0, system)
-    if idle:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     # its workers, which host the sides, at normal priority (Ray's default is nice 15: inflight/run/ray_actor.py:
     # normal_priority says what that costs a serve)
     os.environ.setdefault("RAY_worker_niceness", "0")
     try:
-        # "local": a new Ray, never a cluster that appeared since find_cluster looked (num_cpus would be refused)
+        # "local": a new Ray, never a cluster that appeared since find_cluster looked (num_cpus would be refused).
+        # Started in the normal class and moved to the idle one once up: Ray gives its raylet a fixed 30 s to
+        # register, which an idle-class start on busy cores missed (ray/_private/node.py, "timed out during startup").
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, **common)
     finally:
-        if idle:
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         os.sched_setaffinity(0, mine)
-    return f"Ray: started a local Ray for this run ({cpus} CPUs), stopped with it"
+    moved = into_idle_class(psutil_children(os.getpid())) if idle else 0
+    idle_class = f"; {moved} threads of its processes in the idle class" if idle else ""
+    return f"Ray: started a local Ray for this run ({cpus} CPUs{idle_class}), stopped with it"
+
+
+def psutil_children(pid: int) -> list[int]:
+    """Every descendant of `pid` (a local Ray's GCS, raylet, agents and prestarted workers: the sides start later)."""
+    import psutil  # a dependency of Ray's own
+
+    return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+
+
+def into_idle_class(pids: list[int]) -> int:
+    """Move every thread of `pids` into the idle scheduling class (Linux applies a policy per thread, and the threads
+    and processes they start later inherit it); how many threads moved. One that exited meanwhile is skipped."""
+    moved = 0
+    for pid in pids:
+        try:
+            threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except FileNotFoundError:
+            continue
+        for tid in threads:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                moved += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+    return moved
 
 
 def ray_system_cores(mine: list[int], serve_cores: list[int] | None, idle_class: bool) -> list[int]:

@@ -25,6 +25,8 @@ import psutil
 import pytest
 from serve_support import TEST_KV_GIB, ServeProcess
 
+from inflight.run.ray_launcher import may_leave_idle_class
+
 TESTS = Path(__file__).parent
 TIMEOUT_S = 10  # the learner's --timeout-s: how long a weights collective waits on a dead serve
 SERVE_ARGS = f"--progress-s 1 --max-inflight 16 --kv-cache-gib {TEST_KV_GIB} --reward serve_rewards:text_length"
@@ -168,6 +170,9 @@ def test_with_a_ray_start_cluster_running_an_unset_or_auto_address_joins_it_and_
 def test_local_starts_a_ray_of_the_runs_own_beside_a_running_cluster_and_stops_only_that_one(tmp_path, ray_started):
     out = refused_beside(ray_started, tmp_path / "run", "--serve-gpus", "0", "--learn-gpus", "1,2", address="local")
     assert "Ray: started a local Ray for this run" in out and "joined" not in out
+    if may_leave_idle_class():  # started in the normal class, then moved (into_idle_class, below)
+        moved = re.search(r"; (\d+) threads of its processes in the idle class\), stopped with it", out)
+        assert moved and int(moved[1]) > 10, out  # a GCS and a raylet run dozens
 
 
 def test_auto_with_no_ray_running_is_refused_naming_the_three_fixes(tmp_path):
@@ -391,6 +396,39 @@ def test_a_local_rays_own_processes_run_idle_class_on_the_serves_cores_or_normal
     assert ray_system_cores([0, 1, 2, 3], [0, 1], idle_class=False) == [2, 3]
     assert ray_system_cores([0, 1], None, idle_class=False) == [0, 1]
     assert ray_system_cores([0], [0], idle_class=False) == [0]  # one core: nowhere else to go
+
+
+def test_a_started_rays_processes_move_into_the_idle_class_every_thread_and_what_they_start_later():
+    """A local Ray starts in the normal class (its raylet has a fixed 30 s to register, which an idle-class start on
+    busy cores missed) and is then moved: every thread of a real process with a thread and a child of its own, and a
+    process each of them starts afterwards, runs in SCHED_IDLE."""
+    from inflight.run.ray_launcher import into_idle_class, psutil_children
+
+    code = (
+        "import os, subprocess, sys, threading, time\n"
+        "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('up', flush=True); sys.stdin.readline()\n"
+        "probe = [sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))']\n"
+        "print(subprocess.run(probe, capture_output=True, text=True).stdout.strip(), flush=True)\n"
+        "kid.kill()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        pids = [proc.pid, *psutil_children(proc.pid)]
+        tids = [(pid, int(tid)) for pid in pids for tid in os.listdir(f"/proc/{pid}/task")]
+        assert len(pids) == 2 and len(tids) >= 3, "the process, its thread and its child"
+        assert all(os.sched_getscheduler(tid) == os.SCHED_OTHER for _, tid in tids)
+        assert into_idle_class(pids) == len(tids)
+        assert all(os.sched_getscheduler(tid) == os.SCHED_IDLE for _, tid in tids)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert int(proc.stdout.readline()) == os.SCHED_IDLE, "a process started later inherits the idle class"
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert into_idle_class([proc.pid]) == 0, "a process that exited is skipped"
 
 
 def test_the_idle_class_is_used_only_where_a_thread_may_leave_it_again(monkeypatch):

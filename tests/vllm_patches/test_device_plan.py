@@ -162,7 +162,8 @@ def test_pinned_host_memory_is_planned_for_every_commit_that_writes_into_the_liv
 def test_lows_copies_are_planned_in_the_device_arena_as_one_layer_beside_the_update_and_doubles_as_a_second_copy():
     """`low`'s copies are prepared over the staged tensors (vllm_patches/arenas.py:ReusingTail): the arena holds the
     update and its largest layer, the layer the in-place reload would materialise on the engine's stream, so the peak
-    is `low`'s either way; `double`'s copy commit prepares beside them: another 1x. Sliced staging adds its buffer."""
+    is `low`'s either way; `double`'s copy commit prepares beside them: another 1x. Sliced staging adds its buffer.
+    The host arena keeps the kernel format of low's copies: one layer's room more."""
     from vllm_patches.arenas import ALIGN
     from vllm_patches.device_plan import ARENA_BYTES_PER_TENSOR, WeightSizes, staging_plan
 
@@ -172,8 +173,11 @@ def test_lows_copies_are_planned_in_the_device_arena_as_one_layer_beside_the_upd
     assert reload.arena_bytes == TWO_B_BF16 + slack
     assert copies.arena_bytes == TWO_B_BF16 + slack + (300 << 20) + slack
     assert copies.peak_bytes == reload.peak_bytes and copies.host_bytes == reload.host_bytes == TWO_B_BF16
+    # what low's copies keep is the kernel format, which may outgrow the checkpoint's by the layer's room: the host
+    # arena that keeps it between updates has the same room (else StagingArenas.hold would refuse every next update)
+    assert copies.host_arena_bytes == reload.host_arena_bytes + (300 << 20) + slack
     double = staging_plan(sizes, "double", False, 0, copy_commit=True)
-    assert double.arena_bytes == 2 * (TWO_B_BF16 + slack)
+    assert double.arena_bytes == 2 * (TWO_B_BF16 + slack) and double.host_arena_bytes == reload.host_arena_bytes
     sliced = staging_plan(sizes, "low", False, 0, bucket_bytes=64 << 20, copy_commit=True)
     assert sliced.arena_bytes == (64 << 20) + TWO_B_BF16 + slack + (300 << 20) + slack
 

@@ -63,11 +63,35 @@ def test_the_engine_waits_for_every_worker_and_drops_the_signal_of_an_update_it_
     assert time.monotonic() - start < 5, "the wait ends when the last worker signals, not at the timeout"
 
 
-def test_one_failed_worker_ends_the_wait_at_once_with_its_error(channel):
-    loop, signals, (w0, _) = channel
-    announce_later(w0, [(3, a_status("failed", error="ManifestError: w: checksum mismatch"))])
+def test_a_failed_worker_ends_the_wait_with_its_error_once_the_other_worker_ended_too(channel):
+    """The other rank is still preparing the update that failed on one (test_tensor_parallel_faults.py): the error
+    returns when it ends, so the next update's begin finds both ranks idle."""
+    loop, signals, (w0, w1) = channel
+    announce_later(w0, [(3, a_status("failed", error="ManifestError: w: checksum mismatch"))], delay_s=0.0)
+    announce_later(w1, [(3, a_status())], delay_s=0.6)
+    start = time.monotonic()
     statuses = loop.run_until_complete(signals.wait(ticket=3, workers=2, timeout_s=10))
+    waited = time.monotonic() - start
+    failed = ("failed", "ManifestError: w: checksum mismatch")
+    assert [(s.state, s.error) for s in statuses] == [failed, ("staged", None)]
+    assert 0.5 < waited < 5, f"the wait must end with the last worker's signal, not before nor at the timeout: {waited}"
+
+
+def test_a_failure_whose_other_worker_never_ends_is_returned_at_the_deadline_not_as_a_timeout(channel):
+    loop, signals, (w0, _) = channel
+    announce_later(w0, [(5, a_status("failed", error="ManifestError: w: checksum mismatch"))], delay_s=0.0)
+    statuses = loop.run_until_complete(signals.wait(ticket=5, workers=2, timeout_s=1))
     assert [(s.state, s.error) for s in statuses] == [("failed", "ManifestError: w: checksum mismatch")]
+
+
+def test_a_refusal_ends_the_wait_at_once_for_the_refusing_rank_takes_no_part_in_the_transfer(channel):
+    loop, signals, (w0, _) = channel
+    refused = a_status("failed", error="ArenaFull: 3 GiB do not fit")
+    refused.refused = True
+    announce_later(w0, [(6, refused)], delay_s=0.0)
+    start = time.monotonic()
+    statuses = loop.run_until_complete(signals.wait(ticket=6, workers=2, timeout_s=10))
+    assert [s.refused for s in statuses] == [True] and time.monotonic() - start < 5
 
 
 def test_a_wait_with_no_signal_times_out_naming_how_many_workers_signalled(channel):

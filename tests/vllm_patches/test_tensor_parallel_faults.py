@@ -14,6 +14,7 @@ from support import Sender, as_float32, greedy, load_state, perturbed_checkpoint
 from test_swap_exact import assert_same_outputs
 from transformers import AutoTokenizer
 
+from vllm_patches.rpc import StageStatus, rpc_result
 from vllm_patches.update_enginecore import RANKS_SPLIT
 from vllm_patches.update_frontend import UpdateError
 
@@ -27,6 +28,11 @@ TP = 2
 
 def live_versions(loop, engine) -> list[int]:
     return loop.run_until_complete(engine.llm.collective_rpc("inflight_live_version"))
+
+
+def stage_statuses(loop, engine) -> list[StageStatus]:
+    statuses = loop.run_until_complete(engine.llm.collective_rpc("inflight_update_status"))
+    return rpc_result(statuses, list[StageStatus], "inflight_update_status")
 
 
 @pytest.mark.parametrize(
@@ -76,6 +82,8 @@ def test_a_commit_that_fails_on_one_rank_leaves_both_ranks_on_the_previous_weigh
         # commit (double), or in rank 1's commit, rolled back on both (low) — and the weights are untouched.
         with pytest.raises(UpdateError, match=r"vLLM's loader narrows .* not the one resolved"):
             loop.run_until_complete(sender.push(engine, b, 2))
+        # reported once rank 0 ended too (it was still preparing v2), so the next update's begin finds both idle
+        assert "receiving" not in {s.state for s in stage_statuses(loop, engine)}
         assert engine.version == 0 and live_versions(loop, engine) == [0, 0], "a wrong slice must not commit"
         after = loop.run_until_complete(greedy(engine, tok, tag="a-after-wrong-slice"))
         assert_same_outputs(after, before, f"{name} ({update_memory}) after a wrong slice on rank 1 vs before")
