@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import random
 import shlex
 import signal
 import socket
@@ -32,18 +33,43 @@ _PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITI
 LEARN_AUTOCAST = {"auto": "auto", "float32": "none", "bfloat16": "bfloat16"}
 
 
+LOWEST_FREE_PORT = 10_000  # free_ports draws from here up to the kernel's ephemeral range: above the common services
+
+
 def free_ports(n: int, host: str) -> list[int]:
-    """`n` ports free on `host` now (closed again: the side binds them right after)."""
-    socks = []
+    """`n` distinct ports free on `host` now (closed again: the side binds them seconds later). Drawn at random below
+    the kernel's ephemeral range, not with bind(port 0): that range is where every bind(0) and every outgoing
+    connection takes its port, so a port handed out there and released is soon taken again (a learner found its store
+    port so, bound by another run's process while it loaded its model). A range too narrow to draw from: bind(0)."""
+    low = ephemeral_range_low()
+    pool = range(LOWEST_FREE_PORT, low) if low - LOWEST_FREE_PORT >= 1000 else None
+    rng = random.Random()  # its own generator: a seeded global one would draw the same ports in every run
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(100 * n):
+            if len(socks) == n:
+                break
             s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
+            try:
+                s.bind((host, rng.choice(pool) if pool is not None else 0))
+                socks.append(s)
+            except OSError:  # in use (or in TIME_WAIT): draw another
+                s.close()
+        if len(socks) < n:
+            raise OSError(f"found {len(socks)} of {n} free ports on {host} in {pool}: free some, or set --port-base")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def ephemeral_range_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range); 0 where it is
+    not known, so that free_ports falls back to bind(0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def side_commands(

@@ -15,7 +15,6 @@ import os
 import re
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import psutil
 import pytest
 from serve_support import TEST_KV_GIB, ServeProcess
 
+from inflight.run.launch import free_ports
 from inflight.run.ray_launcher import may_leave_idle_class
 
 TESTS = Path(__file__).parent
@@ -142,9 +142,7 @@ def ray_started():
     if ray_processes():
         pytest.skip("a Ray already runs on this machine: plain ray.init() would join it, not the one started here")
     ray_cli = str(Path(sys.executable).parent / "ray")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1, "127.0.0.1")[0]
     start = [ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "1",
              "--include-dashboard", "false", "--disable-usage-stats"]  # fmt: skip
     sides_before = {p.pid for p in side_processes()}  # a serve running beside this test is not this test's

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import socket
 import time
 from collections import defaultdict
 
@@ -12,6 +11,7 @@ import msgspec
 import pytest
 from serve_support import ServeProcess
 
+from inflight.run.launch import free_ports
 from inflight.wire.control import CONTROL_SCHEMA, Agreed, Ask, ControlServer, Hello, Progress, Status
 from inflight.wire.rollouts import RolloutReceiver
 
@@ -67,9 +67,7 @@ class LearnerSide:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1, "127.0.0.1")[0]  # the run's own draw: below the ports bind(0) and connections take again
 
 
 @pytest.fixture(scope="module")

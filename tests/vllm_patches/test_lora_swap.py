@@ -19,6 +19,7 @@ from test_swap_exact import assert_same_outputs
 from transformers import AutoTokenizer
 from vllm import SamplingParams
 
+from inflight.run.launch import free_ports
 from inflight.wire.weights import AdapterSpec, plan_manifest
 from vllm_patches.adapter import ServedAdapter
 from vllm_patches.device_plan import checkpoint_weight_bytes
@@ -174,7 +175,6 @@ def test_a_generation_across_two_adapter_commits_has_each_adapters_own_tokens_se
 
 
 def test_the_openai_api_answers_with_the_live_adapter_under_the_base_name_and_the_adapters(lora_env, loop):
-    import socket
 
     import httpx
 
@@ -183,9 +183,7 @@ def test_the_openai_api_answers_with_the_live_adapter_under_the_base_name_and_th
     env, engine = lora_env, lora_env["engine"]
     if env["base"].name != "tiny-qwen2":
         pytest.skip("the API's adapter naming does not depend on the model: run once, on the fastest")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1, "127.0.0.1")[0]
     prompt = env["prompt"][:24]
 
     async def ask_both() -> tuple[list[str], str]:
