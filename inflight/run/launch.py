@@ -33,7 +33,9 @@ _PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITI
 LEARN_AUTOCAST = {"auto": "auto", "float32": "none", "bfloat16": "bfloat16"}
 
 
-LOWEST_FREE_PORT = 10_000  # free_ports draws from here up to the kernel's ephemeral range: above the common services
+# free_ports draws from here up to the kernel's ephemeral range: above the common services and Ray's worker ports
+# (10002-19999 by default), which its raylet hands out without asking whether they are free
+LOWEST_FREE_PORT = 20_000
 
 
 def free_ports(n: int, host: str) -> list[int]:
