@@ -144,8 +144,10 @@ def as_float32(state: dict) -> dict:
 
 
 def start_engine(loop, model_dir, **overrides):
+    from engine_processes import install
     from vllm_patches.engine import EngineConfig, InflightEngine
 
+    install()  # EngineCore forked from a preloaded forkserver (tests/engine_processes.py)
     cfg = EngineConfig(model=str(model_dir), **{**TEST_ENGINE, **overrides})
     return loop.run_until_complete(InflightEngine.start(cfg))
 
