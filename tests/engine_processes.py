@@ -29,7 +29,9 @@ def _run_with_parent_env(env: dict, cwd: str, target, kwargs: dict) -> None:
     """In the forked EngineCore: take the starting process's environment and directory, then run vLLM's target."""
     preloaded = sorted(name for name in sys.modules if name.split(".")[0] == "vllm_patches")
     if preloaded:
-        raise RuntimeError(f"the EngineCore forkserver preloaded {preloaded}: they would read its environment, not the test's")
+        raise RuntimeError(
+            f"the EngineCore forkserver preloaded {preloaded}: they would read its environment, not the test's"
+        )
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -145,6 +145,7 @@ def as_float32(state: dict) -> dict:
 
 def start_engine(loop, model_dir, **overrides):
     from engine_processes import install
+
     from vllm_patches.engine import EngineConfig, InflightEngine
 
     install()  # EngineCore forked from a preloaded forkserver (tests/engine_processes.py)
