@@ -4,6 +4,7 @@ the two stand-ins the in-process episode tests share (a recording engine wrapper
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,9 @@ TEST_KV_GIB = 0.25
 SERVE_DEFAULTS = ["--progress-s", "1", "--kv-cache-gib", str(TEST_KV_GIB), "--dtype", "float32"]
 MODULE_DEFAULTS = {"inflight.serve": SERVE_DEFAULTS, "inflight.learn": ["--autocast", "none"],
                    "inflight.run": ["--dtype", "float32"]}  # fmt: skip
+
+
+PROGRESS_LINE = re.compile(r"\] v-?\d+ \| [\d.]+ tok/s \| inflight \d+ \|")  # inflight/serve/progress.py's line
 
 
 class ServeProcess:
@@ -66,7 +70,11 @@ class ServeProcess:
         return sum(text in line for line in self.lines)
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.lines[-n:])
+        """The last `n` lines, the periodic progress lines ("... tok/s | ...") kept only among the last 5: a serve
+        stuck for minutes prints nothing else, and the error that stuck it came before them."""
+        recent = len(self.lines) - 5
+        kept = [line for i, line in enumerate(self.lines) if i >= recent or not PROGRESS_LINE.search(line)]
+        return "\n".join(kept[-n:])
 
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:

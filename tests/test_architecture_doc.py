@@ -124,8 +124,10 @@ GATES = {
 # inflight/learn/app.py:broadcast_samples waits for it on the other ranks); both rose (from 799 and 636) when the
 # learner's resolved --autocast became train_step's argument, no longer a second declaration in TrainConfig (issue 39);
 # the weight path's from 640 with the one line by which the preparer hands its tensors to the arena's tail (issue 40:
-# `low`'s layers prepared over the staged tensors they replace, vllm_patches/arenas.py:ReusingTail)
-MAX_LINES_READ = {"The token path": 809, "The weight path": 642}
+# `low`'s layers prepared over the staged tensors they replace, vllm_patches/arenas.py:ReusingTail); the token path's
+# from 809 with the two lines by which a group the engine fails is counted and frees its admission slot
+# (inflight/serve/driver.py:failed; before, it held the slot for good and the serve idled at 0 tok/s, saying nothing)
+MAX_LINES_READ = {"The token path": 811, "The weight path": 642}
 HOPS_BLOCK = re.compile(r"^```hops\n(.*?)^```$", flags=re.MULTILINE | re.DOTALL)
 
 # A whole backtick span: a repository-relative .py path, optionally ':' and a dotted name defined in it.

@@ -301,6 +301,12 @@ class InflightEngine:
         return await self.updates.run(manifest_bytes, mode, kv, timeout_s)
 
     @property
+    def dead(self) -> bool:
+        """vLLM's EngineCore died (its process monitor saw it go, or its output handler failed): every request fails
+        from now on (AsyncLLM.errored)."""
+        return self.llm.errored
+
+    @property
     def tokens_generated(self) -> int:
         return self.generation.tokens_generated
 

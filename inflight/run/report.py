@@ -170,6 +170,8 @@ def why_no_step(last: ServeProgress | None) -> str:
         return "the serve wrote no progress line (it never started generating: see serve.log)"
     if last.rollouts_sent:
         return f"the serve sent {last.rollouts_sent} rollouts, not yet a whole step's groups (see learn.log)"
+    if last.groups_failed:
+        return f"the serve sent no rollout: {last.groups_failed} groups failed, the last with {last.last_failure}"
     if last.groups_dropped:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(last.env_error_kinds.items(), key=lambda kv: -kv[1]))
         return (

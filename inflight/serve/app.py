@@ -279,6 +279,7 @@ async def _run(
             ("heartbeat", control.heartbeat()),
             ("progress", reporter.run()),
             ("finished", _finished(cfg, driver, stream)),
+            ("engine", _engine_alive(driver.engine)),
         )
     ]
     stopper = asyncio.create_task(stop.wait())
@@ -298,6 +299,14 @@ async def _run(
         task.cancel()
     await asyncio.gather(*tasks, stopper, return_exceptions=True)
     return code
+
+
+async def _engine_alive(engine: InflightEngine, every_s: float = 0.5) -> None:
+    """Raises once vLLM's EngineCore has died, so the serve exits 1 (for its launcher to restart it) instead of
+    failing every group it admits from then on."""
+    while not engine.dead:
+        await asyncio.sleep(every_s)
+    raise RuntimeError("vLLM's EngineCore died (its error is above); this serve cannot generate any more")
 
 
 async def _finished(cfg: ServeConfig, driver: RolloutDriver, stream: RolloutStream) -> None:

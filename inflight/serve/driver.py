@@ -48,6 +48,8 @@ class DriverStats:
     groups_admitted: int = 0
     groups_finished: int = 0  # scored and handed to the stream, or dropped
     groups_dropped: int = 0  # dropped for an episode with no sampled token (`dropped`): never sent, never trained
+    groups_failed: int = 0  # ended by an error of the engine or the serve's own code (`failed`): never sent either
+    last_failure: str = ""  # the latest of those errors, "Type: message", for the progress line
     requests_inflight: int = 0  # admitted and not finished generating
     samples_open: int = 0  # admitted and not yet handed to the rollout stream (generating, waiting on a tool, scoring)
     reward_errors: int = 0  # reward calls that failed (their samples scored 0.0): inflight/tasks/rewards.py
@@ -93,7 +95,6 @@ class Admission:
     def __init__(self, cfg: ServeConfig, engine: VersionedEngine, stats: DriverStats):
         self.cfg, self.engine, self.stats = cfg, engine, stats
         self.groups_consumed = 0
-        self.groups_dropped = 0  # never sent, so never consumed: not ahead of the learner either
         # None: waiting for the learner's first Progress (--wait-for-learner); then the version to have committed.
         self.required_version: int | None = None if cfg.wait_for_learner else cfg.version
         self._version_admitted = 0  # the engine version the last group was admitted under: blocking mode's gate
@@ -107,7 +108,8 @@ class Admission:
             return False
         if self.stats.requests_inflight + n > cfg.max_inflight or outstanding + n > cfg.max_outstanding:
             return False
-        ahead = self.stats.groups_admitted - self.stats.groups_dropped - self.groups_consumed
+        never_sent = self.stats.groups_dropped + self.stats.groups_failed  # so never consumed: not ahead of it
+        ahead = self.stats.groups_admitted - never_sent - self.groups_consumed
         if cfg.admit_lag >= 0 and ahead >= (cfg.admit_lag + 1) * cfg.groups_per_step:
             return False
         return not (
@@ -117,8 +119,8 @@ class Admission:
         )
 
     def dropped(self) -> None:
-        """A group admitted under the current version was dropped: blocking mode admits another in its place (the
-        learner will not train on it, so no update would ever free its slot)."""
+        """A group admitted under the current version was dropped or failed: blocking mode admits another in its
+        place (the learner will not train on it, so no update would ever free its slot)."""
         if self._version_admitted == self.engine.version:
             self._admitted_under_it = max(0, self._admitted_under_it - 1)
 
@@ -217,9 +219,7 @@ class RolloutDriver:
             await asyncio.sleep(0)  # let the group submit its requests before admitting the next
 
     def _group_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("group failed: %r", task.exception())
+        self._tasks.discard(task)  # a group's failure was counted by the group itself (`failed`)
         self.notify()
 
     async def wait_idle(self) -> None:
@@ -246,6 +246,8 @@ class RolloutDriver:
                 record = rollout_record(self.cfg, self.server_id, group_id, index, problem, ep, reward)
                 self.stream.offer(encode_rollout(record), group_id)
             self.stats.groups_finished += 1
+        except Exception as exc:  # noqa: BLE001 - counted, logged and shown; the serve goes on with other groups
+            failed(self.stats, group_id, exc, self.admission)
         finally:
             self.stats.samples_open -= n
             self.notify()
@@ -297,6 +299,17 @@ def dropped(stats: DriverStats, group_id: str, episodes: list[Episode], admissio
     what = f"{len(empty)} of its {len(episodes)} episodes ended with no sampled token (nothing to train)"
     log.warning("group %s dropped: %s: %s", group_id, what, why)
     return True
+
+
+def failed(stats: DriverStats, group_id: str, exc: Exception, admission: Admission) -> None:
+    """A group ended by an error that is not its environment's (`EpisodeRunner.run` re-raises the engine's): counted,
+    logged with its traceback and shown on the progress line. Like a dropped group it is never sent, so it frees its
+    admission slot: a serve whose every group fails keeps saying why instead of idling at 0 tok/s."""
+    stats.groups_failed += 1
+    stats.groups_finished += 1
+    stats.last_failure = f"{type(exc).__name__}: {exc}"
+    admission.dropped()
+    log.error("group %s failed (never sent): %s", group_id, stats.last_failure, exc_info=exc)
 
 
 def prompt_token_ids(tokenizer, problem: Problem) -> list[int]:

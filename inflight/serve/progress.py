@@ -67,6 +67,8 @@ class ProgressReporter:
             env_error_kinds=dict(d.stats.env_error_kinds),
             groups_dropped=d.stats.groups_dropped,
             untrained_episodes=d.stats.untrained_episodes,
+            groups_failed=d.stats.groups_failed,
+            last_failure=d.stats.last_failure,
             updates_refused=d.engine.updates_refused,
         )
 
@@ -107,7 +109,7 @@ class ProgressReporter:
                 f"[serve {s.server_id}] v{s.version} | {s.tokens_per_s:.1f} tok/s | inflight {s.inflight}"
                 f" | outbox {s.outbox} | sent {s.rollouts_sent} | groups {s.groups_admitted}"
                 f" (consumed {s.groups_consumed}) | reward {s.mean_reward:.3f}{_each(s.reward_means)}"
-                f"{f' | reward errors {s.reward_errors}' if s.reward_errors else ''}{_episodes(s)}"
+                f"{f' | reward errors {s.reward_errors}' if s.reward_errors else ''}{_episodes(s)}{_failed(s)}"
             )
             print(line, file=sys.stderr, flush=True)
 
@@ -134,6 +136,11 @@ def _episodes(s: ServeProgress) -> str:
         f" | turns {per_episode:.2f}/episode | env tokens {share:.0%}{errors or ' | env errors 0'}"
         f" | tool errors {s.tool_errors}{dropped}"
     )
+
+
+def _failed(s: ServeProgress) -> str:
+    """ " | failed 4 groups (last: VersionSpanError: ...)" once the engine or the serve failed a group."""
+    return f" | failed {s.groups_failed} groups (last: {s.last_failure[:200]})" if s.groups_failed else ""
 
 
 def _kinds(kinds: dict[str, int]) -> str:

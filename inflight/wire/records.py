@@ -143,6 +143,10 @@ class ServeProgress(
     # inflight/serve/driver.py:dropped), and those episodes
     groups_dropped: int = 0
     untrained_episodes: int = 0
+    # Groups never sent because the engine or the serve failed them (inflight/serve/driver.py:failed), and the last
+    # such error ("Type: message")
+    groups_failed: int = 0
+    last_failure: str = ""
     # Weight updates a worker refused because they did not fit its staging arena (the plan's bytes); decoding went on
     updates_refused: int = 0
 

@@ -90,8 +90,8 @@ def make_driver(engine, model_dirs, env, problems, **overrides):
     from inflight.serve.driver import RolloutDriver
 
     model = model_dirs["tiny-qwen2"]
-    cfg = ServeConfig(model=str(model), wait_for_learner=False, admit_lag=-1, max_tokens=5,
-                      **{"group_size": 2, "max_groups": 1, "max_turns": 3, **overrides})  # fmt: skip
+    cfg = ServeConfig(model=str(model), wait_for_learner=False, max_tokens=5,
+                      **{"admit_lag": -1, "group_size": 2, "max_groups": 1, "max_turns": 3, **overrides})  # fmt: skip
     cfg.validate()
     return RolloutDriver(engine, cfg, problems, [], Outbox(), AutoTokenizer.from_pretrained(model), env=env)
 
@@ -271,3 +271,34 @@ def test_an_environment_that_raises_hangs_or_answers_garbage_ends_its_episode_co
     assert stats.env_error_kinds["TimeoutError in step"] == 1 and stats.env_error_kinds["RuntimeError in step"] == 1
     assert "took longer than --env-timeout-s" in caplog.text and "expected inflight.envs.base.Feedback" in caplog.text
     assert "dropped: 1 of its 1 episodes ended with no sampled token (nothing to train): no such task" in caplog.text
+
+
+class RejectsTheFirstGroup(Recording):
+    """The real engine, handed a token id outside the vocabulary for the first group's requests: vLLM rejects them."""
+
+    async def generate(self, prompt_ids, params, request_id):
+        if "-g0-" in request_id:
+            prompt_ids = [*prompt_ids, 10**9]
+        return await super().generate(prompt_ids, params, request_id)
+
+
+def test_a_group_the_engine_fails_is_counted_shown_and_frees_its_admission_slot_for_the_next(
+    loop, engine, model_dirs, caplog
+):
+    from record_factories import a_progress
+
+    from inflight.serve.progress import _failed
+
+    caplog.set_level(logging.ERROR, logger="inflight.serve")
+    problems = iter([Problem("p0", "one, two", 3), Problem("p1", "three, four", 7)])
+    # admit_lag 0: the second group waits until the first is consumed, which a failed group never is
+    driver = make_driver(RejectsTheFirstGroup(engine), model_dirs, ThreeTurns(), problems, max_groups=2,
+                         admit_lag=0, groups_per_step=1, max_turns=1)  # fmt: skip
+    loop.run_until_complete(run_until_finished(driver))
+    stats = driver.stats
+    assert (stats.groups_failed, stats.groups_finished, stats.groups_dropped) == (1, 2, 0)
+    assert [r.problem_id for r in driver.stream.records] == ["p1", "p1"], "the next group ran and was sent"
+    assert "vocab" in stats.last_failure.lower(), stats.last_failure
+    assert "failed (never sent)" in caplog.text and "Traceback" in caplog.text
+    line = _failed(a_progress(groups_failed=1, last_failure=stats.last_failure))
+    assert line.startswith(" | failed 1 groups (last: ") and _failed(a_progress()) == ""

@@ -132,6 +132,7 @@ def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
     stats = SimpleNamespace(rollouts_made=8, requests_inflight=2, groups_admitted=3, rewards_sum=2.0, reward_errors=1,
                             reward_means=RewardMeans(), turns=11, env_s=2.5, env_errors=1, tool_errors=2,
                             env_tokens=30, policy_tokens=90, groups_dropped=1, untrained_episodes=2,
+                            groups_failed=1, last_failure="ValueError: out of vocabulary",
                             env_error_kinds={"timeout before the first model call": 3})  # fmt: skip
     driver = SimpleNamespace(engine=engine, server_id="s@1", groups_consumed=2, stream=stream, stats=stats)
     reporter = ProgressReporter(driver, str(tmp_path / "serve.jsonl"), 5.0)
@@ -142,6 +143,7 @@ def test_the_serves_progress_and_update_lines_are_their_records(tmp_path):
     assert progress.tokens == 40 and progress.outbox == 1 and progress.mean_reward == 0.25 and progress.version == 3
     assert (progress.turns, progress.env_tokens, progress.env_errors, progress.tool_errors) == (11, 30, 1, 2)
     assert (progress.groups_dropped, progress.untrained_episodes) == (1, 2)
+    assert (progress.groups_failed, progress.last_failure) == (1, "ValueError: out of vocabulary")
     assert progress.env_error_kinds == {"timeout before the first model call": 3}
     assert update == an_update(time=update.time, server_id="s@1", version=4, receive_s=0.0)
     events = [json.loads(line)["event"] for line in (tmp_path / "serve.jsonl").read_text().splitlines()]

@@ -149,3 +149,10 @@ def test_a_run_that_trained_no_step_says_so_and_why_from_the_serves_counts_inste
     assert row == f"| never-stop | 0 | no step trained: {why} |" and "nan" not in row
     (tmp_path / "r" / "serve-metrics.jsonl").unlink()
     assert "the serve wrote no progress line" in compute_summary(tmp_path / "r")["no_step_trained"]
+
+
+def test_a_run_whose_groups_the_engine_failed_says_so_with_the_last_error(tmp_path):
+    error = "ValueError: Token id 1000000000 is out of vocabulary"
+    write_run(tmp_path / "r", [], [], [a_progress(time=160.0, groups_admitted=4, groups_failed=4, last_failure=error)])
+    why = f"the serve sent no rollout: 4 groups failed, the last with {error}"
+    assert write_report(tmp_path / "r")["no_step_trained"] == why

@@ -211,3 +211,26 @@ def test_backpressure_bounds_outstanding_work_and_delivers_every_rollout_once(mo
         assert serve.proc.returncode == 0, serve.tail()
     finally:
         serve.stop()
+
+
+def test_a_serve_whose_engine_core_dies_exits_1_saying_so_instead_of_failing_every_group(model_dirs):
+    import psutil
+
+    side = LearnerSide()
+    serve = ServeProcess([
+        "--model", str(model_dirs["tiny-llama"]), "--rollouts", side.rx.address, "--control", side.ctl.address,
+        "--group-size", str(GROUP), "--max-tokens", "8", "--admit-lag", "-1",
+    ])  # fmt: skip
+    try:
+        serve.wait_for("inflight.serve ready")
+        side.pump_until(lambda: len(side.complete_groups()) >= 1)
+        engine = psutil.Process(serve.proc.pid).children(recursive=True)
+        (core,) = [p for p in engine if "EngineCore" in " ".join(p.cmdline())]
+        core.kill()
+        deadline = time.monotonic() + 60
+        while serve.proc.poll() is None and time.monotonic() < deadline:
+            side.pump(0.5)
+    finally:
+        serve.stop()
+    assert serve.proc.returncode == 1, serve.tail()
+    assert serve.count("vLLM's EngineCore died") == 1, serve.tail()
