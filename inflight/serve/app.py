@@ -279,7 +279,7 @@ async def _run(
             ("heartbeat", control.heartbeat()),
             ("progress", reporter.run()),
             ("finished", _finished(cfg, driver, stream)),
-            ("engine", _engine_alive(driver.engine)),
+            ("health", _healthy(driver)),
         )
     ]
     stopper = asyncio.create_task(stop.wait())
@@ -301,12 +301,18 @@ async def _run(
     return code
 
 
-async def _engine_alive(engine: InflightEngine, every_s: float = 0.5) -> None:
-    """Raises once vLLM's EngineCore has died, so the serve exits 1 (for its launcher to restart it) instead of
-    failing every group it admits from then on."""
-    while not engine.dead:
+async def _healthy(driver: RolloutDriver, every_s: float = 0.5) -> None:
+    """Raises once vLLM's EngineCore has died or FAILED_IN_A_ROW_LIMIT groups failed with no rollout made between them,
+    so the serve exits 1 (for its launcher to restart it, or to end the run with these lines) instead of admitting and
+    failing groups for ever."""
+    from inflight.serve.driver import FAILED_IN_A_ROW_LIMIT
+
+    stats = driver.stats
+    while not driver.engine.dead and stats.failed_in_a_row < FAILED_IN_A_ROW_LIMIT:
         await asyncio.sleep(every_s)
-    raise RuntimeError("vLLM's EngineCore died (its error is above); this serve cannot generate any more")
+    if driver.engine.dead:
+        raise RuntimeError("vLLM's EngineCore died (its error is above); this serve cannot generate any more")
+    raise RuntimeError(f"the last {stats.failed_in_a_row} groups all failed, the last with {stats.last_failure}")
 
 
 async def _finished(cfg: ServeConfig, driver: RolloutDriver, stream: RolloutStream) -> None:

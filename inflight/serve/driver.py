@@ -41,6 +41,9 @@ if TYPE_CHECKING:  # transformers is imported once a serve really starts (inflig
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("inflight.serve")
+# Groups failed one after another with no rollout made between them (`failed`): admission stops there and the serve
+# exits 1 naming the last error (inflight/serve/app.py), instead of admitting and failing groups as fast as they fail.
+FAILED_IN_A_ROW_LIMIT = 16
 
 
 @dataclass
@@ -50,6 +53,7 @@ class DriverStats:
     groups_dropped: int = 0  # dropped for an episode with no sampled token (`dropped`): never sent, never trained
     groups_failed: int = 0  # ended by an error of the engine or the serve's own code (`failed`): never sent either
     last_failure: str = ""  # the latest of those errors, "Type: message", for the progress line
+    failed_in_a_row: int = 0  # groups failed since the last rollout was made (FAILED_IN_A_ROW_LIMIT)
     requests_inflight: int = 0  # admitted and not finished generating
     samples_open: int = 0  # admitted and not yet handed to the rollout stream (generating, waiting on a tool, scoring)
     reward_errors: int = 0  # reward calls that failed (their samples scored 0.0): inflight/tasks/rewards.py
@@ -73,6 +77,7 @@ class DriverStats:
     def count(self, ep: Episode) -> None:
         """One finished episode made into a rollout."""
         self.rollouts_made += 1
+        self.failed_in_a_row = 0
         self.turns += ep.turns
         self.env_s += ep.env_s
         self.tool_errors += ep.tool_errors
@@ -105,6 +110,8 @@ class Admission:
         if self.required_version is None or self.engine.version < self.required_version:
             return False
         if stopping or (cfg.max_groups and self.stats.groups_admitted >= cfg.max_groups):
+            return False
+        if self.stats.failed_in_a_row >= FAILED_IN_A_ROW_LIMIT:  # the serve is stopping with the error (app.py)
             return False
         if self.stats.requests_inflight + n > cfg.max_inflight or outstanding + n > cfg.max_outstanding:
             return False
@@ -306,6 +313,7 @@ def failed(stats: DriverStats, group_id: str, exc: Exception, admission: Admissi
     logged with its traceback and shown on the progress line. Like a dropped group it is never sent, so it frees its
     admission slot: a serve whose every group fails keeps saying why instead of idling at 0 tok/s."""
     stats.groups_failed += 1
+    stats.failed_in_a_row += 1
     stats.groups_finished += 1
     stats.last_failure = f"{type(exc).__name__}: {exc}"
     admission.dropped()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from inflight.serve.config import ServeConfig
 from inflight.serve.driver import Admission, DriverStats, dropped, failed
 from inflight.serve.episodes import Episode
@@ -42,3 +44,29 @@ def test_a_failed_group_frees_its_admission_slot_in_both_modes_and_is_counted_wi
         assert gate.can_admit(0, False), f"{mode}: the failed group no longer holds its slot"
         assert (stats.groups_failed, stats.groups_finished, stats.groups_dropped) == (1, 1, 0)
         assert stats.last_failure == "ValueError: token id 10**9 is out of vocabulary"
+
+
+def test_groups_failing_one_after_another_stop_admission_at_the_limit_and_end_the_serve_naming_the_error():
+    import asyncio
+
+    from inflight.serve.app import _healthy
+    from inflight.serve.driver import FAILED_IN_A_ROW_LIMIT
+
+    cfg = ServeConfig(group_size=2, admit_lag=-1, wait_for_learner=False)
+    stats, engine = DriverStats(), SimpleNamespace(version=0, dead=False)
+    gate = Admission(cfg, engine, stats)
+    for i in range(FAILED_IN_A_ROW_LIMIT - 1):
+        failed(stats, f"g{i}", RuntimeError("no KV cache block left"), gate)
+    stats.count(Episode(token_ids=[5], env=[False]))  # a rollout made: the failures are no longer in a row
+    for i in range(FAILED_IN_A_ROW_LIMIT - 1):
+        failed(stats, f"h{i}", RuntimeError("no KV cache block left"), gate)
+    assert gate.can_admit(0, False), "one short of the limit since the last rollout"
+    failed(stats, "last", RuntimeError("no KV cache block left"), gate)
+    assert not gate.can_admit(0, False), "the limit reached: nothing more is admitted"
+    driver = SimpleNamespace(engine=engine, stats=stats)
+    error = f"the last {FAILED_IN_A_ROW_LIMIT} groups all failed, the last with RuntimeError: no KV cache block left"
+    with pytest.raises(RuntimeError, match=error):
+        asyncio.run(_healthy(driver, every_s=0.01))
+    dead = SimpleNamespace(engine=SimpleNamespace(dead=True), stats=DriverStats())
+    with pytest.raises(RuntimeError, match="vLLM's EngineCore died"):
+        asyncio.run(_healthy(dead, every_s=0.01))
