@@ -143,10 +143,12 @@ class Sampler(Protocol):
 
 class VersionedEngine(Protocol):
     """What the driver and the evaluation read of the engine (vllm_patches/engine.py:InflightEngine): the weight
-    version it serves (admission, eval's schedule) and its generation, which episodes sample from."""
+    version it serves (admission, eval's schedule), its generation, which episodes sample from, and whether vLLM's
+    EngineCore died (the serve's health watch, inflight/serve/app.py:_healthy)."""
 
     version: int
     generation: Sampler
+    dead: bool
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ engine (the same on the real engine: tests/inflight/test_episodes.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -47,8 +48,6 @@ def test_a_failed_group_frees_its_admission_slot_in_both_modes_and_is_counted_wi
 
 
 def test_groups_failing_one_after_another_stop_admission_at_the_limit_and_end_the_serve_naming_the_error():
-    import asyncio
-
     from inflight.serve.app import _healthy
     from inflight.serve.driver import FAILED_IN_A_ROW_LIMIT
 
