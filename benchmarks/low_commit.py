@@ -17,7 +17,10 @@ Then the commit as a serve runs it (`stalls`): two `--update-memory low` engines
 reloading in place (`prepared_commit` "reload"), the second taking the copies its staging thread prepared over the
 staged tensors ("copy", what `low` does wherever the layers compute from their parameters); each is sent `--updates`
 full updates over the weights group, alternating between the checkpoint and a perturbed copy, and the engine's own
-report of each commit (the stall between two steps) and of the preparation off the engine thread is kept.
+report of each commit (the stall between two steps) and of the preparation off the engine thread is kept. A third
+engine ("copy, deltas") is sent what a learner with `--full-every` > 1 sends: a full update, then deltas on it (every
+20th element moved each step), each kept as the next delta's base (`keep_base`), so its copies are prepared beside
+the kept tensors.
 
     python -m benchmarks.low_commit [--model smollm2] [--dtype float32] [--repeats 3] [--updates 6] [--out FILE.json]
 
@@ -127,27 +130,45 @@ async def measure_stalls(model: str, dtype: str, updates: int) -> dict:
             as_float32(load_state(model_dir)),
             as_float32(perturbed_checkpoint(model_dir, Path(tmp) / "B", seed=3)),
         ]
-        for way in ("reload", "copy"):
+        for way in ("reload", "copy", "copy, deltas"):
             engine = await InflightEngine.start(standalone_engine_config(flags, model_dir))
             try:
-                await engine.llm.collective_rpc("inflight_set_update_memory", args=("low", way))
+                await engine.llm.collective_rpc("inflight_set_update_memory", args=("low", way.split(",")[0]))
                 sender = Sender(timeout_s=120, bucket_bytes=64 << 20)
                 await sender.connect(engine)
-                reports = [await sender.push(engine, states[(i + 1) % 2], i + 1) for i in range(updates)]
+                if way == "copy, deltas":
+                    reports = await push_deltas(sender, engine, states[0], updates)
+                else:
+                    reports = [await sender.push(engine, states[(i + 1) % 2], i + 1) for i in range(updates)]
                 out[way] = {"commit_s": [r.commit_s for r in reports], "prepare_s": [r.prepare_s for r in reports]}
             finally:
                 engine.shutdown()
     return out
 
 
+async def push_deltas(sender, engine, state: dict, updates: int) -> list:
+    """A full update of `state` moved once, then `updates - 1` deltas, each on the last, each kept as a base."""
+    reports, base = [], None
+    for version in range(1, updates + 1):
+        state = {name: t.clone() for name, t in state.items()}
+        for t in state.values():
+            t.view(-1)[version % 20 :: 20] += 1e-3
+        reports.append(await sender.push(engine, state, version, base=base, keep_base=True))
+        base = (version, state)
+    return reports
+
+
 def stall_summary(stalls: dict, gb: float) -> dict:
-    reload, copy = (statistics.median(stalls[way]["commit_s"]) for way in ("reload", "copy"))
+    reload, copy, deltas = (statistics.median(stalls[way]["commit_s"]) for way in ("reload", "copy", "copy, deltas"))
     return {
         "reload_commit_s": round(reload, 4),
         "copies_commit_s": round(copy, 4),
         "reload_over_copies": round(reload / copy, 1),
         "copies_commit_s_per_gb": round(copy / gb, 3),
         "copies_prepare_s": round(statistics.median(stalls["copy"]["prepare_s"]), 3),
+        "deltas_commit_s": round(deltas, 4),
+        "reload_over_deltas": round(reload / deltas, 1),
+        "deltas_prepare_s": round(statistics.median(stalls["copy, deltas"]["prepare_s"]), 3),
     }
 
 

@@ -7,11 +7,14 @@ Runs in the serve's worker process (vllm_patches/staging.py). Two kinds:
   engine's next prefill then goes to cudaMalloc and may run out; an arena overflow is refused before any allocation.
 - `HostArena`: the one page-locked host buffer a GPU worker keeps its live version's whole tensors in (the `low`
   path's rollback source, a delta's base).
-- `ArenaTail`: the rest of the device arena, past an update's pieces, where the copy commit's preparation
-  materialises its layers (dropped at the commit, so the next update may lay itself out over them).
+- `ArenaTail`: the device arena around the tensors an update keeps, where the copy commit's preparation materialises
+  its layers (dropped at the commit, so the next update may lay itself out over them): past the update's pieces, and
+  over a delta's payloads once they are decoded.
 - `ReusingTail`: `low`'s preparation (vllm_patches/staging.py): the layers are materialised from the arena's start
   over the staged tensors the loaders are done with, the update laid out at the arena's end, so an update holds its
   checkpoint-format tensors or their kernel-format replacements, never both (1x, and one layer of room ahead).
+- `BesideBaseTail`: `low`'s preparation of an update a delta may follow, whose staged tensors are kept as the
+  delta's base: an `ArenaTail` (beside them), in the room the plan with deltas keeps for a delta's decoded tensors.
 
 Why not `torch.empty(..., pin_memory=True)` per update for the host copy: torch's CachingHostAllocator rounds every
 block up to a power of two and never gives a block back to the system, and the copy of update v+1 is made while v's
@@ -31,6 +34,7 @@ device arena (vllm_patches/staging.py). On CPU both arenas are plain host memory
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate
@@ -39,6 +43,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 ALIGN = 64  # bytes: every tensor starts on a cache line, and any dtype's alignment holds
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
 
 
 class ArenaFull(RuntimeError):
@@ -91,11 +99,6 @@ class Arena:
             for (name, t), offset, size in zip(tensors.items(), offsets, sizes, strict=True)
         }
 
-    def end(self, views: dict[str, torch.Tensor]) -> int:
-        """The byte offset just past the last of `views` (tensors of this arena), 0 for none."""
-        start = self.buffer.data_ptr()
-        return max((v.data_ptr() - start + v.numel() * v.element_size() for v in views.values()), default=0)
-
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lies in this arena's buffer."""
         start = self.buffer.data_ptr()
@@ -117,15 +120,21 @@ class Arena:
 
 class ArenaTail(TorchFunctionMode):
     """While active on a thread, every `torch.empty_strided` for the arena's device is served from `arena` past byte
-    `start`, laid end to end and aligned, ArenaFull beyond its end: the layers the copy commit's preparation
-    materialises (vLLM's `materialize_meta_tensor` makes each with one such call), so they can hold no more than the
-    plan set aside. Only for tensors dropped at the commit: the next update lays itself out over them."""
+    `start`, each at the lowest aligned offset where it overlaps nothing taken and none of `keep` (tensors of the
+    arena that must survive: the update's verified tensors, which the commit keeps), ArenaFull beyond its end: the
+    layers the copy commit's preparation materialises (vLLM's `materialize_meta_tensor` makes each with one such
+    call), so they can hold no more than the plan set aside. Only for tensors dropped at the commit: the next update
+    lays itself out over them. What `keep` leaves free besides the arena's rest was read already: a delta's payloads
+    (decoded by then, on the same stream) and the trailer."""
 
     full_error: type[ArenaFull] = ArenaFull
 
-    def __init__(self, arena: Arena, start: int):
+    def __init__(self, arena: Arena, start: int, keep: Iterable[torch.Tensor] = ()):
         super().__init__()
-        self.arena, self.used = arena, -(-start // ALIGN) * ALIGN
+        self.arena, self.start = arena, _aligned(start)
+        self.used = self.start  # past the highest byte taken
+        kept = [(t.data_ptr() - arena.buffer.data_ptr(), t.numel() * t.element_size()) for t in keep if arena.holds(t)]
+        self._taken = sorted((offset, offset + nbytes) for offset, nbytes in kept if nbytes)  # kept, then taken too
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -142,11 +151,22 @@ class ArenaTail(TorchFunctionMode):
         dtype = dtype or torch.get_default_dtype()
         extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
         nbytes = extent * dtype.itemsize
-        if self.used + nbytes > self.limit():
+        offset = self._first_fit(nbytes)
+        if offset + nbytes > self.limit():
             raise self.full_error(self.full_message(nbytes))
-        flat = self.arena.buffer[self.used : self.used + nbytes].view(dtype)
-        self.used = -(-(self.used + nbytes) // ALIGN) * ALIGN
-        return flat.as_strided(tuple(size), tuple(stride))
+        bisect.insort(self._taken, (offset, offset + nbytes))
+        self.used = max(self.used, _aligned(offset + nbytes))
+        return self.arena.buffer[offset : offset + nbytes].view(dtype).as_strided(tuple(size), tuple(stride))
+
+    def _first_fit(self, nbytes: int) -> int:
+        """The lowest aligned offset from `start` where `nbytes` overlap nothing kept or taken (a delta's payloads
+        lie between its kept tensors: the gaps they leave are filled before the arena's rest)."""
+        offset = self.start
+        for lo, hi in self._taken:
+            if offset + nbytes <= lo:
+                break
+            offset = max(offset, _aligned(hi))
+        return offset
 
     def limit(self) -> int:
         """The byte offset materialised layers may reach now."""
@@ -159,9 +179,25 @@ class ArenaTail(TorchFunctionMode):
     def full_message(self, nbytes: int) -> str:
         return (
             f"the update's prepared layers need more than the {self.arena.nbytes - self.used} bytes of "
-            f"{self.arena.kind} left after its buckets (a tensor of {nbytes} bytes did not fit): refused, the "
+            f"{self.arena.kind} left beside its tensors (a tensor of {nbytes} bytes did not fit): refused, the "
             "engine serves on. The plan sets 1x the weights aside for them; a backend that pads its layers needs "
             "more: serve with --update-memory low"
+        )
+
+
+class BesideBaseTail(ArenaTail):
+    """`low`'s prepared layers for an update a delta may follow (its manifest's `keep_base`): its verified tensors are
+    the next delta's base, so the layers go beside them (`ArenaTail` stepping over them), in the room the plan with
+    deltas has for a delta's decoded tensors. Outgrowing it is `LayersOutgrewArena`: the worker reloads in place from
+    then on, as with `ReusingTail`."""
+
+    full_error = LayersOutgrewArena
+
+    def full_message(self, nbytes: int) -> str:
+        return (
+            f"the update's prepared layers need more than the {self.arena.nbytes - self.used} bytes of "
+            f"{self.arena.kind} left beside the tensors kept as the next delta's base (a tensor of {nbytes} bytes did "
+            "not fit): refused, the engine serves on and reloads in place from the next update on"
         )
 
 

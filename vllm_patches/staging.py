@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import sys
 import threading
@@ -49,7 +50,15 @@ import zmq
 from inflight.wire.group import WeightsGroup
 from inflight.wire.transfer import drain_update, receive_kept, receive_update, update_buffers
 from inflight.wire.weights import DTYPES, ManifestError, UpdateManifest, unpack_buckets
-from vllm_patches.arenas import ArenaFull, ArenaTail, DeviceArena, ReusingTail, StagingArenas
+from vllm_patches.arenas import (
+    ArenaFull,
+    ArenaTail,
+    BesideBaseTail,
+    DeviceArena,
+    ReusingTail,
+    StagingArenas,
+    arena_offsets,
+)
 from vllm_patches.cores import leave_the_engines_core
 from vllm_patches.rpc import StagedSignal, StageStatus
 
@@ -58,6 +67,8 @@ if TYPE_CHECKING:  # prepared.py imports vLLM's loaders (~15 s): the wire's test
     from vllm_patches.prepared import PreparedWeights
 
 log = logging.getLogger(__name__)
+
+TAILS = (None, "beside", "beside-base", "over")  # where prepared layers copied in are made: StagedUpdate's `tail`
 
 
 class StageState(str, Enum):
@@ -108,8 +119,7 @@ class StagedUpdate:
         on_finished: Callable[[StageStatus], None] | None = None,
         layout: SliceLayout | None = None,
         arenas: StagingArenas | None = None,
-        copy_commit: bool = False,
-        reuse_staged: bool = False,
+        tail: str | None = None,
     ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`), then
@@ -118,13 +128,13 @@ class StagedUpdate:
         anything else fails the stage, naming both versions), moved into the host arena first. `on_finished`: handed
         the final status (staged or failed) once, by this thread (the worker's `StagedNotifier.announce`). `layout`:
         keep only this rank's slices (vllm_patches/placement.py). `arenas`: stage within the worker's device arena.
-        `copy_commit`: the prepared layers are to be copied in (commit.py): prepare them in the arena, keep the rest;
-        `reuse_staged`: `low`'s copies: prepare them over the staged tensors (`arenas.ReusingTail`), keep them."""
+        `tail` (TAILS): where the layers the commit copies in (commit.py) are prepared: "beside" the staged tensors,
+        kept (`double`'s copy commit; `low`'s "beside-base" for an update a delta may follow: its base), or "over"
+        them (`low`'s copies, kept instead); None: where the allocator puts them (a swap's, which go live)."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key
         self.held, self.on_finished, self.layout, self.arenas = held, on_finished, layout, arenas
         self.base = held if manifest.is_delta else None
-        self.prepare, self.prepared, self.prepare_s, self.copy_commit = prepare, None, 0.0, copy_commit
-        self.reuse_staged = reuse_staged  # `low`'s copies (the prepared layers lie over the staged tensors)
+        self.prepare, self.prepared, self.prepare_s, self.tail = prepare, None, 0.0, tail
         self.state, self.error, self.failed_with = StageState.RECEIVING, None, None  # set when the stage fails
         self.tensors: dict[str, torch.Tensor] = {}
         self.refused = False  # the update did not fit the device arena (ArenaFull): refused before any bucket
@@ -152,12 +162,12 @@ class StagedUpdate:
         try:
             side = staging_stream(str(self.device))
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                into, laid_out = stage_in_arenas(self, side) if self.arenas is not None else (None, 0)
+                into = stage_in_arenas(self, side) if self.arenas is not None else None
                 self._receive_and_verify(side, into)
                 self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
                 if self.prepare is not None:  # on the side stream too: its kernels queue there
-                    self.prepared = self.prepare(self.tensors, arena_tail(self, laid_out))
-                    self.tensors = self.tensors if self.manifest.keep_base or self.copy_commit else {}  # reuse: gone
+                    self.prepared = self.prepare(self.tensors, arena_tail(self))
+                    self.tensors = self.tensors if self.manifest.keep_base or self.tail == "beside" else {}
                     self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
                 if side is not None:
                     self._ready = torch.cuda.Event()
@@ -204,13 +214,14 @@ class StagedUpdate:
 
     @property
     def keeps_tensors(self) -> bool:
-        """Whether the worker keeps this update's tensors (a rank's slices, or `reuse_staged`'s copies) once committed:
-        always in place (the rollback source, prepared and copied in too), and when a delta may follow (`keep_base`)."""
-        return self.prepare is None or self.manifest.keep_base or self.copy_commit or self.reuse_staged
+        """Whether the worker keeps this update's tensors (a rank's slices, or the copies prepared "over" them) once
+        committed: always in place (the rollback source, prepared and copied in too: any `tail`), and when a delta
+        may follow (`keep_base`)."""
+        return self.prepare is None or self.manifest.keep_base or self.tail is not None
 
     def kept(self) -> dict[str, torch.Tensor]:
         """The whole tensors (or slices) to keep after the commit: the verified tensors themselves, or with
-        `reuse_staged` the kernel-format tensors the commit copied in (commit.py sets them), in the device arena until
+        `tail` "over" the kernel-format tensors the commit copied in (commit.py sets them), in the device arena until
         the next update moves them to the host arena."""
         return self.tensors
 
@@ -250,7 +261,7 @@ def held_after(stage: StagedUpdate, version: int) -> HeldTensors | None:
     """What the worker keeps of `version`, `stage`'s update, once committed (`StagedUpdate.kept`), if anything."""
     if not stage.keeps_tensors:
         return None
-    reuse = stage.reuse_staged
+    reuse = stage.tail == "over"  # the kernel-format copies, not the staged tensors
     return HeldTensors(version, stage.kept(), None if reuse else stage.layout, kernel=reuse)
 
 
@@ -273,29 +284,41 @@ def stage_status(stage: StagedUpdate) -> StageStatus:
     )
 
 
-def arena_tail(stage: StagedUpdate, laid_out: int) -> ArenaTail | None:
-    """Where `stage`'s prepared layers are materialised: for the copy commit, the device arena past the update's
-    `laid_out` bytes (they are dropped at the commit; the verified tensors are kept as its rollback source); for
-    `low`'s copies, the arena's start, over the staged tensors already read (`ReusingTail`); None, as usual, for a
-    swap, whose prepared layers go live."""
-    if stage.arenas is None:
+def arena_tail(stage: StagedUpdate) -> ArenaTail | None:
+    """Where `stage`'s prepared layers are materialised (its `tail`): for the copy commit, the device arena beside the
+    verified tensors, which are kept (the rollback source, or the next delta's base) — past the update's pieces, and
+    over what was read already (a delta's payloads, the trailer); for `low`'s copies, the arena's start, over the
+    staged tensors already read (`ReusingTail`); None, as usual, for a swap, whose prepared layers go live."""
+    if stage.arenas is None or stage.tail is None:
         return None
-    if stage.reuse_staged:
+    if stage.tail == "over":
         return ReusingTail(stage.arenas.staging)
-    return ArenaTail(stage.arenas.staging, laid_out) if stage.copy_commit else None
+    beside = BesideBaseTail if stage.tail == "beside-base" else ArenaTail
+    return beside(stage.arenas.staging, 0, keep=stage.tensors.values())
 
 
-def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> tuple[dict[str, torch.Tensor], int]:
+def prepares_beside(arena_bytes: int, manifest: UpdateManifest, layout: SliceLayout | None) -> bool:
+    """Whether `low`'s copies of an update a delta may follow (its `keep_base`) are prepared beside its tensors, kept
+    as the delta's base (`BesideBaseTail`): when the worker's device arena holds those tensors twice, as the plan with
+    deltas makes it (room for a delta's decoded tensors); else the update is reloaded in place on the engine thread,
+    which needs no room beyond them."""
+    if layout is None:
+        sizes = [math.prod(t.shape) * DTYPES[t.dtype].itemsize for t in manifest.tensors]
+    else:  # the rank's slices
+        pieces = arena_pieces(manifest, layout)
+        sizes = [t.numel() * t.element_size() for name, t in pieces.items() if name != "buffer"]
+    return arena_offsets(sizes + sizes)[1] <= arena_bytes
+
+
+def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> dict[str, torch.Tensor]:
     """`stage`'s place in its device arena (`lay_out_in_arena`), once the live version kept there moved to the host
-    arena (ArenaFull then: nothing received, the version stays where it was), and the arena's bytes it takes. On the
-    staging thread."""
+    arena (ArenaFull then: nothing received, the version stays where it was). On the staging thread."""
     if stage.held is not None:  # the version every rank kept: out of the device arena before it is overwritten
         stage.held.tensors = stage.arenas.hold(stage.held.tensors)
     if side is not None:
         torch.cuda.synchronize(stage.device)  # the engine's reads of the arena (the last commit's) are done
-    at_end = stage.reuse_staged  # the layers are prepared from the arena's start (`ReusingTail`)
-    views = lay_out_in_arena(stage.arenas.staging, stage.manifest, stage.layout, stage.group, at_end)
-    return views, stage.arenas.staging.end(views)
+    at_end = stage.tail == "over"  # the layers are prepared from the arena's start (`ReusingTail`)
+    return lay_out_in_arena(stage.arenas.staging, stage.manifest, stage.layout, stage.group, at_end)
 
 
 def lay_out_in_arena(

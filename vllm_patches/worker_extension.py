@@ -48,7 +48,15 @@ from vllm_patches.placement import Placement, SliceLayout
 from vllm_patches.prepared import ShadowPreparer
 from vllm_patches.routes import RoutedExperts, RouteRecorder, replays_cuda_graphs
 from vllm_patches.rpc import GroupJoined, HeldWeights, RankCommit, RankSettled, StageStatus
-from vllm_patches.staging import HeldTensors, PrepareUpdate, StagedNotifier, StagedUpdate, StageState, check_committable
+from vllm_patches.staging import (
+    HeldTensors,
+    PrepareUpdate,
+    StagedNotifier,
+    StagedUpdate,
+    StageState,
+    check_committable,
+    prepares_beside,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +73,31 @@ def check_delta_base(manifest: UpdateManifest, held: HeldTensors | None) -> None
 
 def reload_after_outgrown(stage: StagedUpdate | None, live: LiveWeights) -> None:
     """After `low`'s copies outgrew the arena (`LayersOutgrewArena`: a kernel format larger than the checkpoint's by
-    more than the plan's one layer, e.g. padded or repacked), the engine reloads in place from the next update on,
-    which needs the update's own bytes only: one update refused, not every one. Logged once."""
-    if stage is None or not stage.reuse_staged or not live.copies_prepared:
+    more than the room the plan leaves them, e.g. padded or repacked), the engine reloads in place from the next
+    update on, which needs the update's own bytes only: one update refused, not every one. Logged once."""
+    if stage is None or not live.copies_prepared:
         return
     if stage.failed_with is not None and issubclass(stage.failed_with, LayersOutgrewArena):
         live.copies_prepared = False
         version = stage.manifest.version
         log.warning("v%d's prepared layers outgrew the arena: the engine reloads in place from now on", version)
+
+
+def prepared_tail(
+    live: LiveWeights, manifest: UpdateManifest, layout: SliceLayout | None, arenas: StagingArenas | None
+) -> str | None:
+    """Where a model update's layers, prepared off the engine thread to be copied in, are made (staging.py:TAILS), or
+    None: swapped in (`double` eager), or reloaded in place on the engine thread (`low` where the model cannot take
+    copies, or an update a delta may follow whose arena has no room beside it: `prepares_beside`)."""
+    if not live.copies_prepared:
+        return None
+    if live.memory == "double":
+        return "beside"
+    if not manifest.keep_base:
+        return "over"
+    if arenas is not None and prepares_beside(arenas.staging.nbytes, manifest, layout):
+        return "beside-base"
+    return None
 
 
 @dataclass
@@ -133,14 +158,12 @@ class WorkerUpdateState:
         reload_after_outgrown(self.stage, self.live)
         self.updates += 1
         layout = self._layout(manifest, model, vllm_config)  # a contradicting shape fails here, before any bucket
-        copies = self.adapter is None and self.live.copies_prepared  # prepared off this thread, copied in
-        reuse = copies and self.live.memory == "low" and not manifest.keep_base  # over the staged tensors
-        prepare = self._preparer(manifest, model, vllm_config, layout, reuse)
+        tail = None if self.adapter is not None else prepared_tail(self.live, manifest, layout, arenas)
+        prepare = self._preparer(manifest, model, vllm_config, layout, tail)
         device = next(model.parameters()).device
         announce = functools.partial(self.notifier.announce, ticket)
-        copy_commit = copies and self.live.memory == "double"  # prepared in the arena, staged tensors kept
         stage = StagedUpdate(
-            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, copy_commit, reuse
+            manifest, self.group, device, self.weights_key, prepare, held, announce, layout, arenas, tail
         )
         if self.adapter is not None and _split(vllm_config):  # vLLM's LoRA layers slice A/B at commit: named whole
             stage.whole = sorted(t.name for t in manifest.tensors)
@@ -165,13 +188,13 @@ class WorkerUpdateState:
         model: torch.nn.Module,
         vllm_config: Any,
         layout: SliceLayout | None,
-        reuse: bool,
+        tail: str | None,
     ) -> PrepareUpdate | None:
         """An adapter update is always prepared (into vLLM's LoRAModel); a model update with `double`, or with `low`'s
-        copies (`reuse`)."""
+        copies (`tail`)."""
         if self.adapter is not None:
             return AdapterPreparer(self.adapter, manifest.version)
-        if self.live.memory == "double" or reuse:
+        if self.live.memory == "double" or tail is not None:
             return ShadowPreparer(model, manifest.version, self.updates, vllm_config, layout)
         return None
 

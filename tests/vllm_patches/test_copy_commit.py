@@ -157,6 +157,63 @@ def test_prepared_layers_that_outgrow_the_device_arena_are_refused_and_the_engin
     assert_same_outputs(after, other["before"], f"{env['name']} {env['label']} committed after a refused update")
 
 
+def nudged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every 20th element of each tensor moved: what a delta sends as a bitmask and its new values."""
+    near = {name: t.clone() for name, t in state.items()}
+    for t in near.values():
+        t.view(-1)[::20] += 1e-3
+    return near
+
+
+def held_crc32(loop, engine) -> HeldWeights:
+    return rpc_result(loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))[0], HeldWeights, "")
+
+
+def test_low_prepares_an_update_a_delta_may_follow_off_the_engine_thread_beside_its_tensors_kept_as_the_base(
+    pair, loop, model_dirs
+):
+    """An update the learner may send a delta on (`keep_base`) is kept by `low` as its checkpoint-format tensors, the
+    delta's base; in the arena of the plan with deltas its layers are prepared beside them off the engine thread and
+    copied in, not reloaded on it: a full update (answers of a fresh engine, every address kept) and a delta on it
+    (answers of the same weights sent in full), each prepared, each leaving bitwise the learner's tensors kept. An
+    arena without that room reloads such an update in place instead, as exactly."""
+    from inflight.wire.checksum import tensor_checksum
+    from vllm_patches.device_plan import checkpoint_staging_plan
+
+    env = pair[1]  # B's engine: A's engine reloads in place since its layers outgrew an arena on purpose (above)
+    if env["memory"] != "low":
+        pytest.skip("low's copies of an update a delta may follow; double keeps its staged tensors anyway")
+    engine, other, tok, model = env["engine"], env["other"], env["tok"], model_dirs[env["name"]]
+    crc32 = lambda state: {name: tensor_checksum(t, "crc32") for name, t in state.items()}  # noqa: E731
+    with_deltas, whole = (
+        checkpoint_staging_plan(model, "float32", 1, "low", d, 0, 0, copy_commit=True) for d in (1, 0)
+    )
+    planned, addresses, near = engine.arena_sizes[0], storage(loop, engine), nudged(other["state"])
+    try:
+        loop.run_until_complete(engine.set_staging_arena(with_deltas.arena_bytes))
+        full = loop.run_until_complete(env["sender"].push(engine, other["state"], engine.version + 1, keep_base=True))
+        assert full.prepare_s > 0, "reloaded on the engine thread, not prepared beside the kept tensors"
+        assert_keeps(loop, engine, False, full.version)
+        assert held_crc32(loop, engine).crc32 == crc32(other["state"]) and storage(loop, engine) == addresses
+        got = loop.run_until_complete(greedy(engine, tok, tag="low-keep-base-full"))
+        assert_same_outputs(got, other["before"], f"{env['name']} B given A to keep as a delta's base")
+
+        base = (full.version, other["state"])
+        delta = loop.run_until_complete(env["sender"].push(engine, near, full.version + 1, base=base, keep_base=True))
+        assert delta.prepare_s > 0 and held_crc32(loop, engine).crc32 == crc32(near)
+        by_delta = loop.run_until_complete(greedy(engine, tok, tag="low-keep-base-delta"))
+        loop.run_until_complete(env["sender"].push(engine, near, delta.version + 1))  # the same weights, in full
+        assert_same_outputs(loop.run_until_complete(greedy(engine, tok, tag="low-near")), by_delta, "delta vs full")
+
+        loop.run_until_complete(engine.set_staging_arena(whole.arena_bytes))  # no room beside: reloaded in place
+        back = loop.run_until_complete(env["sender"].push(engine, env["state"], engine.version + 1, keep_base=True))
+        assert back.prepare_s == 0 and held_crc32(loop, engine).crc32 == crc32(env["state"])
+        got = loop.run_until_complete(greedy(engine, tok, tag="low-keep-base-reloaded"))
+        assert_same_outputs(got, env["before"], f"{env['name']} B reloaded back to B")
+    finally:
+        loop.run_until_complete(engine.set_staging_arena(planned))
+
+
 # The decisions and checks alone, on plain torch modules.
 
 

@@ -398,3 +398,72 @@ def test_a_reusing_tail_materialises_layers_only_below_the_staged_bytes_the_load
         second = torch.empty_strided((64,), (1,), dtype=torch.float32)
         assert second.data_ptr() - arena.buffer.data_ptr() == 512
         assert torch.equal(b, torch.ones(64)), "a layer was written over a tensor still to be read"
+
+
+def test_an_arena_tail_fills_the_gaps_between_the_kept_tensors_first_and_never_writes_over_them():
+    """The copy commit's preparation (vllm_patches/arenas.py:ArenaTail) around the tensors the commit keeps: each
+    layer at the lowest gap it fits, a gap too small left for a smaller one, and ArenaFull past the arena's end."""
+    import torch
+
+    from vllm_patches.arenas import ArenaFull, ArenaTail, DeviceArena
+
+    arena = DeviceArena(1024, "cpu")
+    pieces = {"a": torch.empty(16, device="meta"), "gap": torch.empty(32, device="meta")}
+    kept = arena.views(pieces | {"c": torch.empty(16, device="meta")})  # bytes 0-64, 64-192, 192-256
+    kept |= arena.views({"b": torch.empty(16, device="meta")}, at_end=True)  # bytes 960-1024
+    kept.pop("gap")  # read already (a delta's payload): free again
+    for t in kept.values():
+        t.fill_(1.0)
+    tail = ArenaTail(arena, 0, keep=kept.values())
+    at = lambda t: t.data_ptr() - arena.buffer.data_ptr()  # noqa: E731
+    with tail:
+        big = torch.empty_strided((48,), (1,), dtype=torch.float32)  # 192 bytes: past `c`, the gap is 128
+        small = torch.empty_strided((32,), (1,), dtype=torch.float32)  # 128 bytes: the gap
+        rest = torch.empty_strided((128,), (1,), dtype=torch.float32)  # 512 bytes: up to `b`
+        with pytest.raises(ArenaFull, match="left beside its tensors"):
+            torch.empty_strided((1,), (1,), dtype=torch.float32)
+    assert (at(big), at(small), at(rest)) == (256, 64, 448)
+    for t in (big, small, rest):
+        t.fill_(2.0)
+    assert all(torch.equal(t, torch.ones(16)) for t in kept.values()), "a layer was written over a kept tensor"
+
+
+def test_lows_copies_of_an_update_a_delta_may_follow_are_prepared_beside_it_where_the_plan_with_deltas_sized_it():
+    """`low` keeps an update a delta may follow (`keep_base`) as checkpoint-format tensors, the delta's base, so its
+    copies go beside them (`BesideBaseTail`), not over them. The plan with deltas has the room (the one it keeps for a
+    delta's decoded tensors): a full update and a delta, whose kept tensors lie between its read payloads, take their
+    copies there, and no kept byte changes; the plan without deltas has not (`prepares_beside`: reloaded in place)."""
+    import torch
+
+    from inflight.wire.transfer import receive_update, update_buffers
+    from inflight.wire.weights import pack_bucket, plan_update, unpack_buckets
+    from vllm_patches.arenas import BesideBaseTail, DeviceArena
+    from vllm_patches.device_plan import weight_sizes
+    from vllm_patches.staging import arena_pieces, prepares_beside
+
+    g = torch.Generator().manual_seed(0)
+    base = {f"model.layers.{i}.mlp.w": torch.randn(32, 32 + 8 * i, generator=g) for i in range(6)}
+    base["model.norm.weight"] = torch.ones(32)
+    new = {name: t.clone() for name, t in base.items()}
+    for t in new.values():
+        t.view(-1)[::9] += 1.0  # a ninth changed: bitmask encodings, decoded into the arena
+    new["model.layers.2.mlp.w"] += 1.0  # all of it: sent in full, kept as a view of its payload bucket
+    sizes = weight_sizes({name: t.nbytes for name, t in base.items()})
+    plans = {d: staging_plan(sizes, "low", d, max_ctas=0, copy_commit=True) for d in (False, True)}
+    for state, delta_base in ((new, None), (new, (1, base))):
+        manifest, payloads = plan_update(state, 2, 16 << 10, base=delta_base, keep_base=True)
+        assert prepares_beside(plans[True].arena_bytes, manifest, None)
+        assert not prepares_beside(plans[False].arena_bytes, manifest, None)
+        arena = DeviceArena(plans[True].arena_bytes, "cpu")
+        views = arena.views(arena_pieces(manifest, None))
+        buffers = [views.pop(f"buffer {i}") for i in range(len(update_buffers(manifest)))]
+        frames = [pack_bucket(manifest, i, payloads, torch.empty_like(b)).clone() for i, b in enumerate(buffers)]
+        buckets = receive_update(_Replay(frames), manifest, "cpu", into=buffers)
+        kept = unpack_buckets(manifest, buckets, verify=True, base=delta_base, decoded_into=views)
+        assert all(arena.holds(t) for t in kept.values())
+        with BesideBaseTail(arena, 0, keep=kept.values()):  # the kernel-format copies: as large as the tensors
+            copies = {name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for name, t in kept.items()}
+        for t in copies.values():
+            assert arena.holds(t)
+            t.fill_(-1.0)
+        assert all(torch.equal(kept[name], t) for name, t in new.items()), "a copy was made over the delta's base"
