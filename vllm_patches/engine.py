@@ -173,7 +173,8 @@ def arena_sizes(cfg: EngineConfig) -> tuple[int, int]:
         plan = cfg.gpu_plan.staging
     else:
         dtype = cfg.dtype if cfg.dtype in DTYPE_BYTES else "float32"  # "auto": the widest a CPU serve computes in
-        plan = checkpoint_staging_plan(cfg.model, dtype, 1, cfg.update_memory, True, 0, LEARNER_BUCKET_BYTES)
+        copies = cfg.update_memory == "low"  # the room `low`'s prepared copies take where the model can (CUDA's rule)
+        plan = checkpoint_staging_plan(cfg.model, dtype, 1, cfg.update_memory, True, 0, LEARNER_BUCKET_BYTES, copies)
     return (plan.arena_bytes if cfg.arena_bytes is None else cfg.arena_bytes), plan.host_arena_bytes
 
 

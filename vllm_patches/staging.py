@@ -60,6 +60,7 @@ from vllm_patches.arenas import (
     arena_offsets,
 )
 from vllm_patches.cores import leave_the_engines_core
+from vllm_patches.device_plan import weight_sizes
 from vllm_patches.rpc import StagedSignal, StageStatus
 
 if TYPE_CHECKING:  # prepared.py imports vLLM's loaders (~15 s): the wire's tests and benchmarks stage without them
@@ -299,15 +300,17 @@ def arena_tail(stage: StagedUpdate) -> ArenaTail | None:
 
 def prepares_beside(arena_bytes: int, manifest: UpdateManifest, layout: SliceLayout | None) -> bool:
     """Whether `low`'s copies of an update a delta may follow (its `keep_base`) are prepared beside its tensors, kept
-    as the delta's base (`BesideBaseTail`): when the worker's device arena holds those tensors twice, as the plan with
-    deltas makes it (room for a delta's decoded tensors); else the update is reloaded in place on the engine thread,
-    which needs no room beyond them."""
+    as the delta's base (`BesideBaseTail`): when the worker's device arena holds those tensors twice and its largest
+    layer, as `low`'s plan with deltas makes it (a delta's decoded tensors, and the room its copies keep for a kernel
+    format a little larger than the checkpoint's and for the gaps a delta's payloads leave); else the update is
+    reloaded in place on the engine thread, which needs no room beyond them."""
     if layout is None:
-        sizes = [math.prod(t.shape) * DTYPES[t.dtype].itemsize for t in manifest.tensors]
+        kept = {t.name: math.prod(t.shape) * DTYPES[t.dtype].itemsize for t in manifest.tensors}
     else:  # the rank's slices
         pieces = arena_pieces(manifest, layout)
-        sizes = [t.numel() * t.element_size() for name, t in pieces.items() if name != "buffer"]
-    return arena_offsets(sizes + sizes)[1] <= arena_bytes
+        kept = {name: t.numel() * t.element_size() for name, t in pieces.items() if name != "buffer"}
+    sizes = list(kept.values())
+    return arena_offsets(sizes + sizes)[1] + weight_sizes(kept).largest_layer <= arena_bytes
 
 
 def stage_in_arenas(stage: StagedUpdate, side: torch.cuda.Stream | None) -> dict[str, torch.Tensor]:

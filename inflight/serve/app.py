@@ -187,7 +187,8 @@ def engine_config(
     plan = None
     if is_cuda(device):
         tp = cfg.tensor_parallel_size
-        # prepared layers copied in: `low`'s always (over the staged tensors), `double`'s under graphs (beside them)
+        # prepared layers copied in: `low`'s always (over the staged tensors, or beside those a delta may follow),
+        # `double`'s under graphs (beside them)
         copies = mode.update_memory == "low" or not mode.enforce_eager
         staging = checkpoint_staging_plan(
             model_path, cfg.dtype, tp, mode.update_memory, delta, WEIGHTS_MAX_CTAS, LEARNER_BUCKET_BYTES, copies

@@ -432,7 +432,8 @@ def test_lows_copies_of_an_update_a_delta_may_follow_are_prepared_beside_it_wher
     """`low` keeps an update a delta may follow (`keep_base`) as checkpoint-format tensors, the delta's base, so its
     copies go beside them (`BesideBaseTail`), not over them. The plan with deltas has the room (the one it keeps for a
     delta's decoded tensors): a full update and a delta, whose kept tensors lie between its read payloads, take their
-    copies there, and no kept byte changes; the plan without deltas has not (`prepares_beside`: reloaded in place)."""
+    copies there, and no kept byte changes; the plan without deltas has not, nor one without the copies' room for a
+    layer (a kernel format a little larger, a delta's payload gaps): reloaded in place (`prepares_beside`)."""
     import torch
 
     from inflight.wire.transfer import receive_update, update_buffers
@@ -450,10 +451,12 @@ def test_lows_copies_of_an_update_a_delta_may_follow_are_prepared_beside_it_wher
     new["model.layers.2.mlp.w"] += 1.0  # all of it: sent in full, kept as a view of its payload bucket
     sizes = weight_sizes({name: t.nbytes for name, t in base.items()})
     plans = {d: staging_plan(sizes, "low", d, max_ctas=0, copy_commit=True) for d in (False, True)}
+    no_layer_room = staging_plan(sizes, "low", True, max_ctas=0)  # deltas, but not the copies' largest layer
     for state, delta_base in ((new, None), (new, (1, base))):
         manifest, payloads = plan_update(state, 2, 16 << 10, base=delta_base, keep_base=True)
         assert prepares_beside(plans[True].arena_bytes, manifest, None)
         assert not prepares_beside(plans[False].arena_bytes, manifest, None)
+        assert not prepares_beside(no_layer_room.arena_bytes, manifest, None)
         arena = DeviceArena(plans[True].arena_bytes, "cpu")
         views = arena.views(arena_pieces(manifest, None))
         buffers = [views.pop(f"buffer {i}") for i in range(len(update_buffers(manifest)))]
