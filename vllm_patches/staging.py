@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 import torch
@@ -69,7 +69,8 @@ if TYPE_CHECKING:  # prepared.py imports vLLM's loaders (~15 s): the wire's test
 
 log = logging.getLogger(__name__)
 
-TAILS = (None, "beside", "beside-base", "over")  # where prepared layers copied in are made: StagedUpdate's `tail`
+# Where layers prepared to be copied in are made (StagedUpdate's `tail`, None: a swap's, where the allocator puts them).
+Tail = Literal["beside", "beside-base", "over"]
 
 
 class StageState(str, Enum):
@@ -120,7 +121,7 @@ class StagedUpdate:
         on_finished: Callable[[StageStatus], None] | None = None,
         layout: SliceLayout | None = None,
         arenas: StagingArenas | None = None,
-        tail: str | None = None,
+        tail: Tail | None = None,
     ):
         """`weights_key`: verify every tensor's keyed tag under it (a serve with --secret-file), not its CRC32.
         `prepare`: also build the processed weights from the verified tensors on this thread (`self.prepared`), then
@@ -129,7 +130,7 @@ class StagedUpdate:
         anything else fails the stage, naming both versions), moved into the host arena first. `on_finished`: handed
         the final status (staged or failed) once, by this thread (the worker's `StagedNotifier.announce`). `layout`:
         keep only this rank's slices (vllm_patches/placement.py). `arenas`: stage within the worker's device arena.
-        `tail` (TAILS): where the layers the commit copies in (commit.py) are prepared: "beside" the staged tensors,
+        `tail` (`Tail`): where the layers the commit copies in (commit.py) are prepared: "beside" the staged tensors,
         kept (`double`'s copy commit; `low`'s "beside-base" for an update a delta may follow: its base), or "over"
         them (`low`'s copies, kept instead); None: where the allocator puts them (a swap's, which go live)."""
         self.manifest, self.group, self.device, self.weights_key = manifest, group, device, weights_key

@@ -54,6 +54,7 @@ from vllm_patches.staging import (
     StagedNotifier,
     StagedUpdate,
     StageState,
+    Tail,
     check_committable,
     prepares_beside,
 )
@@ -85,8 +86,8 @@ def reload_after_outgrown(stage: StagedUpdate | None, live: LiveWeights) -> None
 
 def prepared_tail(
     live: LiveWeights, manifest: UpdateManifest, layout: SliceLayout | None, arenas: StagingArenas | None
-) -> str | None:
-    """Where a model update's layers, prepared off the engine thread to be copied in, are made (staging.py:TAILS), or
+) -> Tail | None:
+    """Where a model update's layers, prepared off the engine thread to be copied in, are made (staging.py:Tail), or
     None: swapped in (`double` eager), or reloaded in place on the engine thread (`low` where the model cannot take
     copies, or an update a delta may follow whose arena has no room beside it: `prepares_beside`)."""
     if not live.copies_prepared:
