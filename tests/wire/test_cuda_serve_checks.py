@@ -11,7 +11,8 @@ tests/vllm_patches/test_device_plan.py (points 4 and 5) and tests/wire/test_grou
 7. a captured CUDA graph computes with prepared weights copied into its parameters' storage the way the copy commit
    writes them (vllm_patches/kernel_copy.py's names and checks, then one `copy_` per parameter as vLLM's kernel-format
    reload does), and with the old ones when new tensors are swapped in by reference (why `double` copies under
-   graphs); `low`'s copies, prepared over their own staged tensors on the staging stream, are exact.
+   graphs); `low`'s copies, prepared over their own staged tensors on the staging stream, or beside a delta's base
+   over its decoded payloads, are exact.
 
 Whether CUDA is there is asked without initialising it here (inflight/machine.py:cuda_device_count): check 1 needs a
 parent that never ran cuInit."""
@@ -309,3 +310,53 @@ def test_7_lows_copies_prepared_over_their_staged_tensors_on_the_staging_stream_
     assert all(arena.holds(layer) for layer in layers) and len(layers) == count
     for i, target in enumerate(live):
         assert torch.equal(target, sources[i]), f"layer {i} was written over before its source was read"
+
+
+def test_7_lows_copies_prepared_beside_a_deltas_base_over_its_decoded_payloads_are_exact():
+    """`low` on a GPU for an update a delta may follow (vllm_patches/arenas.py:BesideBaseTail): the staging stream
+    decodes each payload into its kept tensor (the next delta's base), then materialises the layers in the gaps the
+    payloads leave between the kept tensors, over payload bytes whose decode is still queued; one stream orders them.
+    Every layer must equal its kept tensor, lie in a payload's gap, leave every kept tensor as decoded, and reach the
+    live tensors through the engine stream's copy behind one event."""
+    from vllm_patches.arenas import BesideBaseTail, DeviceArena
+
+    count, numel = 8, 4 << 20  # 16 MiB tensors: decodes that take long enough to still be queued
+    arena = DeviceArena(2 * count * numel * 4 + 4096, "cuda")  # payloads and kept tensors, interleaved
+    pieces = {}
+    for i in range(count):
+        pieces[f"payload {i}"], pieces[f"kept {i}"] = (
+            torch.empty(numel, device="meta"),
+            torch.empty(numel, device="meta"),
+        )
+    views = arena.views(pieces)
+    payloads = [views[f"payload {i}"] for i in range(count)]
+    kept = [views[f"kept {i}"] for i in range(count)]
+    sources = [torch.full((numel,), float(i + 1), device="cuda") for i in range(count)]
+    live = [torch.zeros(numel, device="cuda") for _ in range(count)]
+    side, ready, layers = torch.cuda.Stream(), torch.cuda.Event(), []
+    torch.cuda.synchronize()
+
+    def stage() -> None:
+        with torch.cuda.stream(side):
+            for payload, source in zip(payloads, sources, strict=True):
+                payload.copy_(source)  # the receive
+            for target, payload in zip(kept, payloads, strict=True):
+                torch.mul(payload, 2.0, out=target)  # the delta's decode into the kept tensor
+            with BesideBaseTail(arena, 0, keep=kept):
+                for target in kept:
+                    layer = torch.empty_strided((numel,), (1,), dtype=torch.float32, device="cuda")
+                    layers.append(layer.copy_(target))  # a loader's copy into the materialised layer
+            ready.record(side)
+
+    thread = threading.Thread(target=stage)
+    thread.start()
+    thread.join()
+    torch.cuda.current_stream().wait_event(ready)
+    for target, layer in zip(live, layers, strict=True):
+        target.copy_(layer)  # the commit's copies, on the engine's stream
+    torch.cuda.synchronize()
+    gaps = {p.data_ptr() for p in payloads}
+    assert len(layers) == count and all(layer.data_ptr() in gaps for layer in layers)
+    for i in range(count):
+        assert torch.equal(live[i], 2 * sources[i]), f"layer {i} was made over a payload before it was decoded"
+        assert torch.equal(kept[i], 2 * sources[i]), f"kept tensor {i} (the delta's base) was written over"
