@@ -34,7 +34,6 @@ device arena (vllm_patches/staging.py). On CPU both arenas are plain host memory
 
 from __future__ import annotations
 
-import bisect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from itertools import accumulate
@@ -47,6 +46,18 @@ ALIGN = 64  # bytes: every tensor starts on a cache line, and any dtype's alignm
 
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
+
+
+def free_gaps(kept: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The byte ranges from `start` to `end` that none of `kept` (sorted (start, end) ranges) covers, each beginning
+    aligned: where the copy commit's layers may go. Tensors packed at aligned offsets leave no gap between them, so a
+    whole update's kept tensors leave the arena's rest and a delta's leave its read payloads too: a few gaps."""
+    gaps, at = [], start
+    for lo, hi in kept:
+        if lo > at:
+            gaps.append((at, lo))
+        at = max(at, _aligned(hi))
+    return [*gaps, (at, end)] if end > at else gaps
 
 
 class ArenaFull(RuntimeError):
@@ -131,10 +142,9 @@ class ArenaTail(TorchFunctionMode):
 
     def __init__(self, arena: Arena, start: int, keep: Iterable[torch.Tensor] = ()):
         super().__init__()
-        self.arena, self.start = arena, _aligned(start)
-        self.used = self.start  # past the highest byte taken
+        self.arena, self.used = arena, _aligned(start)  # `used`: past the highest byte taken
         kept = [(t.data_ptr() - arena.buffer.data_ptr(), t.numel() * t.element_size()) for t in keep if arena.holds(t)]
-        self._taken = sorted((offset, offset + nbytes) for offset, nbytes in kept if nbytes)  # kept, then taken too
+        self._gaps = free_gaps(sorted((offset, offset + n) for offset, n in kept), self.used, arena.nbytes)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -151,22 +161,13 @@ class ArenaTail(TorchFunctionMode):
         dtype = dtype or torch.get_default_dtype()
         extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
         nbytes = extent * dtype.itemsize
-        offset = self._first_fit(nbytes)
+        gap = next((i for i, (lo, hi) in enumerate(self._gaps) if lo + nbytes <= hi), None)
+        offset = self.arena.nbytes if gap is None else self._gaps[gap][0]
         if offset + nbytes > self.limit():
             raise self.full_error(self.full_message(nbytes))
-        bisect.insort(self._taken, (offset, offset + nbytes))
+        self._gaps[gap] = (_aligned(offset + nbytes), self._gaps[gap][1])
         self.used = max(self.used, _aligned(offset + nbytes))
         return self.arena.buffer[offset : offset + nbytes].view(dtype).as_strided(tuple(size), tuple(stride))
-
-    def _first_fit(self, nbytes: int) -> int:
-        """The lowest aligned offset from `start` where `nbytes` overlap nothing kept or taken (a delta's payloads
-        lie between its kept tensors: the gaps they leave are filled before the arena's rest)."""
-        offset = self.start
-        for lo, hi in self._taken:
-            if offset + nbytes <= lo:
-                break
-            offset = max(offset, _aligned(hi))
-        return offset
 
     def limit(self) -> int:
         """The byte offset materialised layers may reach now."""
@@ -176,9 +177,13 @@ class ArenaTail(TorchFunctionMode):
         """`weights` as the loaders are to take them: here as they are (`ReusingTail` watches them)."""
         return weights
 
+    def left(self) -> int:
+        """Bytes still free: the gaps between the kept tensors and the arena's rest."""
+        return sum(max(hi - lo, 0) for lo, hi in self._gaps)
+
     def full_message(self, nbytes: int) -> str:
         return (
-            f"the update's prepared layers need more than the {self.arena.nbytes - self.used} bytes of "
+            f"the update's prepared layers need more than the {self.left()} bytes of "
             f"{self.arena.kind} left beside its tensors (a tensor of {nbytes} bytes did not fit): refused, the "
             "engine serves on. The plan sets 1x the weights aside for them; a backend that pads its layers needs "
             "more: serve with --update-memory low"
@@ -195,7 +200,7 @@ class BesideBaseTail(ArenaTail):
 
     def full_message(self, nbytes: int) -> str:
         return (
-            f"the update's prepared layers need more than the {self.arena.nbytes - self.used} bytes of "
+            f"the update's prepared layers need more than the {self.left()} bytes of "
             f"{self.arena.kind} left beside the tensors kept as the next delta's base (a tensor of {nbytes} bytes did "
             "not fit): refused, the engine serves on and reloads in place from the next update on"
         )
