@@ -125,6 +125,34 @@ def test_a_cuda_serve_plans_its_updates_memory_from_the_checkpoint_and_hands_vll
     assert deltas.arena_bytes - plan.staging.arena_bytes == plan.staging.weight_bytes  # the arena holds them too
 
 
+def test_a_low_serve_planned_for_deltas_has_room_to_prepare_an_update_beside_the_base_it_keeps() -> None:
+    """`low` prepares an update a delta may follow beside the tensors it keeps as the delta's base only where its
+    device arena has the room (vllm_patches/staging.py:prepares_beside): a CUDA serve whose learner sends deltas and a
+    CPU `low` engine have it; a CUDA serve planned without deltas has not, and reloads such an update in place."""
+    import torch
+    from support import TEST_ENGINE
+
+    from inflight.models import model_dir
+    from inflight.serve.app import engine_config
+    from inflight.wire.weights import plan_update
+    from vllm_patches.device_plan import checkpoint_shapes
+    from vllm_patches.engine import EngineConfig, arena_sizes
+    from vllm_patches.staging import prepares_beside
+
+    smol = model_dir("smollm2")
+    state = {
+        name: torch.empty(shape, dtype=torch.bfloat16, device="meta") for name, shape in checkpoint_shapes(smol).items()
+    }
+    manifest, _ = plan_update(state, 2, 64 << 20, checksums=False, keep_base=True)
+    cfg = parse("--dtype", "bfloat16")
+    arena = {
+        d: engine_config(cfg, smol, "cuda", device_bytes=8 << 30, delta=d).gpu_plan.staging.arena_bytes for d in (0, 1)
+    }
+    cpu = arena_sizes(EngineConfig(model=str(smol), **{**TEST_ENGINE, "update_memory": "low"}))[0]
+    assert prepares_beside(arena[True], manifest, None) and prepares_beside(cpu, manifest, None)
+    assert not prepares_beside(arena[False], manifest, None)
+
+
 def test_a_cuda_serve_with_double_under_graphs_plans_the_kept_version_it_rolls_back_to() -> None:
     """Its prepared layers are copied into the live storage, so it keeps the staged version as `low` does; eager,
     it swaps them in and keeps nothing."""
