@@ -273,6 +273,27 @@ def test_7_the_hazard_a_graph_keeps_computing_with_the_old_weights_when_new_ones
     assert not torch.allclose(out, x @ model.proj.weight.t())
 
 
+def staging_setup(count: int, numel: int) -> tuple[list, list, torch.cuda.Stream, torch.cuda.Event, list]:
+    """`count` sources of `numel` floats (1.0, 2.0, ...), as many zeroed live tensors, the staging stream, its ready
+    event and the list its layers go into; every allocation done before staging starts."""
+    sources = [torch.full((numel,), float(i + 1), device="cuda") for i in range(count)]
+    live = [torch.zeros(numel, device="cuda") for _ in range(count)]
+    torch.cuda.synchronize()
+    return sources, live, torch.cuda.Stream(), torch.cuda.Event(), []
+
+
+def commit_behind_one_event(stage, ready: torch.cuda.Event, live: list, layers: list) -> None:
+    """Run `stage` on a thread of its own (the staging thread), then copy its `layers` into `live` on the engine's
+    stream behind `ready`, as the commit does, and wait for the copies."""
+    thread = threading.Thread(target=stage)
+    thread.start()
+    thread.join()
+    torch.cuda.current_stream().wait_event(ready)
+    for target, layer in zip(live, layers, strict=True):
+        target.copy_(layer)  # the commit's copies, on the engine's stream
+    torch.cuda.synchronize()
+
+
 def test_7_lows_copies_prepared_over_their_staged_tensors_on_the_staging_stream_are_exact():
     """`low` on a GPU (vllm_patches/arenas.py:ReusingTail): on the staging thread's stream each layer is materialised
     over staged bytes an earlier layer's copy read, those reads still queued when the layer's writes are; one stream
@@ -283,10 +304,7 @@ def test_7_lows_copies_prepared_over_their_staged_tensors_on_the_staging_stream_
     count, numel = 8, 4 << 20  # 16 MiB tensors: copies that take long enough to still be queued
     arena = DeviceArena((count + 1) * numel * 4 + 4096, "cuda")  # the update and one layer's room
     staged = arena.views({f"t{i}": torch.empty(numel, device="meta") for i in range(count)}, at_end=True)
-    sources = [torch.full((numel,), float(i + 1), device="cuda") for i in range(count)]
-    live = [torch.zeros(numel, device="cuda") for _ in range(count)]
-    side, ready, layers = torch.cuda.Stream(), torch.cuda.Event(), []
-    torch.cuda.synchronize()
+    sources, live, side, ready, layers = staging_setup(count, numel)
 
     def stage() -> None:
         with torch.cuda.stream(side):
@@ -300,13 +318,7 @@ def test_7_lows_copies_prepared_over_their_staged_tensors_on_the_staging_stream_
                     del view
             ready.record(side)
 
-    thread = threading.Thread(target=stage)
-    thread.start()
-    thread.join()
-    torch.cuda.current_stream().wait_event(ready)
-    for target, layer in zip(live, layers, strict=True):
-        target.copy_(layer)  # the commit's copies, on the engine's stream
-    torch.cuda.synchronize()
+    commit_behind_one_event(stage, ready, live, layers)
     assert all(arena.holds(layer) for layer in layers) and len(layers) == count
     for i, target in enumerate(live):
         assert torch.equal(target, sources[i]), f"layer {i} was written over before its source was read"
@@ -322,19 +334,11 @@ def test_7_lows_copies_prepared_beside_a_deltas_base_over_its_decoded_payloads_a
 
     count, numel = 8, 4 << 20  # 16 MiB tensors: decodes that take long enough to still be queued
     arena = DeviceArena(2 * count * numel * 4 + 4096, "cuda")  # payloads and kept tensors, interleaved
-    pieces = {}
-    for i in range(count):
-        pieces[f"payload {i}"], pieces[f"kept {i}"] = (
-            torch.empty(numel, device="meta"),
-            torch.empty(numel, device="meta"),
-        )
-    views = arena.views(pieces)
+    names = [name for i in range(count) for name in (f"payload {i}", f"kept {i}")]
+    views = arena.views({name: torch.empty(numel, device="meta") for name in names})
     payloads = [views[f"payload {i}"] for i in range(count)]
     kept = [views[f"kept {i}"] for i in range(count)]
-    sources = [torch.full((numel,), float(i + 1), device="cuda") for i in range(count)]
-    live = [torch.zeros(numel, device="cuda") for _ in range(count)]
-    side, ready, layers = torch.cuda.Stream(), torch.cuda.Event(), []
-    torch.cuda.synchronize()
+    sources, live, side, ready, layers = staging_setup(count, numel)
 
     def stage() -> None:
         with torch.cuda.stream(side):
@@ -348,13 +352,7 @@ def test_7_lows_copies_prepared_beside_a_deltas_base_over_its_decoded_payloads_a
                     layers.append(layer.copy_(target))  # a loader's copy into the materialised layer
             ready.record(side)
 
-    thread = threading.Thread(target=stage)
-    thread.start()
-    thread.join()
-    torch.cuda.current_stream().wait_event(ready)
-    for target, layer in zip(live, layers, strict=True):
-        target.copy_(layer)  # the commit's copies, on the engine's stream
-    torch.cuda.synchronize()
+    commit_behind_one_event(stage, ready, live, layers)
     gaps = {p.data_ptr() for p in payloads}
     assert len(layers) == count and all(layer.data_ptr() in gaps for layer in layers)
     for i in range(count):
