@@ -158,6 +158,14 @@ def stop_engine(loop, engine) -> None:
     loop.run_until_complete(asyncio.sleep(0))
 
 
+def held(loop, engine):
+    """The first worker's `HeldWeights`: what it keeps of its live version (a delta's base, a rollback source)."""
+    from vllm_patches.rpc import HeldWeights, rpc_result
+
+    value = loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))[0]
+    return rpc_result(value, HeldWeights, "inflight_held_weights")
+
+
 def greedy_transformers(model, ids: torch.Tensor, n: int) -> torch.Tensor:
     """Plain argmax decoding that, like vLLM with ignore_eos, keeps going through an end-of-turn token."""
     seq = ids

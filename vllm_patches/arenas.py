@@ -165,7 +165,8 @@ class ArenaTail(TorchFunctionMode):
         offset = self.arena.nbytes if gap is None else self._gaps[gap][0]
         if offset + nbytes > self.limit():
             raise self.full_error(self.full_message(nbytes))
-        self._gaps[gap] = (_aligned(offset + nbytes), self._gaps[gap][1])
+        if gap is not None:  # None: an empty tensor with every gap used, at the arena's end
+            self._gaps[gap] = (_aligned(offset + nbytes), self._gaps[gap][1])
         self.used = max(self.used, _aligned(offset + nbytes))
         return self.arena.buffer[offset : offset + nbytes].view(dtype).as_strided(tuple(size), tuple(stride))
 

@@ -169,7 +169,7 @@ class StagedUpdate:
                 self.bytes_kept = sum(t.nbytes for t in self.tensors.values())
                 if self.prepare is not None:  # on the side stream too: its kernels queue there
                     self.prepared = self.prepare(self.tensors, arena_tail(self))
-                    self.tensors = self.tensors if self.manifest.keep_base or self.tail == "beside" else {}
+                    self.tensors = self.tensors if self.keeps_tensors and self.tail != "over" else {}
                     self.prepare_s = time.perf_counter() - self.started - self.receive_s - self.verify_s
                 if side is not None:
                     self._ready = torch.cuda.Event()

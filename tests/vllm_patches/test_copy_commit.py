@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import Sender, as_float32, greedy, load_state, perturbed_checkpoint, start_engine, stop_engine
+from support import Sender, as_float32, greedy, held, load_state, perturbed_checkpoint, start_engine, stop_engine
 from test_swap_exact import assert_same_outputs, storage
 from transformers import AutoTokenizer
 
 from inflight.wire.weights import ManifestError
 from vllm_patches.commit import check_copyable, prepared_commit
 from vllm_patches.prepared import PreparedWeights
-from vllm_patches.rpc import HeldWeights, rpc_result
 from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
@@ -85,10 +84,9 @@ def assert_keeps(loop, engine, kernel: bool, version: int) -> None:
     """What the worker kept of `version`: the staged checkpoint-format tensors (`double`'s rollback source, and
     `low`'s when it reloads in place), or `kernel`, the kernel-format copies `low` wrote in (fused `qkv_proj`, no
     `q_proj`): the update was prepared, not reloaded."""
-    held = loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))[0]
-    held = rpc_result(held, HeldWeights, "inflight_held_weights")
-    assert held.version == version
-    names = held.crc32
+    kept = held(loop, engine)
+    assert kept.version == version
+    names = kept.crc32
     assert any(".qkv_proj." in n for n in names) == kernel, sorted(names)[:4]
     assert any(".q_proj." in n for n in names) == (not kernel), sorted(names)[:4]
 
@@ -165,10 +163,6 @@ def nudged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return near
 
 
-def held_crc32(loop, engine) -> HeldWeights:
-    return rpc_result(loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))[0], HeldWeights, "")
-
-
 def test_low_prepares_an_update_a_delta_may_follow_off_the_engine_thread_beside_its_tensors_kept_as_the_base(
     pair, loop, model_dirs
 ):
@@ -194,20 +188,20 @@ def test_low_prepares_an_update_a_delta_may_follow_off_the_engine_thread_beside_
         full = loop.run_until_complete(env["sender"].push(engine, other["state"], engine.version + 1, keep_base=True))
         assert full.prepare_s > 0, "reloaded on the engine thread, not prepared beside the kept tensors"
         assert_keeps(loop, engine, False, full.version)
-        assert held_crc32(loop, engine).crc32 == crc32(other["state"]) and storage(loop, engine) == addresses
+        assert held(loop, engine).crc32 == crc32(other["state"]) and storage(loop, engine) == addresses
         got = loop.run_until_complete(greedy(engine, tok, tag="low-keep-base-full"))
         assert_same_outputs(got, other["before"], f"{env['name']} B given A to keep as a delta's base")
 
         base = (full.version, other["state"])
         delta = loop.run_until_complete(env["sender"].push(engine, near, full.version + 1, base=base, keep_base=True))
-        assert delta.prepare_s > 0 and held_crc32(loop, engine).crc32 == crc32(near)
+        assert delta.prepare_s > 0 and held(loop, engine).crc32 == crc32(near)
         by_delta = loop.run_until_complete(greedy(engine, tok, tag="low-keep-base-delta"))
         loop.run_until_complete(env["sender"].push(engine, near, delta.version + 1))  # the same weights, in full
         assert_same_outputs(loop.run_until_complete(greedy(engine, tok, tag="low-near")), by_delta, "delta vs full")
 
         loop.run_until_complete(engine.set_staging_arena(whole.arena_bytes))  # no room beside: reloaded in place
         back = loop.run_until_complete(env["sender"].push(engine, env["state"], engine.version + 1, keep_base=True))
-        assert back.prepare_s == 0 and held_crc32(loop, engine).crc32 == crc32(env["state"])
+        assert back.prepare_s == 0 and held(loop, engine).crc32 == crc32(env["state"])
         got = loop.run_until_complete(greedy(engine, tok, tag="low-keep-base-reloaded"))
         assert_same_outputs(got, env["before"], f"{env['name']} B reloaded back to B")
     finally:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import Sender, greedy, load_state, start_engine, stop_engine
+from support import Sender, greedy, held, load_state, start_engine, stop_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inflight.run.demo import DEMO_FLAGS
 from inflight.wire.checksum import tensor_checksum
 from inflight.wire.weights import plan_update
-from vllm_patches.rpc import HeldWeights, rpc_result
 from vllm_patches.update_frontend import UpdateError
 
 pytestmark = pytest.mark.engine
@@ -38,11 +37,6 @@ def trajectory(model_dir, steps: int, dtype: torch.dtype) -> list[dict[str, torc
         live = model.state_dict()
         states.append({name: live[name].detach().to(dtype).clone() for name in names})
     return states
-
-
-def held(loop, engine) -> HeldWeights:
-    value = loop.run_until_complete(engine.llm.collective_rpc("inflight_held_weights"))[0]
-    return rpc_result(value, HeldWeights, "inflight_held_weights")
 
 
 def same_outputs(got, want) -> bool:
