@@ -11,7 +11,10 @@ run fails). Per update:
 
 - bytes on the wire, full vs delta, and their ratio (target: delta / full <= 0.3 at the demo's learning rate);
 - learner seconds to plan it (checksums; for a delta also the comparison with the previous version and the encoding);
-- the broadcast's seconds, and the receiver's seconds to unpack, apply and verify.
+- the broadcast's seconds, and the receiver's seconds to unpack, apply and verify;
+- a TP=2 rank's seconds to keep its half of the same buckets, played back to `receive_kept` in the receiver (every
+  whole tensor of a full update verified as it passes, its half copied out; a delta's payloads verified and decoded
+  onto the rank's half of the held version).
 
     python -m benchmarks.delta_updates [--steps 10] [--lr 1e-6] [--out benchmarks/results/delta_updates.json]
 """
@@ -32,27 +35,47 @@ import torch
 BUCKET_BYTES = 64 << 20
 
 
+class _Replayed:
+    """The buckets a receiver got, broadcast again in manifest order: what a tensor-parallel rank's receive reads."""
+
+    def __init__(self, manifest, buckets: list[torch.Tensor]):
+        self.parts = [buckets[i][first:end] for i, first, end in manifest.parts()]
+
+    def broadcast(self, tensor: torch.Tensor, what: str = "") -> None:
+        tensor.copy_(self.parts.pop(0))
+
+
+def _rank_of_two(name: str, whole: torch.Tensor) -> torch.Tensor:
+    """Rank 1 of a TP=2 serve, roughly: the second half of every matrix's rows; vectors (norms) replicated."""
+    return whole.narrow(0, len(whole) // 2, len(whole) - len(whole) // 2) if whole.dim() == 2 else whole
+
+
 def _receiver(port: int, pipe) -> None:
-    """Rank 1: for each manifest from `pipe`, receive its buckets, unpack + verify (a delta on the held version),
-    answer (seconds, error); a delta's result becomes the held version."""
+    """Rank 1: for each manifest from `pipe`, receive its buckets, unpack + verify (a delta on the held version), then
+    keep a TP=2 rank's half of the same buckets, played back (`receive_kept`: a delta decoded onto the rank's own
+    half of the held version); answer (seconds, rank's seconds, error); what was kept becomes the held version."""
     from inflight.wire.group import GroupAddress, WeightsGroup
-    from inflight.wire.transfer import receive_update
+    from inflight.wire.transfer import receive_kept, receive_update
     from inflight.wire.weights import UpdateManifest, unpack_buckets
 
     torch.set_num_threads(1)  # as a serve's staging thread: one thread, next to the engine's
-    group, held = WeightsGroup(GroupAddress("127.0.0.1", port, 2, timeout_s=300), 1), None
+    group, held, half = WeightsGroup(GroupAddress("127.0.0.1", port, 2, timeout_s=300), 1), None, None
     while (data := pipe.recv()) is not None:
         manifest = UpdateManifest.decode(data)
         buckets = receive_update(group, manifest)
-        start = time.perf_counter()
         try:
+            start = time.perf_counter()
             tensors = unpack_buckets(manifest, buckets, verify=True, base=held)
             seconds = time.perf_counter() - start
+            start = time.perf_counter()
+            kept = receive_kept(_Replayed(manifest, buckets), manifest, _rank_of_two, base=half)
+            rank_s = time.perf_counter() - start
             if manifest.keep_base:
                 held = (manifest.version, tensors)  # views of this update's buckets, or a delta's new tensors
-            pipe.send((seconds, ""))
+                half = (manifest.version, kept)
+            pipe.send((seconds, rank_s, ""))
         except Exception as exc:
-            pipe.send((0.0, f"{type(exc).__name__}: {exc}"))
+            pipe.send((0.0, 0.0, f"{type(exc).__name__}: {exc}"))
     group.close()
 
 
@@ -68,16 +91,16 @@ class Link:
         self.proc.start()
         self.group = WeightsGroup(GroupAddress("127.0.0.1", store.port, 2, timeout_s=300), 0, store)
 
-    def send(self, manifest, payloads) -> tuple[float, float]:
-        """(broadcast seconds, receiver seconds); raises when the receiver refused the update."""
+    def send(self, manifest, payloads) -> tuple[float, float, float]:
+        """(broadcast seconds, receiver seconds, a TP=2 rank's seconds); raises when the receiver refused the update."""
         from inflight.wire.transfer import send_update
 
         self.pipe.send(manifest.encode())
         stats = send_update(self.group, manifest, payloads)
-        seconds, error = self.pipe.recv()
+        seconds, rank_s, error = self.pipe.recv()
         if error:
             raise RuntimeError(f"the receiver refused v{manifest.version}: {error}")
-        return stats.seconds, seconds
+        return stats.seconds, seconds, rank_s
 
     def close(self) -> None:
         self.pipe.send(None)
@@ -159,14 +182,17 @@ def measure(link: Link, model_dir: Path, lr: float, args, version: int) -> tuple
             start = time.perf_counter()
             manifest, payloads = plan_update(cast, version, BUCKET_BYTES, base=base, keep_base=kind == "delta")
             plan_s = time.perf_counter() - start
-            send_s, receive_s = link.send(manifest, payloads)
-            row[kind] = {"bytes": manifest.total_bytes, "plan_s": plan_s, "send_s": send_s, "receive_s": receive_s}
+            send_s, receive_s, rank_s = link.send(manifest, payloads)
+            row[kind] = {"bytes": manifest.total_bytes, "plan_s": plan_s, "send_s": send_s, "receive_s": receive_s,
+                         "rank_receive_s": rank_s}  # fmt: skip
         row["ratio"] = row["delta"]["bytes"] / row["full"]["bytes"]
         changed = sum(t.count for t in manifest.tensors) / sum(t.numel() for t in cast.values())
         row["changed"] = changed
         print(f"lr {lr:g} step {step}: changed {changed:.4f}, delta/full bytes {row['ratio']:.3f}, "
               f"plan {row['full']['plan_s']:.2f}/{row['delta']['plan_s']:.2f} s, "
-              f"receive {row['full']['receive_s']:.2f}/{row['delta']['receive_s']:.2f} s", flush=True)  # fmt: skip
+              f"receive {row['full']['receive_s']:.2f}/{row['delta']['receive_s']:.2f} s, "
+              f"TP rank {row['full']['rank_receive_s']:.2f}/{row['delta']['rank_receive_s']:.2f} s",
+              flush=True)  # fmt: skip
         rows.append(row)
         held = (version, cast)
     return rows, version + 1
@@ -176,7 +202,7 @@ def summary(rows: list[dict]) -> dict:
     """Means over the steps of one learning rate, full and delta side by side."""
     out = {"ratio": statistics.mean(r["ratio"] for r in rows), "changed": statistics.mean(r["changed"] for r in rows)}
     for kind in ("full", "delta"):
-        for key in ("bytes", "plan_s", "send_s", "receive_s"):
+        for key in ("bytes", "plan_s", "send_s", "receive_s", "rank_receive_s"):
             out[f"{kind}_{key}"] = statistics.mean(r[kind][key] for r in rows)
     return out
 
@@ -220,13 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"\n{args.model}, {args.dtype} serve, {args.steps} learner steps per learning rate ({cpu_label()}):")
     print("| lr | elements changed | delta / full bytes | plan s full / delta | send s full / delta | "
-          "receive s full / delta |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          "receive s full / delta | a TP=2 rank's receive s full / delta |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for lr, r in results.items():
         s = r["summary"]
         print(f"| {lr} | {s['changed']:.4f} | {s['ratio']:.3f} | {s['full_plan_s']:.2f} / {s['delta_plan_s']:.2f} | "
               f"{s['full_send_s']:.3f} / {s['delta_send_s']:.3f} | "
-              f"{s['full_receive_s']:.2f} / {s['delta_receive_s']:.2f} |")  # fmt: skip
+              f"{s['full_receive_s']:.2f} / {s['delta_receive_s']:.2f} | "
+              f"{s['full_rank_receive_s']:.2f} / {s['delta_rank_receive_s']:.2f} |")  # fmt: skip
     print(f"\nwritten to {args.out}")
     return 0
 

@@ -11,7 +11,9 @@ an 80 GB GPU fails with an out-of-memory error. What an update holds on the devi
   buckets are released only once it is built, so the peak is 2x;
 - delta updates (the learner's `--full-every N > 1`): the whole tensors decoded from the delta payloads, beside the
   payload buckets (another 1x at most); with `low`'s copies the same room takes the layers prepared beside an update
-  kept as a delta's base (vllm_patches/arenas.py:BesideBaseTail), so deltas cost `low` no more than that 1x;
+  kept as a delta's base (vllm_patches/arenas.py:BesideBaseTail), so deltas cost `low` no more than that 1x; a
+  tensor-parallel rank decodes its slices of a delta onto its own slices of the base, beside nothing; and either way
+  the decode's workspace, a chunk's (inflight/wire/delta.py:DECODE_WORKSPACE_BYTES);
 - while verifying, `sum31`'s padded copy of the largest tensor not a multiple of its row and its int64 workspace
   (inflight/wire/checksum.py);
 - `low`: its largest layer: the one vLLM's layerwise reload materialises at the commit, on the engine's stream, or
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inflight.wire.checksum import SUM31_WORKSPACE_BYTES, sum31_pad_bytes
+from inflight.wire.delta import DECODE_WORKSPACE_BYTES
 from inflight.wire.weights import ALIGN
 
 GIB = 1 << 30
@@ -130,11 +133,13 @@ class StagingPlan:
     @property
     def peak_bytes(self) -> int:
         """Device bytes at the update's peak: the buckets, in `double` the processed copy beside them, with deltas
-        the decoded tensors beside their payloads."""
+        the decoded tensors beside their payloads (sliced staging decodes onto the kept slices themselves) and the
+        decode's workspace, a chunk's (inflight/wire/delta.py:DECODE_WORKSPACE_BYTES)."""
         prepared = self.weight_bytes if self.update_memory == "double" else 0
-        decoded = self.weight_bytes if self.delta else 0
+        decoded = self.weight_bytes if self.delta and not self.bucket_bytes else 0
+        decoding = DECODE_WORKSPACE_BYTES if self.delta else 0
         layer = self.layer_bytes if self.update_memory == "low" else 0
-        extras = self.checksum_bytes + layer + self.comm_bytes + self.bucket_bytes
+        extras = self.checksum_bytes + layer + self.comm_bytes + self.bucket_bytes + decoding
         return self.weight_bytes + prepared + decoded + extras
 
     def describe(self) -> str:

@@ -186,10 +186,13 @@ class StagedUpdate:
             self._done.set()
 
     def _receive_and_verify(self, side: torch.cuda.Stream | None, into: dict[str, torch.Tensor] | None) -> None:
-        if self.layout is not None:  # slices of verified tensors, no bucket kept
+        # the base a delta applies to (CUDA: the host arena's), dropped here: a delta's new tensors are copies
+        base, self.base = (None if self.base is None else (self.base.version, self.base.tensors)), None
+        if self.layout is not None:  # slices of verified tensors (a delta: decoded onto the rank's own), no bucket
             keep, key = self.layout.keep, self.weights_key
             kept_into = None if into is None else (into.pop("buffer"), into)
-            self.tensors = receive_kept(self.group, self.manifest, keep, self.device, self._count, key, kept_into)
+            group, manifest, count = self.group, self.manifest, self._count
+            self.tensors = receive_kept(group, manifest, keep, self.device, count, key, kept_into, base)
             self.receive_s = time.perf_counter() - self.started
             return
         buffers = None if into is None else [into.pop(f"buffer {i}") for i in range(len(update_buffers(self.manifest)))]
@@ -198,12 +201,9 @@ class StagedUpdate:
             side.synchronize()  # receive_s is the transfer's, not the time to queue it
             self._buckets = buckets if self.prepare is None else []  # prepared: the views go with the tensors
         self.receive_s = time.perf_counter() - self.started
-        base = None if self.base is None else (self.base.version, self.base.tensors)  # CUDA: the host arena's
-        key = self.weights_key
         self.tensors = unpack_buckets(
-            self.manifest, buckets, verify=True, weights_key=key, base=base, decoded_into=into
+            self.manifest, buckets, verify=True, weights_key=self.weights_key, base=base, decoded_into=into
         )
-        self.base = None  # a delta's new tensors are copies: the base is no longer needed here
         self.verify_s = time.perf_counter() - self.started - self.receive_s
 
     def _announce(self) -> None:

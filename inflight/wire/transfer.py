@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.wire import delta
 from inflight.wire.group import WeightsGroup
 from inflight.wire.weights import (
     DTYPES,
@@ -27,6 +28,7 @@ from inflight.wire.weights import (
     TensorEntry,
     UpdateManifest,
     as_bytes,
+    check_base,
     check_digest,
     pack_bucket,
     tensor_digest,
@@ -251,25 +253,28 @@ def receive_kept(
     on_bucket: Callable[[int, int], None] | None = None,
     weights_key: bytes | None = None,
     into: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+    base: tuple[int, Mapping[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Receive `manifest`'s buckets one at a time into one reused buffer and keep only what `keep(name, whole tensor)`
-    returns of each tensor (a tensor-parallel rank's slice: vllm_patches/placement.py), copied out before the next
-    bucket overwrites it; None keeps nothing. Every whole tensor is digested as it streams through and checked against
-    the manifest (or its trailer) once all arrived: what is kept is a slice of a tensor that verified. Raises
-    ManifestError naming the first tensor that does not. A delta needs whole base tensors: refused. `into`: the
-    buffer (the largest bucket, or more) and a tensor for each kept piece to copy it to (a worker's arena); without
-    it, the buffer is `receive_buffer`'s and each kept piece its own clone."""
-    if manifest.is_delta:
-        raise ManifestError(
-            f"update v{manifest.version} is a delta, and this worker keeps slices, not the whole tensors a delta "
-            "applies to: the learner must send full updates to a tensor-parallel serve"
-        )
+    returns of each tensor (a tensor-parallel rank's slice, one dim narrowed: vllm_patches/placement.py), copied out
+    before the next bucket overwrites it; None keeps nothing. Every whole tensor is digested as it streams through and
+    checked against the manifest (or its trailer) once all arrived: what is kept is a slice of a tensor that verified.
+    A delta (`base`: (its base version, what this rank kept of it)) is applied to what the rank keeps: a sparse entry
+    kept whole is decoded and checked whole, a slice is decoded from the payload, whose own digest is checked first.
+    Raises ManifestError naming the first tensor that does not verify. `into`: the buffer (the largest bucket, or more)
+    and a tensor for each kept piece to copy it to (a worker's arena); without it, the buffer is `receive_buffer`'s
+    and each kept piece its own clone."""
+    buffer, out = into if into is not None else (receive_buffer(max(manifest.bucket_sizes, default=0), device), {})
+    try:
+        check_base(manifest, base)
+    except ManifestError:
+        drain_update(group, manifest, buffer)  # the group stays in step; the sender goes on as for any receiver
+        raise
     key = update_key(weights_key, manifest.version) if weights_key is not None else None
     kind, kept, digests = manifest.checksum_kind, {}, {}
     by_bucket: dict[int, list] = {}
     for t in manifest.tensors:
         by_bucket.setdefault(t.bucket, []).append(t)
-    buffer, out = into if into is not None else (receive_buffer(max(manifest.bucket_sizes, default=0), device), {})
     for i, first, end in manifest.parts():
         group.broadcast(buffer[first:end], what=manifest.part_name((i, first, end)))
         size = manifest.bucket_sizes[i]
@@ -278,11 +283,14 @@ def receive_kept(
         bucket = buffer[:size]
         digestible = verifiable(bucket, key, kind)
         for t in by_bucket.get(i, []):
-            digests[t.name] = tensor_digest(digestible[t.offset : t.offset + t.nbytes], key, kind)
-            whole = bucket[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).reshape(t.shape)
-            piece = keep(t.name, whole)
+            raw, read = bucket[t.offset : t.offset + t.nbytes], digestible[t.offset : t.offset + t.nbytes]
+            if t.encoding != "full":
+                piece = _kept_of_delta(t, raw, read, keep, base[1], out.get(t.name), key, kind)
+            else:
+                digests[t.name] = tensor_digest(read, key, kind)
+                piece = _kept_copy(keep(t.name, raw.view(DTYPES[t.dtype]).reshape(t.shape)), out.get(t.name))
             if piece is not None:
-                kept[t.name] = out[t.name].copy_(piece) if t.name in out else piece.clone(memory_format=_CONTIGUOUS)
+                kept[t.name] = piece
         if on_bucket is not None:
             on_bucket(i, size)
     if manifest.trailer:
@@ -291,8 +299,57 @@ def receive_kept(
         group.broadcast(trailer, what=f"trailer of version {manifest.version}")
         manifest = manifest.with_trailer(trailer)
     for t in manifest.tensors:
-        check_digest(t, digests[t.name], key, kind)
+        if t.name in digests:
+            check_digest(t, digests[t.name], key, kind)
     return kept
+
+
+def _kept_copy(piece: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor | None:
+    """A kept view of a bucket copied out before the next bucket overwrites it: into `out` (the arena), or a clone."""
+    if piece is None:
+        return None
+    return out.copy_(piece) if out is not None else piece.clone(memory_format=_CONTIGUOUS)
+
+
+def _kept_of_delta(
+    t: TensorEntry,
+    payload: torch.Tensor,
+    read: torch.Tensor,
+    keep: Keep,
+    base: Mapping[str, torch.Tensor],
+    out: torch.Tensor | None,
+    key: bytes | None,
+    kind: str,
+) -> torch.Tensor | None:
+    """What `keep` keeps of the new tensor a sparse delta entry encodes, from the payload and the rank's own piece of
+    the base: the whole tensor decoded and checked whole, or its slice decoded once the payload (`read`: its bytes
+    where they are digested) checked. Nothing kept: the payload is checked all the same."""
+    whole = torch.empty(t.shape, dtype=DTYPES[t.dtype], device="meta")
+    probe = keep(t.name, whole)  # what would be kept, as a view of the whole: its region
+    if probe is None or probe.shape != whole.shape:
+        check_digest(t, tensor_digest(read, key, kind), key, kind, payload=True)
+    if probe is None:
+        return None
+    held = base.get(t.name)
+    if held is None or held.shape != probe.shape or held.dtype != whole.dtype:
+        raise ManifestError(f"tensor {t.name}: the delta's base is not held in {t.dtype}{list(probe.shape)}")
+    try:
+        if probe.shape == whole.shape:
+            new = delta.decode(t.encoding, t.count, payload, held, out)
+            check_digest(t, tensor_digest(as_bytes(new), key, kind), key, kind)
+            return new
+        return delta.decode_slice(t.encoding, t.count, payload, tuple(t.shape), _region(t, probe, whole), held, out)
+    except ValueError as exc:
+        raise ManifestError(f"tensor {t.name}: {exc} (corrupted in transit)") from exc
+
+
+def _region(t: TensorEntry, probe: torch.Tensor, whole: torch.Tensor) -> tuple[int, int, int]:
+    """(dim, start, length) of `probe`, a view of `whole` narrowed along one dim (ManifestError otherwise)."""
+    dims = [d for d, (a, b) in enumerate(zip(probe.shape, whole.shape, strict=True)) if a != b]
+    if len(dims) != 1 or probe.stride() != whole.stride():
+        raise ManifestError(f"tensor {t.name}: this rank keeps {list(probe.shape)} of it, not rows of one dim")
+    dim = dims[0]
+    return dim, probe.storage_offset() // whole.stride(dim), probe.shape[dim]
 
 
 _CONTIGUOUS = torch.contiguous_format

@@ -18,7 +18,9 @@ A delta update (`base_version` >= 0) sends each tensor in the smallest of three 
 whole, or only the elements that changed since `base_version`, which the receiver applies to its copy of that version.
 The checksum or tag is always the *whole* new tensor's, checked after the delta is applied: a delta applied to the
 wrong base, or altered in transit, fails the same check a corrupt full update does, so a delta update is bitwise
-identical to a full one or refused.
+identical to a full one or refused. A sparse entry also carries its payload's own checksum or tag: a tensor-parallel
+rank keeps only its slice of the base, so it checks the payload it applies instead (its slice of the base verified
+when that version arrived, the delta's base version checked, the decode deterministic).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from inflight.wire import delta
 from inflight.wire.checksum import CHECKSUM_KINDS, RunningChecksum, bytes_checksum, tensor_checksum
 
-MANIFEST_SCHEMA = 5  # 2: optional keyed BLAKE2b tags; 3: delta updates; 4: checksum_kind; 5: part_bytes
+MANIFEST_SCHEMA = 6  # 2: keyed BLAKE2b tags; 3: delta updates; 4: checksum_kind; 5: part_bytes; 6: payload digests
 TAG_BYTES = 16
 _TRAILER_ENTRY = 4 + TAG_BYTES
 ALIGN = 64
@@ -73,6 +75,10 @@ class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tag: bytes = b""  # keyed BLAKE2b of the whole tensor under update_key(secret key, version); empty without a secret
     encoding: str = "full"  # one of inflight/wire/delta.py:ENCODINGS; not "full" only in a delta update
     count: int = 0  # elements changed since the manifest's base_version (a delta entry)
+    # A sparse entry's payload, digested as `checksum` and `tag` are: what a tensor-parallel rank that keeps only a
+    # slice checks, since it cannot apply the delta to the whole tensor (inflight/wire/transfer.py:receive_kept).
+    payload_checksum: int = 0
+    payload_tag: bytes = b""
 
 
 class AdapterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -289,6 +295,9 @@ def plan_update(
         # kept with a tag: a corruption's message names its checksum
         checksum = tensor_checksum(tensor, checksum_kind) if checksums else 0
         tag = tensor_tag(tensor, key) if key is not None else b""
+        sparse = encoding != "full"
+        payload_checksum = bytes_checksum(payload, checksum_kind) if checksums and sparse else 0
+        payload_tag = bytes_tag(payload.cpu().numpy(), key) if key is not None and sparse else b""
         entries.append(
             TensorEntry(
                 name,
@@ -301,6 +310,8 @@ def plan_update(
                 tag,
                 encoding,
                 count,
+                payload_checksum,
+                payload_tag,
             )
         )
         payloads[name] = payload
@@ -381,12 +392,7 @@ def unpack_buckets(
     for i, (buf, size) in enumerate(zip(buckets, manifest.bucket_sizes, strict=True)):
         if buf.numel() != size:
             raise ManifestError(f"bucket {i} holds {buf.numel()} bytes, the manifest announced {size}")
-    if manifest.is_delta and (base is None or base[0] != manifest.base_version):
-        held = "no base" if base is None else f"v{base[0]}"
-        raise ManifestError(
-            f"update v{manifest.version} is a delta on v{manifest.base_version} but this receiver "
-            f"holds {held}: the sender must send a full update"
-        )
+    check_base(manifest, base)
     out = {}
     key = update_key(weights_key, manifest.version) if weights_key is not None else None
     kind = manifest.checksum_kind
@@ -405,6 +411,16 @@ def unpack_buckets(
             _verify(t, host[t.bucket][t.offset : t.offset + t.nbytes] if t.bucket in host else raw, key, kind)
         out[t.name] = raw.view(DTYPES[t.dtype]).reshape(t.shape)
     return out
+
+
+def check_base(manifest: UpdateManifest, base: tuple[int, Mapping[str, torch.Tensor]] | None) -> None:
+    """Refuse a delta update unless `base` is (its base_version, tensors), naming both versions."""
+    if manifest.is_delta and (base is None or base[0] != manifest.base_version):
+        held = "no base" if base is None else f"v{base[0]}"
+        raise ManifestError(
+            f"update v{manifest.version} is a delta on v{manifest.base_version} but this receiver "
+            f"holds {held}: the sender must send a full update"
+        )
 
 
 def _apply_delta(
@@ -431,21 +447,24 @@ def tensor_digest(data: torch.Tensor, key: bytes | None, kind: str) -> bytes | i
     return bytes_tag(data.cpu().numpy(), key) if key is not None else bytes_checksum(data, kind)
 
 
-def check_digest(t: TensorEntry, digest: bytes | int, key: bytes | None, kind: str) -> None:
-    """Refuse `t` unless `digest` (tensor_digest of its bytes) is what the manifest says, naming the tensor."""
+def check_digest(t: TensorEntry, digest: bytes | int, key: bytes | None, kind: str, payload: bool = False) -> None:
+    """Refuse `t` unless `digest` (tensor_digest of its bytes, or with `payload` of its delta payload's) is what the
+    manifest says, naming the tensor."""
+    tag, checksum = (t.payload_tag, t.payload_checksum) if payload else (t.tag, t.checksum)
+    of = "delta payload " if payload else ""
     if key is not None:
-        if not t.tag:
+        if not tag:
             raise ManifestError(
-                f"tensor {t.name}: no tag, and this serve has a secret: give the learner the same --secret-file"
+                f"tensor {t.name}: no {of}tag, and this serve has a secret: give the learner the same --secret-file"
             )
-        if not hmac.compare_digest(digest, t.tag):
+        if not hmac.compare_digest(digest, tag):
             raise ManifestError(
-                f"tensor {t.name}: its tag does not verify under the update's key (forged, replayed "
+                f"tensor {t.name}: its {of}tag does not verify under the update's key (forged, replayed "
                 "from another update, or corrupted in transit)"
             )
-    elif digest != t.checksum:
+    elif digest != checksum:
         raise ManifestError(
-            f"tensor {t.name}: checksum {digest:#010x} but the manifest says {t.checksum:#010x}, a {kind} "
+            f"tensor {t.name}: {of}checksum {digest:#010x} but the manifest says {checksum:#010x}, a {kind} "
             "(corrupted in transit)"
         )
 

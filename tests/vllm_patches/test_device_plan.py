@@ -10,6 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from inflight.models import model_dir
+from inflight.wire.delta import DECODE_WORKSPACE_BYTES
 from vllm_patches.device_plan import (
     GIB,
     StagingPlan,
@@ -33,7 +34,8 @@ def test_an_update_needs_its_buckets_plus_the_processed_copy_in_double_plus_deco
     update_memory, delta, peak, host
 ):
     plan = StagingPlan(weight_bytes=TWO_B_BF16, update_memory=update_memory, delta=delta)
-    assert (plan.peak_bytes, plan.host_bytes) == (peak * TWO_B_BF16, host * TWO_B_BF16)
+    decoding = DECODE_WORKSPACE_BYTES if delta else 0  # a chunk's at a time, however large the tensor
+    assert (plan.peak_bytes, plan.host_bytes) == (peak * TWO_B_BF16 + decoding, host * TWO_B_BF16)
     assert ("pinned host memory kept between updates" in plan.describe()) == bool(host)
 
 
@@ -53,7 +55,7 @@ def test_a_model_whose_update_leaves_vllm_too_little_is_refused_naming_the_numbe
     for words in (
         "--gpu-memory-utilization 0.9",
         "80.0 GiB",
-        "83.82 GiB on the device at its peak",
+        "83.91 GiB on the device at its peak",
         "--full-every 1",
     ):
         assert words in text
@@ -125,7 +127,7 @@ def test_a_layers_bytes_group_its_block_and_the_largest_tensor_and_layer_are_fou
 
 def test_the_staging_plan_counts_checksum_padding_the_reloaded_layer_and_the_weights_groups_buffers():
     """Issue 40, point 4: memory outside the old plan — sum31's padded copy and workspace, `low`'s materialised layer,
-    the communicator's buffers, deltas — is in the peak the engine's fraction is lowered by."""
+    the communicator's buffers, deltas and their decode's workspace — is in the peak the engine's fraction is lowered by."""
     from inflight.wire.checksum import SUM31_WORKSPACE_BYTES, sum31_pad_bytes
     from vllm_patches.device_plan import NCCL_BYTES_PER_CHANNEL, WeightSizes, staging_plan
 
@@ -134,7 +136,8 @@ def test_the_staging_plan_counts_checksum_padding_the_reloaded_layer_and_the_wei
     extra = sum31_pad_bytes((1 << 20) + 3) + SUM31_WORKSPACE_BYTES + (300 << 20) + 4 * NCCL_BYTES_PER_CHANNEL
     assert low.peak_bytes == TWO_B_BF16 + extra
     double = staging_plan(sizes, "double", delta=True, max_ctas=4)
-    assert double.peak_bytes == 3 * TWO_B_BF16 + extra - (300 << 20)  # no in-place reload in double
+    decoding = DECODE_WORKSPACE_BYTES  # a delta decoded a chunk at a time
+    assert double.peak_bytes == 3 * TWO_B_BF16 + extra - (300 << 20) + decoding  # no in-place reload in double
     assert sum31_pad_bytes(1 << 17) == 0 and sum31_pad_bytes(1) == 1 << 17
 
 
@@ -276,6 +279,15 @@ def test_a_sliced_plan_counts_one_bucket_buffer_as_big_as_the_largest_tensor_not
     sliced = staging_plan(sizes, "low", False, max_ctas=0, bucket_bytes=64 << 20)
     whole = staging_plan(sizes, "low", False, max_ctas=0)
     assert sliced.peak_bytes - whole.peak_bytes == 2 * GIB  # the buffer; the commit's carriers allocate nothing
+
+
+def test_a_rank_staging_slices_decodes_a_delta_onto_its_kept_slices_so_deltas_add_only_the_decodes_workspace():
+    sizes = WeightSizes(total=10 * GIB, largest_tensor=2 * GIB, largest_layer=GIB // 2)
+    plain, deltas = (staging_plan(sizes, "low", d, max_ctas=0, bucket_bytes=64 << 20) for d in (False, True))
+    assert deltas.peak_bytes - plain.peak_bytes == DECODE_WORKSPACE_BYTES
+    assert deltas.arena_bytes == plain.arena_bytes  # the receive buffer and the slices, a delta's or a full update's
+    whole, whole_deltas = (staging_plan(sizes, "low", d, max_ctas=0) for d in (False, True))
+    assert whole_deltas.peak_bytes - whole.peak_bytes == 10 * GIB + DECODE_WORKSPACE_BYTES  # decoded beside payloads
 
 
 def _arena_needs(manifest) -> int:

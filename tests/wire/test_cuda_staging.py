@@ -81,7 +81,7 @@ def send_payloads(address: GroupAddress, manifest: bytes, payloads: dict[str, to
     group.close()
 
 
-def stage_from_sender(manifest, payloads, held=None, arenas=None):
+def stage_from_sender(manifest, payloads, held=None, arenas=None, layout=None):
     """Receive `manifest` into CUDA buckets from a real sender process: the StagedUpdate once staged."""
     from vllm_patches.staging import StagedUpdate
 
@@ -91,7 +91,7 @@ def stage_from_sender(manifest, payloads, held=None, arenas=None):
     sender = mp.get_context("spawn").Process(target=send_payloads, args=args, daemon=True)
     sender.start()
     group = WeightsGroup(address, 1, store)
-    stage = StagedUpdate(manifest, group, "cuda", held=held, arenas=arenas).start()
+    stage = StagedUpdate(manifest, group, "cuda", held=held, arenas=arenas, layout=layout).start()
     assert stage.wait(120), "the update was not staged within 120 s"
     sender.join(60)
     group.close()
@@ -141,4 +141,37 @@ def test_a_delta_on_a_base_held_in_host_memory_decodes_into_the_device_arena_bit
     held = HeldTensors(5, arenas.hold(base))  # the live version, in the (pinned) host arena
     stage = stage_from_sender(manifest, payloads, held=held, arenas=arenas)
     assert all(arenas.staging.holds(t) and torch.equal(t.cpu(), new[n]) for n, t in stage.kept().items())
+    arenas.close()
+
+
+class SecondHalfRows:
+    """Rank 1 of two, as staging asks it (vllm_patches/placement.py:SliceLayout, which needs vLLM to resolve): the
+    second half of every matrix's rows, vectors kept whole."""
+
+    full: list[str] = []
+
+    def keep(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        rows = whole.shape[0]
+        return whole.narrow(0, rows // 2, rows - rows // 2) if whole.dim() == 2 else whole
+
+
+def test_a_tensor_parallel_rank_decodes_a_delta_onto_its_own_rows_held_in_host_memory_into_the_device_arena():
+    from inflight.wire.weights import plan_update
+    from vllm_patches.arenas import StagingArenas
+    from vllm_patches.device_plan import staging_plan, weight_sizes
+    from vllm_patches.staging import HeldTensors
+
+    base, new, rows = make_state(5), make_state(5), SecondHalfRows()
+    new["layers.0.weight"][::7] += 1.0  # rows in both halves: the changes outside rank 1's rows are skipped
+    new["head.weight"][:, ::3] -= 1.0
+    manifest, payloads = plan_update(new, 6, 256 << 10, base=(5, base), keep_base=True, checksum_kind="sum31")
+    assert {t.encoding for t in manifest.tensors} - {"full"}, "a sparse encoding"
+    kept_base = {name: rows.keep(name, t).contiguous() for name, t in base.items()}
+    sizes = weight_sizes({n: t.nbytes for n, t in kept_base.items()})
+    plan = staging_plan(sizes, "low", True, max_ctas=0, bucket_bytes=max(manifest.bucket_sizes))
+    arenas = StagingArenas(plan.arena_bytes, plan.host_arena_bytes, "cuda")
+    held = HeldTensors(5, arenas.hold(kept_base), rows)  # the rank's rows of the live version, pinned
+    stage = stage_from_sender(manifest, payloads, held=held, arenas=arenas, layout=rows)
+    for name, t in stage.kept().items():
+        assert t.is_cuda and arenas.staging.holds(t) and torch.equal(t.cpu(), rows.keep(name, new[name])), name
     arenas.close()

@@ -131,3 +131,64 @@ def test_encode_then_decode_is_the_identity_on_the_bits_for_every_dtype(dtype, f
     encoding, count, payload = delta.encode(new, old)
     assert count == len(where) and payload.numel() == delta.payload_nbytes(encoding, 777, old.element_size(), count)
     assert bits(delta.decode(encoding, count, payload, old)) == bits(new)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.bool])
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.3, 1.0])
+@pytest.mark.parametrize("chunk", [delta.CHUNK, 16])
+def test_a_slice_decoded_from_the_payload_onto_the_bases_slice_equals_the_whole_decode_narrowed(
+    dtype, fraction, chunk, monkeypatch
+):
+    """What a tensor-parallel rank holds: its rows of one dim. `chunk` 16: the decode walks the tensor in 16-element
+    chunks (a bitmask's bits and the indices are unpacked a chunk at a time), as it walks a large one."""
+    monkeypatch.setattr(delta, "CHUNK", chunk)
+    gen = torch.Generator().manual_seed(4)
+    shape = (6, 10, 7)
+    old = (torch.randn(shape, generator=gen) * 5).to(dtype)
+    new = old.clone().reshape(-1)
+    where = torch.randperm(new.numel(), generator=gen)[: int(new.numel() * fraction)]
+    new[where] = ~new[where] if dtype == torch.bool else (new[where].double() + 1).to(dtype)
+    new = new.reshape(shape)
+    encoding, count, payload = delta.encode(new, old)
+    assert bits(delta.decode(encoding, count, payload, old)) == bits(new)
+    for dim, start, length in [(0, 0, 3), (0, 3, 3), (1, 5, 5), (2, 1, 4), (2, 0, 7)]:
+        base = old.narrow(dim, start, length).contiguous()
+        got = delta.decode_slice(encoding, count, payload, shape, (dim, start, length), base)
+        assert bits(got) == bits(new.narrow(dim, start, length)), (encoding, dim, start, length)
+    with pytest.raises(ValueError, match=r"the base slice is \[6, 10, 7\]; rows 0..3 of dim 0: \(3, 10, 7\)"):
+        delta.decode_slice(encoding, count, payload, shape, (0, 0, 3), old)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_decode_allocates_a_chunks_workspace_beyond_its_output_however_large_the_tensor(sliced, monkeypatch):
+    """16M bf16 elements, 85% changed (a bitmask near its upper range): decoded whole, the changed elements' indices
+    alone would take 109 MiB; a chunk at a time the decode stays within `DECODE_WORKSPACE_BYTES` of 256K-element
+    chunks (24 MiB). Checked to fail with the whole tensor as one chunk."""
+    monkeypatch.setattr(delta, "CHUNK", 1 << 18)
+    bound = delta.WORKSPACE_PER_ELEMENT * delta.CHUNK
+    gen = torch.Generator().manual_seed(5)
+    shape = (2048, 8192)
+    old = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[torch.rand(new.numel(), generator=gen) < 0.85] += 1
+    encoding, count, payload = delta.encode(new, old)
+    assert encoding == "bitmask"
+    region = (1, 4096, 4096) if sliced else (0, 0, 2048)
+    base = old.narrow(region[0], region[1], region[2]).contiguous()
+    out = torch.zeros_like(base)  # every page resident before: the output is not the workspace
+    del new
+    before = _resident_bytes()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) from here
+    if sliced:
+        delta.decode_slice(encoding, count, payload, shape, region, base, out)
+    else:
+        delta.decode(encoding, count, payload, base, out)
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    assert peak - before < bound, f"{(peak - before) / 2**20:.1f} MiB beyond the output, bound {bound / 2**20:.0f}"

@@ -5,11 +5,13 @@ trailer's after the buckets). A narrow unit test: the group is a stand-in that r
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
+from inflight.wire.secure import weights_key
 from inflight.wire.transfer import receive_buffer, receive_kept
-from inflight.wire.weights import ManifestError, pack_bucket, plan_manifest
+from inflight.wire.weights import ManifestError, pack_bucket, plan_manifest, plan_update
 
 
 class Replay:
@@ -72,12 +74,83 @@ def test_a_corrupted_tensor_fails_the_receive_naming_it_though_the_rank_keeps_no
         receive_kept(Replay(frames), manifest, _rows(1))
 
 
-def test_a_delta_update_is_refused_by_a_worker_that_keeps_slices():
-    state = _state()
-    manifest = plan_manifest(state, 2, bucket_bytes=1 << 20)
-    delta = manifest.__class__(**{**{f: getattr(manifest, f) for f in manifest.__struct_fields__}, "base_version": 1})
-    with pytest.raises(ManifestError, match="keeps slices"):
-        receive_kept(Replay([]), delta, _rows(0))
+def _delta_case(weights_key: bytes | None = None):
+    """A base and a new version of four tensors, each kept differently by rank 1, and the delta between them: the
+    rows of w0 (bitmask), the columns of w1 (indices), w2 whole (bitmask), w3 not at all, w4's rows (sent in full)."""
+    g = torch.Generator().manual_seed(2)
+    base = {f"w{i}": torch.randn(16, 12, generator=g).to(torch.bfloat16) for i in range(5)}
+    new = {name: t.clone() for name, t in base.items()}
+    for name, fraction in {"w0": 0.3, "w1": 0.01, "w2": 0.3, "w3": 0.3, "w4": 1.0}.items():
+        flat = new[name].view(-1)
+        where = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * fraction))]
+        flat[where] += 1
+    manifest, payloads = plan_update(new, 8, bucket_bytes=1 << 10, weights_key=weights_key, base=(7, base))
+    return base, new, manifest, payloads
+
+
+def _rank1(name: str, whole: torch.Tensor) -> torch.Tensor | None:
+    return {"w0": whole.narrow(0, 8, 8), "w1": whole.narrow(1, 6, 6), "w2": whole, "w3": None, "w4": whole[8:]}[name]
+
+
+def _kept_base(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: kept.clone() for name in base if (kept := _rank1(name, base[name])) is not None}
+
+
+def test_a_rank_keeps_its_rows_or_columns_of_a_delta_decoded_from_the_payload_onto_its_own_slice_of_the_base():
+    base, new, manifest, payloads = _delta_case()
+    assert {t.name: t.encoding for t in manifest.tensors} == {
+        "w0": "bitmask", "w1": "indices", "w2": "bitmask", "w3": "bitmask", "w4": "full"
+    }  # fmt: skip
+    kept = receive_kept(Replay(_frames(manifest, payloads)), manifest, _rank1, base=(7, _kept_base(base)))
+    assert sorted(kept) == ["w0", "w1", "w2", "w4"]
+    for name, tensor in kept.items():
+        assert _bits(tensor) == _bits(_rank1(name, new[name])), name
+    into = {name: torch.full_like(t, 7.0) for name, t in kept.items()}  # a worker's arena: decoded in place
+    buffer = torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8)
+    again = receive_kept(
+        Replay(_frames(manifest, payloads)), manifest, _rank1, into=(buffer, into), base=(7, _kept_base(base))
+    )
+    assert all(again[name] is into[name] and _bits(again[name]) == _bits(kept[name]) for name in kept)
+
+
+def test_a_corrupted_delta_payload_fails_naming_the_tensor_though_the_bad_byte_lies_outside_the_ranks_columns():
+    base, new, manifest, payloads = _delta_case()
+    entry = next(t for t in manifest.tensors if t.name == "w1")
+    frames = _frames(manifest, payloads)
+    values = entry.offset + entry.nbytes - entry.count * 2  # w1's values follow its int32 indices
+    index = frames[entry.bucket][entry.offset : values].clone().view(torch.int32)
+    first_outside = next(i for i, at in enumerate(index.tolist()) if at % 12 < 6)  # a change to a column rank 0 keeps
+    frames[entry.bucket][values + 2 * first_outside] ^= 0x01
+    with pytest.raises(ManifestError, match="tensor w1: delta payload checksum"):
+        receive_kept(Replay(frames), manifest, _rank1, base=(7, _kept_base(base)))
+
+
+def test_with_a_secret_a_slice_of_a_delta_is_checked_by_its_payloads_tag_and_a_replayed_delta_is_refused():
+    key = weights_key(b"a shared secret of 32 bytes....!")
+    base, new, manifest, payloads = _delta_case(key)
+    kept = receive_kept(
+        Replay(_frames(manifest, payloads)), manifest, _rank1, weights_key=key, base=(7, _kept_base(base))
+    )
+    assert _bits(kept["w0"]) == _bits(new["w0"][8:])
+    replay = msgspec.structs.replace(manifest, version=9, base_version=8)  # the same delta presented as v8 -> v9
+    with pytest.raises(ManifestError, match="tensor w0: its delta payload tag does not verify"):
+        receive_kept(Replay(_frames(manifest, payloads)), replay, _rank1, weights_key=key, base=(8, kept))
+
+
+def test_a_delta_on_a_version_the_rank_does_not_hold_is_refused_once_its_broadcasts_are_drained():
+    base, _, manifest, payloads = _delta_case()
+    group = Replay(_frames(manifest, payloads))
+    with pytest.raises(ManifestError, match="update v8 is a delta on v7 but this receiver holds v6"):
+        receive_kept(group, manifest, _rank1, base=(6, _kept_base(base)))
+    assert group.frames == [] and group.sizes == [end - first for _, first, end in manifest.parts()]
+    with pytest.raises(ManifestError, match=r"tensor w0: the delta's base is not held in bfloat16\[8, 12\]"):
+        receive_kept(
+            Replay(_frames(manifest, payloads)), manifest, _rank1, base=(7, {**_kept_base(base), "w0": base["w0"]})
+        )
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _resident_bytes() -> int:
