@@ -58,7 +58,8 @@ def send_update(
         return TransferStats()
     device = next(iter(state.values())).device
     parts = _parts_by_bucket(manifest)
-    alone = {i: manifest.tensors_in(i)[0].name for i, p in parts.items() if len(p) > 1}  # a tensor larger than a part
+    # a tensor larger than a part: the only one with bytes in its bucket
+    alone = {i: next(t.name for t in manifest.tensors_in(i) if t.nbytes) for i, p in parts.items() if len(p) > 1}
     size = max((n for i, n in enumerate(manifest.bucket_sizes) if i not in alone), default=0)
     buffers = [torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin) for _ in range(2)]
     stats, start = TransferStats(), time.perf_counter()
@@ -72,7 +73,7 @@ def send_update(
             bucket = pending.result() if pending is not None else as_bytes(state[alone[i]])
             if i + 1 < len(manifest.bucket_sizes):
                 pending = packed(i + 1)
-            for part in parts[i]:
+            for part in parts.get(i, ()):  # none for an update without bytes (a delta where nothing changed)
                 group.broadcast(bucket[part[1] : part[2]], what=manifest.part_name(part))
             stats.bytes += manifest.bucket_sizes[i]
             stats.buckets += 1
@@ -275,11 +276,10 @@ def receive_kept(
     by_bucket: dict[int, list] = {}
     for t in manifest.tensors:
         by_bucket.setdefault(t.bucket, []).append(t)
-    for i, first, end in manifest.parts():
-        group.broadcast(buffer[first:end], what=manifest.part_name((i, first, end)))
-        size = manifest.bucket_sizes[i]
-        if end < size:
-            continue  # more parts of this bucket to come
+    parts = _parts_by_bucket(manifest)
+    for i, size in enumerate(manifest.bucket_sizes):
+        for part in parts.get(i, ()):  # none for a bucket without bytes (a delta where nothing changed)
+            group.broadcast(buffer[part[1] : part[2]], what=manifest.part_name(part))
         bucket = buffer[:size]
         digestible = verifiable(bucket, key, kind)
         for t in by_bucket.get(i, []):

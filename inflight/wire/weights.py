@@ -286,11 +286,14 @@ def plan_update(
             raise ManifestError(f"tensor {name}: dtype {tensor.dtype} cannot be sent; cast it to bfloat16/float32")
         encoding, count, payload = delta.encode(tensor, base[1][name]) if base is not None else ("full", 0, tensor)
         nbytes = delta.payload_nbytes(encoding, tensor.numel(), tensor.element_size(), count)
-        if not sizes or used + nbytes > bucket_bytes:
+        # An entry without bytes (a delta's unchanged tensor) never opens a bucket and lies within the current one,
+        # and a bucket without bytes yet takes the next tensor however large: no bucket is left empty between two
+        # (an empty one has no broadcast, and a tensor larger than a bucket stays the only one with bytes in its own).
+        if not sizes or (nbytes and sizes[-1] and used + nbytes > bucket_bytes):
             sizes.append(0)
             used = 0
-        offset = used
-        used = _aligned(offset + nbytes)
+        offset = used if nbytes else sizes[-1] - sizes[-1] % ALIGN
+        used = _aligned(offset + nbytes) if nbytes else used
         sizes[-1] = max(offset + nbytes, sizes[-1])
         # kept with a tag: a corruption's message names its checksum
         checksum = tensor_checksum(tensor, checksum_kind) if checksums else 0

@@ -192,3 +192,54 @@ def test_a_decode_allocates_a_chunks_workspace_beyond_its_output_however_large_t
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
     assert peak - before < bound, f"{(peak - before) / 2**20:.1f} MiB beyond the output, bound {bound / 2**20:.0f}"
+
+
+class Recorded:
+    """A weights group reduced to what crosses it: it records each broadcast's bytes, then plays them back (a narrow
+    stand-in; the real group carries deltas in tests/vllm_patches/test_delta_updates.py and test_sliced_staging.py)."""
+
+    def __init__(self):
+        self.frames: list[torch.Tensor] = []
+        self.played: list[torch.Tensor] | None = None
+
+    def broadcast(self, tensor: torch.Tensor, what: str = "") -> None:
+        if self.played is None:
+            self.frames.append(tensor.clone())
+        else:
+            tensor.copy_(self.played.pop(0))
+
+    def replay(self) -> Recorded:
+        self.played = list(self.frames)
+        return self
+
+
+@pytest.mark.parametrize("nothing_changed", [False, True])
+def test_a_delta_whose_unchanged_tensors_take_no_bytes_leaves_no_bucket_empty_and_crosses_whole(nothing_changed):
+    """An unchanged tensor after one larger than a bucket once opened a bucket of 0 bytes, which has no broadcast:
+    the learner's send failed on it (KeyError), and a rank keeping slices would have skipped its tensors. A delta in
+    which nothing changed (a step whose loss was 0) has no bytes at all and still reaches every receiver."""
+    from inflight.wire.transfer import receive_kept, receive_update, send_update
+
+    gen = torch.Generator().manual_seed(6)
+    base = {name: torch.randn(n, 16, generator=gen).to(torch.bfloat16) for name, n in
+            [("norm.weight", 1), ("embed.weight", 300), ("mid.weight", 2), ("head.weight", 300)]}  # fmt: skip
+    new = {name: t.clone() for name, t in base.items()}
+    if not nothing_changed:
+        new["embed.weight"] += 1.0  # 9600 B in full, the next in a bitmask of 5400 B: each beyond a 4096-B bucket
+        new["head.weight"][::2] += 1.0
+    manifest, payloads = plan_update(new, 3, BUCKET_BYTES, base=(2, base))
+    if nothing_changed:
+        assert manifest.bucket_sizes == [0]
+    else:
+        assert {t.name: t.nbytes for t in manifest.tensors} == {
+            "norm.weight": 0, "embed.weight": 9600, "mid.weight": 0, "head.weight": 5400
+        }  # fmt: skip
+        assert manifest.bucket_sizes == [9600, 5400]
+    UpdateManifest.decode(manifest.encode())  # valid: every entry inside its bucket, aligned
+    group = Recorded()
+    send_update(group, manifest, payloads)
+    whole = unpack_buckets(manifest, receive_update(group.replay(), manifest), base=(2, base))
+    half = {name: t[len(t) // 2 :].clone() for name, t in base.items()}
+    rows = receive_kept(group.replay(), manifest, lambda name, w: w[len(w) // 2 :], base=(2, half))
+    for name, t in new.items():
+        assert bits(whole[name]) == bits(t) and bits(rows[name]) == bits(t[len(t) // 2 :]), name
