@@ -286,15 +286,7 @@ def plan_update(
             raise ManifestError(f"tensor {name}: dtype {tensor.dtype} cannot be sent; cast it to bfloat16/float32")
         encoding, count, payload = delta.encode(tensor, base[1][name]) if base is not None else ("full", 0, tensor)
         nbytes = delta.payload_nbytes(encoding, tensor.numel(), tensor.element_size(), count)
-        # An entry without bytes (a delta's unchanged tensor) never opens a bucket and lies within the current one,
-        # and a bucket without bytes yet takes the next tensor however large: no bucket is left empty between two
-        # (an empty one has no broadcast, and a tensor larger than a bucket stays the only one with bytes in its own).
-        if not sizes or (nbytes and sizes[-1] and used + nbytes > bucket_bytes):
-            sizes.append(0)
-            used = 0
-        offset = used if nbytes else sizes[-1] - sizes[-1] % ALIGN
-        used = _aligned(offset + nbytes) if nbytes else used
-        sizes[-1] = max(offset + nbytes, sizes[-1])
+        offset, used = _place(sizes, used, nbytes, bucket_bytes)
         # kept with a tag: a corruption's message names its checksum
         checksum = tensor_checksum(tensor, checksum_kind) if checksums else 0
         tag = tensor_tag(tensor, key) if key is not None else b""
@@ -322,6 +314,20 @@ def plan_update(
     shape = dict(checksum_kind=checksum_kind, adapter=adapter, part_bytes=_aligned(bucket_bytes))
     manifest = UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base, **shape)
     return manifest, payloads
+
+
+def _place(sizes: list[int], used: int, nbytes: int, bucket_bytes: int) -> tuple[int, int]:
+    """Where the next entry of `nbytes` goes in the last bucket of `sizes` (opened, or grown, here): its offset, and
+    the bytes the bucket then uses. An entry without bytes (a delta's unchanged tensor) never opens a bucket and lies
+    within the current one, and a bucket without bytes yet takes the next tensor however large: no bucket is left
+    empty between two (an empty one has no broadcast, and a tensor larger than a bucket stays the only one with bytes
+    in its own)."""
+    if not sizes or (nbytes and sizes[-1] and used + nbytes > bucket_bytes):
+        sizes.append(0)
+        used = 0
+    offset = used if nbytes else sizes[-1] - sizes[-1] % ALIGN
+    sizes[-1] = max(offset + nbytes, sizes[-1])
+    return offset, _aligned(offset + nbytes) if nbytes else used
 
 
 def plan_layout(

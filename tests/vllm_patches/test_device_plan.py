@@ -127,7 +127,8 @@ def test_a_layers_bytes_group_its_block_and_the_largest_tensor_and_layer_are_fou
 
 def test_the_staging_plan_counts_checksum_padding_the_reloaded_layer_and_the_weights_groups_buffers():
     """Issue 40, point 4: memory outside the old plan — sum31's padded copy and workspace, `low`'s materialised layer,
-    the communicator's buffers, deltas and their decode's workspace — is in the peak the engine's fraction is lowered by."""
+    the communicator's buffers, deltas and their decode's workspace — is in the peak the engine's fraction is lowered
+    by."""
     from inflight.wire.checksum import SUM31_WORKSPACE_BYTES, sum31_pad_bytes
     from vllm_patches.device_plan import NCCL_BYTES_PER_CHANNEL, WeightSizes, staging_plan
 
