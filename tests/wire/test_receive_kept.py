@@ -1,7 +1,8 @@
 """inflight/wire/transfer.py:receive_kept, a tensor-parallel worker's receive (issue 41): it keeps only what its
 `keep` returns of each tensor, yet every whole tensor is verified as it passes (the manifest's checksums, or the
-trailer's after the buckets); a delta is decoded onto the rank's own slices of the base, each payload checked first. A narrow unit test: the group is a stand-in that replays the sender's packed buckets
-(the real group is exercised by tests/vllm_patches/test_sliced_staging.py)."""
+trailer's after the buckets); a delta is decoded onto the rank's own slices of the base, each payload checked first.
+A narrow unit test: the group is a stand-in that replays the sender's packed buckets (the real group is exercised by
+tests/vllm_patches/test_sliced_staging.py)."""
 
 from __future__ import annotations
 
