@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.wire import delta
 from inflight.wire.group import WeightsGroup
 from inflight.wire.weights import (
     DTYPES,
@@ -27,6 +26,7 @@ from inflight.wire.weights import (
     RunningDigest,
     TensorEntry,
     UpdateManifest,
+    apply_delta,
     as_bytes,
     check_base,
     check_digest,
@@ -326,21 +326,15 @@ def _kept_of_delta(
     where they are digested) checked. Nothing kept: the payload is checked all the same."""
     whole = torch.empty(t.shape, dtype=DTYPES[t.dtype], device="meta")
     probe = keep(t.name, whole)  # what would be kept, as a view of the whole: its region
-    if probe is None or probe.shape != whole.shape:
+    region = None if probe is None or probe.shape == whole.shape else _region(t, probe, whole)
+    if probe is None or region is not None:
         check_digest(t, tensor_digest(read, key, kind), key, kind, payload=True)
     if probe is None:
         return None
-    held = base.get(t.name)
-    if held is None or held.shape != probe.shape or held.dtype != whole.dtype:
-        raise ManifestError(f"tensor {t.name}: the delta's base is not held in {t.dtype}{list(probe.shape)}")
-    try:
-        if probe.shape == whole.shape:
-            new = delta.decode(t.encoding, t.count, payload, held, out)
-            check_digest(t, tensor_digest(as_bytes(new), key, kind), key, kind)
-            return new
-        return delta.decode_slice(t.encoding, t.count, payload, tuple(t.shape), _region(t, probe, whole), held, out)
-    except ValueError as exc:
-        raise ManifestError(f"tensor {t.name}: {exc} (corrupted in transit)") from exc
+    new = apply_delta(t, payload, base, out, region)
+    if region is None:
+        check_digest(t, tensor_digest(as_bytes(new), key, kind), key, kind)
+    return new
 
 
 def _region(t: TensorEntry, probe: torch.Tensor, whole: torch.Tensor) -> tuple[int, int, int]:

@@ -410,7 +410,7 @@ def unpack_buckets(
     for t in manifest.tensors:
         raw = buckets[t.bucket][t.offset : t.offset + t.nbytes]
         if t.encoding != "full":
-            out[t.name] = _apply_delta(t, raw, base[1], (decoded_into or {}).get(t.name))
+            out[t.name] = apply_delta(t, raw, base[1], (decoded_into or {}).get(t.name))
             if verify:
                 _verify(t, as_bytes(out[t.name]), key, kind)
             continue
@@ -432,14 +432,24 @@ def check_base(manifest: UpdateManifest, base: tuple[int, Mapping[str, torch.Ten
         )
 
 
-def _apply_delta(
-    t: TensorEntry, payload: torch.Tensor, base: Mapping[str, torch.Tensor], out: torch.Tensor | None
+def apply_delta(
+    t: TensorEntry,
+    payload: torch.Tensor,
+    base: Mapping[str, torch.Tensor],
+    out: torch.Tensor | None,
+    region: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
+    """`t`'s new tensor, its delta `payload` applied to the base's tensor of its name (into `out`, if given); with
+    `region` (dim, start, length) only those rows, onto a base holding only them (a tensor-parallel rank's slice).
+    ManifestError when the base is not held in that shape, or the payload contradicts itself."""
+    shape = t.shape if region is None else [region[2] if d == region[0] else n for d, n in enumerate(t.shape)]
     held = base.get(t.name)
-    if held is None or list(held.shape) != t.shape or held.dtype != DTYPES[t.dtype]:
-        raise ManifestError(f"tensor {t.name}: the delta's base is not held in {t.dtype}{t.shape}")
+    if held is None or list(held.shape) != shape or held.dtype != DTYPES[t.dtype]:
+        raise ManifestError(f"tensor {t.name}: the delta's base is not held in {t.dtype}{shape}")
     try:
-        return delta.decode(t.encoding, t.count, payload, held, out)
+        if region is None:
+            return delta.decode(t.encoding, t.count, payload, held, out)
+        return delta.decode_slice(t.encoding, t.count, payload, tuple(t.shape), region, held, out)
     except ValueError as exc:
         raise ManifestError(f"tensor {t.name}: {exc} (corrupted in transit)") from exc
 

@@ -195,22 +195,15 @@ def test_a_decode_allocates_a_chunks_workspace_beyond_its_output_however_large_t
 
 
 class Recorded:
-    """A weights group reduced to what crosses it: it records each broadcast's bytes, then plays them back (a narrow
-    stand-in; the real group carries deltas in tests/vllm_patches/test_delta_updates.py and test_sliced_staging.py)."""
+    """A weights group reduced to what crosses it: each broadcast's bytes, in order, for `Replay` to play back (a
+    narrow stand-in; the real group carries deltas in tests/vllm_patches/test_delta_updates.py and
+    test_sliced_staging.py)."""
 
     def __init__(self):
         self.frames: list[torch.Tensor] = []
-        self.played: list[torch.Tensor] | None = None
 
     def broadcast(self, tensor: torch.Tensor, what: str = "") -> None:
-        if self.played is None:
-            self.frames.append(tensor.clone())
-        else:
-            tensor.copy_(self.played.pop(0))
-
-    def replay(self) -> Recorded:
-        self.played = list(self.frames)
-        return self
+        self.frames.append(tensor.clone())
 
 
 @pytest.mark.parametrize("nothing_changed", [False, True])
@@ -218,6 +211,8 @@ def test_a_delta_whose_unchanged_tensors_take_no_bytes_leaves_no_bucket_empty_an
     """An unchanged tensor after one larger than a bucket once opened a bucket of 0 bytes, which has no broadcast:
     the learner's send failed on it (KeyError), and a rank keeping slices would have skipped its tensors. A delta in
     which nothing changed (a step whose loss was 0) has no bytes at all and still reaches every receiver."""
+    from test_receive_kept import Replay
+
     from inflight.wire.transfer import receive_kept, receive_update, send_update
 
     gen = torch.Generator().manual_seed(6)
@@ -236,10 +231,10 @@ def test_a_delta_whose_unchanged_tensors_take_no_bytes_leaves_no_bucket_empty_an
         }  # fmt: skip
         assert manifest.bucket_sizes == [9600, 5400]
     UpdateManifest.decode(manifest.encode())  # valid: every entry inside its bucket, aligned
-    group = Recorded()
-    send_update(group, manifest, payloads)
-    whole = unpack_buckets(manifest, receive_update(group.replay(), manifest), base=(2, base))
+    sent = Recorded()
+    send_update(sent, manifest, payloads)
+    whole = unpack_buckets(manifest, receive_update(Replay(sent.frames), manifest), base=(2, base))
     half = {name: t[len(t) // 2 :].clone() for name, t in base.items()}
-    rows = receive_kept(group.replay(), manifest, lambda name, w: w[len(w) // 2 :], base=(2, half))
+    rows = receive_kept(Replay(sent.frames), manifest, lambda name, w: w[len(w) // 2 :], base=(2, half))
     for name, t in new.items():
         assert bits(whole[name]) == bits(t) and bits(rows[name]) == bits(t[len(t) // 2 :]), name
