@@ -13,11 +13,7 @@ bounds derived from the arithmetic (`StepBounds`), far below what a wrong normal
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import faulthandler
-import gc
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawn_support import process_group
 from tolerances import assert_within, check_within, float64_bound, logprob_gradient_bound, policy_loss_bound
 
 from inflight.wire.contract import SamplingKnobs
@@ -102,26 +99,15 @@ def rank_worker(rank: int, tmp: str, jobs: dict[str, tuple[str, list[list[Sample
     torch.set_num_threads(1)  # the ranks share the box's cores
     faulthandler.dump_traceback_later(STALL_S, exit=False)  # a stuck rank shows where it is, then times out
     try:
-        with process_group(Path(tmp) / "store-2", rank, WORLD):
+        with process_group(Path(tmp) / "store-2", rank, WORLD, STALL_S + 30):
             for name, (model_dir, steps) in jobs.items():
                 run_rank(rank, Path(tmp) / name, model_dir, CONFIGS[name], steps)
         if rank == 0:
-            with process_group(Path(tmp) / "store-1", 0, 1):
+            with process_group(Path(tmp) / "store-1", 0, 1, STALL_S + 30):
                 for name, (model_dir, steps) in jobs.items():
                     resume_on_one_rank(Path(tmp) / name, model_dir, CONFIGS[name], steps)
     finally:
         faulthandler.cancel_dump_traceback_later()
-
-
-@contextlib.contextmanager
-def process_group(store: Path, rank: int, world: int) -> Iterator[None]:
-    timeout = datetime.timedelta(seconds=STALL_S + 30)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
-    try:
-        yield
-    finally:
-        gc.collect()  # FSDP state holds reference cycles: free models and meshes before the group goes
-        dist.destroy_process_group()
 
 
 def sharded_policy(model_dir: str, cfg: TrainConfig) -> tuple[PolicyModel, torch.optim.Optimizer]:

@@ -3,7 +3,7 @@ FSDP unit holding frozen base weights and trainable adapters together, and a 2-r
 whole batch — the same logprobs, loss and grad norm, and the same adapter after the step — and a sharded checkpoint
 restores the adapter and its optimizer state.
 
-The recipe is test_distributed.py's (file:// rendezvous, results through files, the models freed before the group);
+The recipe is test_distributed.py's (spawn_support.py's group, left by both ranks together; results through files);
 one spawn runs both models. float64 throughout: the runs check logic, so they may differ only by rounding bounds
 derived from the arithmetic (tests/tolerances.py). The split is uneven (the long rows on rank 0), so a rank-local loss
 normaliser would move the loss and the gradient far beyond them.
@@ -11,11 +11,7 @@ normaliser would move the loss and the gradient far beyond them.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import faulthandler
-import gc
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lora_support import PAD, lora_policy, rollouts
+from spawn_support import process_group
 from tolerances import (
     assert_within,
     check_within,
@@ -59,22 +56,11 @@ def rank_worker(rank: int, tmp: str, jobs: dict[str, str]) -> None:
     torch.set_num_threads(1)  # the ranks share the box's cores
     faulthandler.dump_traceback_later(STALL_S, exit=False)  # a stuck rank shows where it is, then times out
     try:
-        with process_group(Path(tmp) / "store", rank, WORLD):
+        with process_group(Path(tmp) / "store", rank, WORLD, STALL_S + 30):
             for name, model_dir in jobs.items():
                 run_rank(rank, Path(tmp) / name, model_dir)
     finally:
         faulthandler.cancel_dump_traceback_later()
-
-
-@contextlib.contextmanager
-def process_group(store: Path, rank: int, world: int) -> Iterator[None]:
-    timeout = datetime.timedelta(seconds=STALL_S + 30)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
-    try:
-        yield
-    finally:
-        gc.collect()  # FSDP state holds reference cycles: free models and meshes before the group goes
-        dist.destroy_process_group()
 
 
 def sharded_lora_policy(model_dir: str, seed: int = 0) -> tuple[PolicyModel, torch.optim.Optimizer]:

@@ -41,21 +41,11 @@ def layout_of(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tu
 def two_rank_pieces(rank: int, tmp: str, model_dir: str) -> None:
     """One spawned rank of a 2-rank gloo FSDP2 learner on `model_dir`: rank 0 saves what it gets of iter_full_pieces
     and full_hf_state."""
-    import datetime
-    import gc
-
-    import torch.distributed as dist
+    from spawn_support import process_group
 
     torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=180)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, timeout=timeout)
-    try:
+    with process_group(f"{tmp}/store", rank, 2, timeout_s=180):
         save_rank0_pieces(rank, tmp, model_dir)
-    finally:
-        # FSDP state holds reference cycles: the model and mesh freed before the group goes (a rank that destroyed
-        # the group first aborted at exit: "terminate called without an active exception")
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def save_rank0_pieces(rank: int, tmp: str, model_dir: str) -> None:
@@ -77,7 +67,6 @@ def save_rank0_pieces(rank: int, tmp: str, model_dir: str) -> None:
     if rank == 0:  # the layout of the full state, from this rank's shards alone
         layout = layout_of(hf_layout(model))
         torch.save({"pieces": pieces, "full": full, "layout": layout, "gathers": gathers}, f"{tmp}/rank0.pt")
-    dist.barrier()  # both ranks done before either lets the group go, as learner/world.py:World.close does
 
 
 def test_a_sharded_learner_streams_the_experts_an_expert_at_a_time_under_the_checkpoints_names_bitwise(
