@@ -3,11 +3,13 @@ it, announce it, move its buckets. Runs in the learner process (WeightPublisher 
 
 Every rank (`RankSender`): a full update streams from the shards — every rank walks `learner/export.py:iter_full_pieces`
 to its end in lockstep (on a sharded model its gathers are collectives) and rank 0 hands each piece to its
-`WeightPublisher`, holding two buckets, not the model. An adapter (a few MB) or a delta (`--full-every` > 1, which
-compares whole states) is gathered whole to rank 0 first (`full_hf_state`). Nothing of a streamed update is kept
-anywhere: a serve that joins later (a restart, a new serve, a resumed learner's first serve) is streamed the weights
-again by every rank (`RankSender.catch_up`); rank 0 finds it while it waits for groups and tells the other ranks, which
-wait in inflight/learn/app.py:broadcast_samples, with `order_catch_up`.
+`WeightPublisher`, holding two buckets, not the model. An adapter (a few MB) is gathered whole to rank 0 first
+(`learner/lora.py:adapter_state`). A delta (`--full-every` > 1, which compares whole tensors) walks the same pieces,
+which rank 0 assembles in host memory in the serves' dtypes (`assemble_state`): the learner's device never holds the
+whole model, and each tensor goes to the weights device alone to be encoded and summed. Nothing of a streamed update
+is kept anywhere: a serve that joins later (a restart, a new serve, a resumed learner's first serve) is streamed the
+weights again by every rank (`RankSender.catch_up`); rank 0 finds it while it waits for groups and tells the other
+ranks, which wait in inflight/learn/app.py:broadcast_samples, with `order_catch_up`.
 
 Flow (docs/ARCHITECTURE.md "The weight path"), one way: the control plane (inflight/learn/control.py:ControlPlane)
 says who the members are, forming the group first when membership changed; the publisher casts or streams the tensors
@@ -29,7 +31,8 @@ Other errors are bugs and end rank 0 (torchrun then ends the others).
 Delta updates (`full_every` > 1): when every member reported the commit of the previous version sent, the next update
 carries only the elements that changed since it (inflight/wire/delta.py), checked by the serves against the whole
 tensors' checksums; a full update goes out every `full_every` versions, after any failure, and whenever a member joined
-or missed one. The cast tensors of the last version sent stay here as the base (one copy in the serves' dtype).
+or missed one. The cast tensors of the last version sent stay here as the base (one copy in the serves' dtype, in
+host memory when assembled there).
 
 A serve that dies mid-transfer breaks the broadcast within the group's timeout: the control plane drops the serves
 that went quiet and a whole-state publish sends the same version again to the rest. A serve that (re)joins late is sent
@@ -69,7 +72,7 @@ from inflight.wire.weights import (
     plan_layout,
     plan_update,
 )
-from learner.export import full_hf_state, hf_layout, iter_full_pieces
+from learner.export import hf_layout, iter_full_pieces
 from learner.lora import adapter_state
 from learner.model import PolicyModel
 from learner.world import World
@@ -136,9 +139,10 @@ class DeltaBase:
 
 
 class WeightPiece(Protocol):
-    """Rows `start` .. `start + len(tensor)` of the full tensor `name` (learner/export.py:Piece)."""
+    """Rows `start` .. `start + len(tensor)` of the full tensor `name` of `shape` (learner/export.py:Piece)."""
 
     name: str
+    shape: torch.Size
     start: int
     tensor: torch.Tensor
 
@@ -223,7 +227,7 @@ class WeightPublisher:
             if not members:
                 return report
             served = _served(members)
-            cast = {n: state[n].to(self.device, DTYPES[dtype]).contiguous() for n, (dtype, _) in served.items()}
+            cast = {n: _cast(state[n], DTYPES[dtype], self.device) for n, (dtype, _) in served.items()}
             base = self.deltas.base_for(version, members, cast) if self.adapter is None else None
             keep_base = self.deltas.full_every > 1 and self.adapter is None
             manifest, payloads = plan_update(
@@ -235,10 +239,11 @@ class WeightPublisher:
                 keep_base=keep_base,
                 checksum_kind=self.sums,
                 adapter=self.adapter,
+                device=self.device,
             )
             self._announce(manifest, members, served)
             try:
-                stats = send_update(self.plane.group, manifest, payloads)
+                stats = send_update(self.plane.group, manifest, payloads, device=self.device)
             except WeightsGroupError as exc:
                 report.failed += self.plane.drop_quiet_serves(version, exc)
                 continue
@@ -302,6 +307,11 @@ class WeightPublisher:
             self.plane.wait_for_commits(self.latest.version)
         self.plane.break_group("learner shutting down")
 
+    def served_dtypes(self) -> dict[str, torch.dtype]:
+        """Name -> the dtype the accepted serves hold (all announced the same: checked at Hello); {} before any."""
+        serves = list(self.plane.membership.serves.values())
+        return {t.name: DTYPES[t.dtype] for t in serves[0].hello.tensors} if serves else {}
+
     def _members_ready(self, previous: int | None) -> list[Serve]:
         """The members, once every one answered the last version sent (`previous`; not version - 1: --publish-every
         > 1) and the group is formed with every accepted serve; [] when there is no serve to send to."""
@@ -340,6 +350,12 @@ def open_publisher(
     return WeightPublisher(plane, check, **options)
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`t` in the serves' `dtype`: on the weights `device`, unless it is in host memory (a delta's assembled state,
+    `assemble_state`), where it stays: `plan_update` takes each tensor to the device alone."""
+    return t.to(dtype).contiguous() if t.device.type == "cpu" else t.to(device, dtype).contiguous()
+
+
 def _served(members: list[Serve]) -> TensorLayout:
     """Name -> (dtype, shape) of what the serves hold (all members announced the same: checked at Hello)."""
     return {t.name: (t.dtype, list(t.shape)) for t in members[0].hello.tensors}
@@ -349,38 +365,39 @@ CATCH_UP = -1  # broadcast where a batch's size goes: every rank streams its wei
 
 
 class RankSender:
-    """One rank's sending of `model`: streamed, unless it is an adapter or `full_every` > 1. `publisher` is rank 0's
-    (set once its service is up), None on the other ranks."""
+    """One rank's sending of `model`: streamed, unless it is an adapter (gathered whole: a few MB) or `full_every` > 1
+    (deltas: rank 0 assembles each version in host memory from the same pieces, `assemble_state`). `publisher` is rank
+    0's (set once its service is up), None on the other ranks."""
 
     def __init__(self, model: PolicyModel, world: World, adapter: bool, full_every: int, bucket_bytes: int = 64 << 20):
         self.model, self.world, self.adapter = model, world, adapter
         self.piece_bytes = piece_bytes(bucket_bytes)
-        self.streams = not adapter and full_every == 1
+        self.assembles = not adapter and full_every > 1
         self.publisher: WeightPublisher | None = None
 
     def service_state(self) -> dict[str, torch.Tensor]:
-        """What rank 0's service checks serves against: the layout alone (meta tensors, nothing gathered) when
-        streaming, else the served state, which a whole-state publisher also sends a serve joining a resumed learner
-        (collective: every rank calls it)."""
-        return hf_layout(self.model) if self.streams else self.served_state()
-
-    def served_state(self) -> dict[str, torch.Tensor]:
-        """What the serves get, whole on rank 0 (collective): the adapter alone with --lora-rank, else the weights."""
-        return adapter_state(self.model) if self.adapter else full_hf_state(self.model)
+        """What rank 0's service checks serves against: the layout alone (meta tensors, nothing gathered) for the
+        model's weights, which a serve joining a resumed learner is then streamed (`catch_up`); an adapter's state,
+        which the whole-state publisher also sends such a serve (collective: every rank calls it)."""
+        return adapter_state(self.model) if self.adapter else hf_layout(self.model)
 
     def publish(self, version: int) -> dict:
         """Every rank: send the weights as `version`; rank 0's StepMetrics `publish_*` fields ({} elsewhere), with its
         peak extra memory when streamed."""
         start = time.perf_counter()
-        if not self.streams:
-            state = self.served_state()  # collective: every rank gathers, rank 0 keeps the tensors
+        if self.adapter:
+            state = adapter_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors
             return published_fields(self.publisher.publish(state, version), start) if self.world.rank == 0 else {}
         if self.world.rank != 0:
             return stream_weights(self.model, self.world, None, version, self.piece_bytes) or {}
         # A CUDA learner over gloo: the buckets are in host memory, the gathered pieces on its GPU; both are measured.
         own = self.world.device if self.world.device != self.world.weights_device else None
         with PeakMeter(self.world.weights_device) as peak, PeakMeter(own) if own else nullcontext() as on_gpu:
-            report = stream_weights(self.model, self.world, self.publisher, version, self.piece_bytes)
+            if self.assembles:  # the host copy is counted where the weights device is the host
+                state = assemble_state(iter_full_pieces(self.model, self.piece_bytes), self.publisher.served_dtypes())
+                report = self.publisher.publish(state, version)
+            else:
+                report = stream_weights(self.model, self.world, self.publisher, version, self.piece_bytes)
         fields = published_fields(report, start)
         fields["publish_peak_bytes"] = peak.extra_bytes if peak.measured else None
         if on_gpu is not None and on_gpu.measured:
@@ -394,6 +411,21 @@ class RankSender:
             order_catch_up(self.world)
         if report := stream_weights(self.model, self.world, self.publisher, version, self.piece_bytes):
             log.info("caught up: v%d streamed to %d serve(s), %d bytes", report.version, report.serves, report.bytes)
+
+
+def assemble_state(pieces: Iterable[WeightPiece], dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """Rank 0: the whole state in host memory from `pieces` (`iter_full_pieces`: each tensor's rows in order), each
+    tensor in its `dtypes` entry (the serves' dtype; the piece's own where absent). What a delta compares with the last
+    version sent, never whole on the learner's device: there it holds one piece at a time, as a streamed update."""
+    state: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        whole = state.get(piece.name)
+        if whole is None:
+            dtype = dtypes.get(piece.name, piece.tensor.dtype)
+            whole = state[piece.name] = torch.empty(piece.shape, dtype=dtype, device="cpu")
+        rows = piece.tensor.shape[0] if piece.tensor.dim() else 1
+        (whole[piece.start : piece.start + rows] if whole.dim() else whole).copy_(piece.tensor)
+    return state
 
 
 def piece_bytes(bucket_bytes: int) -> int:

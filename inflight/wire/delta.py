@@ -33,6 +33,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat if t.dtype == torch.bool else flat.view(_INT_OF_WIDTH[t.element_size()])
 
 
+# Elements encoded or decoded at once (a multiple of 8, so a chunk's bits start on a byte): the changed-element mask, a
+# bitmask's packed or unpacked bits, the indices of the changed elements and a slice's index arithmetic are made for a
+# chunk, not for the whole tensor (for a 778M-element embedding they would take tens of GB beside the model or the
+# arena). `DECODE_WORKSPACE_BYTES` bounds what a decode allocates beyond its output: 96 bytes an element of a chunk
+# (measured on CPU, 64M bf16 elements, 85% changed: 71 MiB of resident growth for a slice's decode, 38 MiB for the
+# whole tensor's); an encode beyond its payload takes less, and is held to the same bound (tests/wire/test_delta.py).
+CHUNK = 1 << 20
+WORKSPACE_PER_ELEMENT = 96
+DECODE_WORKSPACE_BYTES = ENCODE_WORKSPACE_BYTES = WORKSPACE_PER_ELEMENT * CHUNK
+
+
 def payload_nbytes(encoding: str, numel: int, itemsize: int, count: int) -> int:
     """Bytes a tensor of `numel` elements of `itemsize` bytes with `count` changed elements takes in `encoding`."""
     if encoding == "full":
@@ -45,11 +56,16 @@ def payload_nbytes(encoding: str, numel: int, itemsize: int, count: int) -> int:
 
 
 def encode(new: torch.Tensor, base: torch.Tensor) -> tuple[str, int, torch.Tensor]:
-    """`new` against `base` (same dtype and shape): (encoding, changed count, payload as flat uint8), the smallest."""
+    """`new` against `base` (same dtype and shape): (encoding, changed count, payload as flat uint8), the smallest.
+    Compared and packed `CHUNK` elements at a time, like the decode: beyond the payload it allocates a chunk's masks,
+    indices and values (`ENCODE_WORKSPACE_BYTES`), not the whole tensor's, on the learner's device beside its model."""
     if new.dtype != base.dtype or new.shape != base.shape:
         raise ValueError(f"delta base is {base.dtype}{list(base.shape)}, the tensor {new.dtype}{list(new.shape)}")
-    changed = _bits(new) != _bits(base)
-    count, numel, itemsize = int(changed.sum()), new.numel(), new.element_size()
+    ours, theirs = _bits(new), _bits(base)
+    numel, itemsize = new.numel(), new.element_size()
+    chunks = [(first, min(CHUNK, numel - first)) for first in range(0, numel, CHUNK)]
+    counts = [int((ours[f : f + n] != theirs[f : f + n]).sum()) for f, n in chunks]
+    count = sum(counts)
     sizes = {e: payload_nbytes(e, numel, itemsize, count) for e in ENCODINGS}
     if numel >= 2**31:
         del sizes["indices"]  # an int32 index cannot address it
@@ -57,20 +73,20 @@ def encode(new: torch.Tensor, base: torch.Tensor) -> tuple[str, int, torch.Tenso
     flat = new.detach().contiguous().reshape(-1)
     if encoding == "full":
         return encoding, count, flat.view(torch.uint8) if new.dtype != torch.bool else flat.to(torch.uint8)
-    values = _as_uint8(flat[changed])
-    indices = encoding == "indices"
-    where = _as_uint8(changed.nonzero().reshape(-1).to(_INDEX)) if indices else _pack_bits(changed)
-    return encoding, count, torch.cat([where, values])
-
-
-# Elements decoded at once (a multiple of 8, so a chunk's bits start on a byte): a bitmask's unpacked bits, the indices
-# of the changed elements and a slice's index arithmetic are made for a chunk, not for the whole tensor (for a
-# 778M-element embedding they would take tens of GB beside the arena). `DECODE_WORKSPACE_BYTES` bounds what a decode
-# allocates beyond its output: 96 bytes an element of a chunk (measured on CPU, 64M bf16 elements, 85% changed: 71 MiB
-# of resident growth for a slice's decode, 38 MiB for the whole tensor's; tests/wire/test_delta.py holds it).
-CHUNK = 1 << 20
-WORKSPACE_PER_ELEMENT = 96
-DECODE_WORKSPACE_BYTES = WORKSPACE_PER_ELEMENT * CHUNK
+    payload = torch.empty(sizes[encoding], dtype=torch.uint8, device=new.device)
+    split, seen = payload.numel() - count * itemsize, 0
+    for (first, n), changes in zip(chunks, counts, strict=True):
+        changed = ours[first : first + n] != theirs[first : first + n]
+        if encoding == "bitmask":  # a chunk starts on a byte: CHUNK is a multiple of 8
+            payload[first // 8 : (first + n + 7) // 8] = _pack_bits(changed)
+        elif changes:
+            index = changed.nonzero().reshape(-1).add_(first).to(_INDEX)
+            payload[seen * _INDEX.itemsize : (seen + changes) * _INDEX.itemsize] = _as_uint8(index)
+        payload[split + seen * itemsize : split + (seen + changes) * itemsize] = _as_uint8(
+            flat[first : first + n][changed]
+        )
+        seen += changes
+    return encoding, count, payload
 
 
 def decode(

@@ -50,13 +50,18 @@ class TransferStats:
 
 
 def send_update(
-    group: WeightsGroup, manifest: UpdateManifest, state: Mapping[str, torch.Tensor], pin: bool = False
+    group: WeightsGroup,
+    manifest: UpdateManifest,
+    state: Mapping[str, torch.Tensor],
+    pin: bool = False,
+    device: torch.device | str | None = None,
 ) -> TransferStats:
     """Broadcast every bucket of `manifest` from rank 0. Packing bucket k+1 overlaps sending bucket k; a bucket sent in
-    parts (one tensor larger than a part) is sent from the tensor itself, never packed."""
+    parts (one tensor larger than a part) is sent from the tensor itself, never packed. The buckets are on `device`
+    (default: the state's); a tensor sent from itself is copied there first when it lives elsewhere."""
     if not manifest.bucket_sizes:
         return TransferStats()
-    device = next(iter(state.values())).device
+    device = torch.device(device) if device is not None else next(iter(state.values())).device
     parts = _parts_by_bucket(manifest)
     # a tensor larger than a part: the only one with bytes in its bucket
     alone = {i: next(t.name for t in manifest.tensors_in(i) if t.nbytes) for i, p in parts.items() if len(p) > 1}
@@ -70,7 +75,7 @@ def send_update(
 
         pending = packed(0)
         for i in range(len(manifest.bucket_sizes)):
-            bucket = pending.result() if pending is not None else as_bytes(state[alone[i]])
+            bucket = pending.result() if pending is not None else as_bytes(state[alone[i]]).to(device)
             if i + 1 < len(manifest.bucket_sizes):
                 pending = packed(i + 1)
             for part in parts.get(i, ()):  # none for an update without bytes (a delta where nothing changed)

@@ -271,20 +271,25 @@ def plan_update(
     keep_base: bool = False,
     checksum_kind: str = "crc32",
     adapter: AdapterSpec | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[UpdateManifest, dict[str, torch.Tensor]]:
     """`plan_manifest`, and with `base` = (version, its tensors, same names, dtypes and shapes as `state`) a delta on
     that version: each tensor in its smallest encoding (inflight/wire/delta.py). Returns the manifest and the payloads
     (name → what goes into the buckets) that `pack_bucket`/`send_update` take in place of the state. Checksums and tags
     are always of the whole tensors of `state`, of `checksum_kind` (inflight/wire/checksum.py:checksum_kind_for the
-    state's device: no host copy). With `adapter`, `state` is that LoRA adapter's tensors (an adapter update)."""
+    state's device: no host copy). With `adapter`, `state` is that LoRA adapter's tensors (an adapter update).
+    `device`: where each tensor (and its base) is encoded and summed, one at a time, when `state` and `base` live
+    elsewhere (a learner's host copy of a model too big for its GPU); its payload comes back beside it."""
     if bucket_bytes < ALIGN:
         raise ManifestError(f"bucket_bytes is {bucket_bytes}; it must be at least {ALIGN}")
     key = update_key(weights_key, version) if weights_key is not None else None
     entries, payloads, sizes, used = [], {}, [], 0
-    for name, tensor in state.items():
-        if tensor.dtype not in DTYPE_NAMES:
-            raise ManifestError(f"tensor {name}: dtype {tensor.dtype} cannot be sent; cast it to bfloat16/float32")
-        encoding, count, payload = delta.encode(tensor, base[1][name]) if base is not None else ("full", 0, tensor)
+    for name, kept in state.items():
+        if kept.dtype not in DTYPE_NAMES:
+            raise ManifestError(f"tensor {name}: dtype {kept.dtype} cannot be sent; cast it to bfloat16/float32")
+        tensor = kept.to(device) if device is not None else kept
+        old = base[1][name].to(tensor.device) if base is not None else None
+        encoding, count, payload = delta.encode(tensor, old) if old is not None else ("full", 0, kept)
         nbytes = delta.payload_nbytes(encoding, tensor.numel(), tensor.element_size(), count)
         offset, used = _place(sizes, used, nbytes, bucket_bytes)
         # kept with a tag: a corruption's message names its checksum
@@ -293,6 +298,7 @@ def plan_update(
         sparse = encoding != "full"
         payload_checksum = bytes_checksum(payload, checksum_kind) if checksums and sparse else 0
         payload_tag = bytes_tag(payload.cpu().numpy(), key) if key is not None and sparse else b""
+        payloads[name] = payload.to(kept.device)
         entries.append(
             TensorEntry(
                 name,
@@ -309,7 +315,6 @@ def plan_update(
                 payload_tag,
             )
         )
-        payloads[name] = payload
     base_version = base[0] if base is not None else -1
     shape = dict(checksum_kind=checksum_kind, adapter=adapter, part_bytes=_aligned(bucket_bytes))
     manifest = UpdateManifest(MANIFEST_SCHEMA, version, sizes, entries, base_version, keep_base, **shape)

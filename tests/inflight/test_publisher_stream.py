@@ -1,7 +1,8 @@
 """WeightPublisher.publish_stream (inflight/learn/publisher.py): a full update streamed piece by piece, as a sharded
 learner gathers it (learner/export.py:iter_full_pieces), arrives bitwise with its checksums in the trailer; nothing of
 it is kept on rank 0 (no copy of the model for late serves): a serve that joins later is due a stream of the weights
-again (`catch_up` calls on every learner rank to stream), which reaches it bitwise.
+again (`catch_up` calls on every learner rank to stream), which reaches it bitwise. With deltas on, the same pieces
+are assembled in host memory in the serves' dtype (`assemble_state`), and the deltas planned from there arrive bitwise.
 
 Real ZeroMQ sockets and a real gloo weights group; the serve's end is test_publisher_deltas.py's ServeEnd thread.
 """
@@ -14,10 +15,12 @@ import pytest
 import torch
 from test_publisher_deltas import ServeEnd, states
 
-from inflight.learn.publisher import StreamedUpdate, open_publisher
+from inflight.learn.publisher import StreamedUpdate, assemble_state, open_publisher
 from inflight.wire.control import ControlServer
 from inflight.wire.group import WeightsGroupError
 from learner.export import Piece
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
 
 def pieces(state: dict[str, torch.Tensor]):
@@ -124,7 +127,7 @@ def test_a_broadcast_failing_part_way_still_takes_every_piece_so_no_rank_is_left
     assert sender.puts == 2 and sender.abandoned and not sender.finished, "nothing sent after the failure"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@CUDA
 def test_a_gpu_learner_streams_with_device_checksums_and_a_cpu_serve_verifies_them():
     by_version = {v: {n: t.cuda() for n, t in s.items()} for v, s in states([1]).items()}
     publisher = open_publisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, bucket_bytes=4096, device="cuda")
@@ -143,3 +146,49 @@ def test_a_gpu_learner_streams_with_device_checksums_and_a_cpu_serve_verifies_th
         serve.join(10.0)
     assert publisher.sums == "sum31" and report.serves == 1 and not serve.errors
     assert all(torch.equal(serve.received[1][1][n], by_version[1][n].cpu()) for n in ("w", "b"))
+
+
+def test_assembled_pieces_land_at_their_rows_in_the_serves_dtype_or_their_own():
+    gen = torch.Generator().manual_seed(3)
+    w, b, step = (
+        torch.randn(64, 32, generator=gen, dtype=torch.float64),
+        torch.randn(100, generator=gen),
+        torch.tensor(7),
+    )
+    rows = [Piece("w", w.shape, 0, w[:20]), Piece("w", w.shape, 20, w[20:40]), Piece("w", w.shape, 40, w[40:])]
+    state = assemble_state([*rows, Piece("b", b.shape, 0, b), Piece("step", step.shape, 0, step)], {"w": torch.float32})
+    assert state["w"].dtype == torch.float32 and torch.equal(state["w"], w.float())
+    assert state["b"].dtype == torch.float32 and torch.equal(state["b"], b)  # no dtype given: the piece's own
+    assert state["step"].shape == () and int(state["step"]) == 7
+    assert all(t.device.type == "cpu" for t in state.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_deltas_planned_from_a_state_assembled_in_host_memory_arrive_bitwise_and_the_base_stays_there(device):
+    """RankSender.publish with --full-every 2: rank 0 assembles each version from a learner's float64 pieces (on the
+    learner's `device`) in the serves' float32, in host memory; the publisher (its weights device `device`) encodes and
+    sums one tensor at a time there and keeps the base in host memory."""
+    by_version = states([1, 2, 3])
+    publisher = open_publisher(ControlServer(), timeout_s=20.0, quiet_after_s=0.5, bucket_bytes=4096, full_every=2,
+                               device=device)  # fmt: skip
+    publisher.check.set_model(by_version[1])
+    serve = ServeEnd(publisher.plane.control.address)
+    serve.start()
+    try:
+        publisher.plane.pump(2.0)
+        reports = []
+        for version in (1, 2, 3):
+            learner = {n: t.to(device, torch.float64) for n, t in by_version[version].items()}
+            state = assemble_state(pieces(learner), publisher.served_dtypes())
+            assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in state.values())
+            reports.append(publisher.publish(state, version))
+            wait_for(publisher, lambda v=version: serve.answers >= v)
+        assert all(t.device.type == "cpu" for t in publisher.deltas.tensors.values()), "the base stays in host memory"
+        publisher.close()
+    finally:
+        serve.stop.set()
+        serve.join(10.0)
+    assert [r.delta for r in reports] == [False, True, False] and not serve.errors
+    assert reports[1].bytes < reports[0].bytes / 4
+    for version in (1, 2, 3):
+        assert all(torch.equal(serve.received[version][1][n], by_version[version][n]) for n in ("w", "b"))

@@ -194,6 +194,29 @@ def test_a_decode_allocates_a_chunks_workspace_beyond_its_output_however_large_t
     assert peak - before < bound, f"{(peak - before) / 2**20:.1f} MiB beyond the output, bound {bound / 2**20:.0f}"
 
 
+@pytest.mark.parametrize("fraction", [0.02, 0.85])
+def test_an_encode_allocates_a_chunks_workspace_beyond_its_payload_however_large_the_tensor(fraction, monkeypatch):
+    """8M bf16 elements, 2% changed (indices) or 85% (a bitmask near its upper range): a chunk at a time the encode
+    stays within `ENCODE_WORKSPACE_BYTES` of 256K-element chunks (24 MiB) beyond its payload. Checked to fail with the
+    whole tensor as one chunk: its masks, shifted bits, indices and values grew 62 MiB at 2%, 73 at 85%."""
+    monkeypatch.setattr(delta, "CHUNK", 1 << 18)
+    bound = delta.WORKSPACE_PER_ELEMENT * delta.CHUNK
+    gen = torch.Generator().manual_seed(6)
+    old = torch.randn(1024, 8192, generator=gen).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[torch.rand(new.numel(), generator=gen) < fraction] += 1
+    before = _resident_bytes()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) from here
+    encoding, count, payload = delta.encode(new, old)
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    assert encoding == ("indices" if fraction < 0.03 else "bitmask")
+    grown = peak - before - payload.numel()
+    assert grown < bound, f"{grown / 2**20:.1f} MiB beyond the payload, bound {bound / 2**20:.0f}"
+    assert torch.equal(delta.decode(encoding, count, payload, old), new)
+
+
 class Recorded:
     """A weights group reduced to what crosses it: each broadcast's bytes, in order, for `Replay` to play back (a
     narrow stand-in; the real group carries deltas in tests/vllm_patches/test_delta_updates.py and
