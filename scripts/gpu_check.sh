@@ -27,7 +27,7 @@ $py -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 
 $py -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$out/pytest.xml" \
   tests/learner/test_fused_loss.py tests/wire/test_cuda_staging.py tests/wire/test_cuda_stream_order.py tests/wire/test_group.py \
-  tests/wire/test_checksum.py tests/learner/test_logprobs.py \
+  tests/wire/test_checksum.py tests/wire/test_delta.py tests/learner/test_logprobs.py \
   tests/learner/test_losses.py tests/wire/test_transfer.py tests/inflight/test_publisher_stream.py \
   tests/wire/test_cuda_serve_checks.py 2>&1 \
   | tee "$out/pytest.log"

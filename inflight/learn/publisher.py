@@ -383,7 +383,7 @@ class RankSender:
 
     def publish(self, version: int) -> dict:
         """Every rank: send the weights as `version`; rank 0's StepMetrics `publish_*` fields ({} elsewhere), with its
-        peak extra memory when streamed."""
+        peak extra memory when streamed or assembled."""
         start = time.perf_counter()
         if self.adapter:
             state = adapter_state(self.model)  # collective: every rank gathers, rank 0 keeps the tensors

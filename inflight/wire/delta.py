@@ -64,7 +64,8 @@ def encode(new: torch.Tensor, base: torch.Tensor) -> tuple[str, int, torch.Tenso
     ours, theirs = _bits(new), _bits(base)
     numel, itemsize = new.numel(), new.element_size()
     chunks = [(first, min(CHUNK, numel - first)) for first in range(0, numel, CHUNK)]
-    counts = [int((ours[f : f + n] != theirs[f : f + n]).sum()) for f, n in chunks]
+    counted = [(ours[f : f + n] != theirs[f : f + n]).sum() for f, n in chunks]
+    counts = torch.stack(counted).tolist() if counted else []  # one device sync, not one a chunk
     count = sum(counts)
     sizes = {e: payload_nbytes(e, numel, itemsize, count) for e in ENCODINGS}
     if numel >= 2**31:

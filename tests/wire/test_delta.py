@@ -217,6 +217,39 @@ def test_an_encode_allocates_a_chunks_workspace_beyond_its_payload_however_large
     assert torch.equal(delta.decode(encoding, count, payload, old), new)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.bool])
+@pytest.mark.parametrize("fraction", [0.0, 0.02, 0.3, 1.0])
+def test_an_encode_a_chunk_at_a_time_gives_the_bytes_of_the_whole_tensor_at_once(fraction, dtype, monkeypatch):
+    """4096-element chunks over 37,037 elements (a last partial chunk): the encoding, count and payload bytes of one
+    chunk for the whole tensor."""
+    gen = torch.Generator().manual_seed(8)
+    old = (torch.randn(37, 1001, generator=gen) > 0) if dtype == torch.bool else torch.randn(37, 1001, generator=gen)
+    old = old.to(dtype)
+    new = old.clone()
+    flip = torch.rand(new.numel(), generator=gen) < fraction
+    new.view(-1)[flip] = ~new.view(-1)[flip] if dtype == torch.bool else new.view(-1)[flip] + 1
+    monkeypatch.setattr(delta, "CHUNK", 1 << 30)
+    whole = delta.encode(new, old)
+    monkeypatch.setattr(delta, "CHUNK", 1 << 12)
+    chunked = delta.encode(new, old)
+    assert chunked[:2] == whole[:2] and torch.equal(chunked[2], whole[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("fraction", [0.0, 0.02, 0.3, 1.0])
+def test_an_encode_on_a_gpu_gives_the_bytes_of_the_encode_on_the_host(fraction, monkeypatch):
+    """The learner encodes on its weights device (a GPU for NCCL), chunk by chunk with one count sync: the same
+    encoding, count and payload bytes as on the host, across chunk boundaries and a last partial chunk."""
+    monkeypatch.setattr(delta, "CHUNK", 1 << 12)
+    gen = torch.Generator().manual_seed(7)
+    old = torch.randn(37, 1001, generator=gen).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[torch.rand(new.numel(), generator=gen) < fraction] += 1
+    on_host = delta.encode(new, old)
+    on_gpu = delta.encode(new.cuda(), old.cuda())
+    assert on_gpu[:2] == on_host[:2] and torch.equal(on_gpu[2].cpu(), on_host[2])
+
+
 class Recorded:
     """A weights group reduced to what crosses it: each broadcast's bytes, in order, for `Replay` to play back (a
     narrow stand-in; the real group carries deltas in tests/vllm_patches/test_delta_updates.py and
