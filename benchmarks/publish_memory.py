@@ -1,5 +1,6 @@
-"""Rank 0's peak extra memory while publishing: streamed (tensor by tensor through two buckets) vs gathered (the whole
-model first), from a 2-rank gloo FSDP2 learner, side by side in one run.
+"""Rank 0's peak extra memory while publishing: streamed (tensor by tensor through two buckets), assembled (the same
+pieces into one host copy in the serve's dtype, what a delta update compares) and gathered (the whole model in the
+learner's dtype first, as deltas were sent before), from a 2-rank gloo FSDP2 learner, side by side in one run.
 
     python -m benchmarks.publish_memory [--model smollm2] [--bucket-mb 64] [--dtype bfloat16] [--repeats 3]
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from benchmarks.receiver import Receiver
 
 MiB = 1 << 20
+MODES = ("streamed", "assembled", "gathered")
 
 
 def _rank_main(args) -> None:
@@ -43,12 +45,12 @@ def _rank_main(args) -> None:
     shard_policy(model, world.mesh)
     rank0 = _Rank0(args, model) if world.rank == 0 else None
     version = 0
-    for mode in ("streamed", "gathered"):
+    for mode in MODES:
         for _ in range(args.repeats):
             version += 1
             if rank0 is not None:
                 rank0.publish(mode, version)
-            elif mode == "streamed":
+            elif mode != "gathered":
                 for _ in iter_full_pieces(model, piece_bytes(args.bucket_mb * MiB)):
                     pass
             else:
@@ -83,7 +85,7 @@ class _Rank0:
             self.publisher.plane.pump(0.1)
 
     def publish(self, mode: str, version: int) -> None:
-        from inflight.learn.publisher import piece_bytes
+        from inflight.learn.publisher import assemble_state, piece_bytes
         from inflight.wire.memory import PeakMeter
         from learner.export import full_hf_state, iter_full_pieces
 
@@ -92,6 +94,8 @@ class _Rank0:
         with PeakMeter("cpu") as peak:
             if mode == "streamed":
                 report = self.publisher.publish_stream(pieces, version)
+            elif mode == "assembled":
+                report = self.publisher.publish(assemble_state(pieces, self.publisher.served_dtypes()), version)
             else:
                 report = self.publisher.publish(full_hf_state(self.model), version)
         seconds = time.perf_counter() - start
@@ -104,13 +108,13 @@ class _Rank0:
         crcs = self.receiver.stop()
         self.publisher.close()
         versions = sorted(crcs)
-        same = all(crcs[v] == crcs[versions[0]] for v in versions) and len(versions) == 2 * self.args.repeats
+        same = all(crcs[v] == crcs[versions[0]] for v in versions) and len(versions) == len(MODES) * self.args.repeats
         bucket = self.args.bucket_mb * MiB
         out = {"model": self.args.model, "dtype": self.args.dtype, "bucket_bytes": bucket, "model_bytes":
                self.model_bytes, "largest_tensor_bytes": self.largest, "received_identical": same,
                "rows": self.rows}  # fmt: skip
         summary = {}
-        for mode in ("streamed", "gathered"):
+        for mode in MODES:
             later = [r for r in self.rows if r["mode"] == mode][1:] or [r for r in self.rows if r["mode"] == mode]
             summary[mode] = {"peak_bytes": statistics.median(r["peak_bytes"] for r in later),
                              "seconds": statistics.median(r["seconds"] for r in later)}  # fmt: skip
@@ -130,13 +134,14 @@ def _print(out: dict) -> None:
           f"{out['cpu']}:")  # fmt: skip
     print("| publish | rank 0 peak extra MiB | in buckets | in model sizes | seconds |")
     print("|---|---|---|---|---|")
-    for mode in ("streamed", "gathered"):
+    for mode in MODES:
         peak = s[mode]["peak_bytes"]
         print(f"| {mode} | {peak / MiB:.0f} | {peak / bucket:.2f} | {peak / out['model_bytes']:.2f} | "
               f"{s[mode]['seconds']:.2f} |")  # fmt: skip
+    gathered = max(1, s["gathered"]["peak_bytes"])
     print(
-        f"streamed / gathered peak: {s['streamed']['peak_bytes'] / max(1, s['gathered']['peak_bytes']):.2f}; "
-        f"every version received identical: {out['received_identical']}"
+        f"streamed / gathered peak: {s['streamed']['peak_bytes'] / gathered:.2f}; assembled / gathered: "
+        f"{s['assembled']['peak_bytes'] / gathered:.2f}; every version received identical: {out['received_identical']}"
     )
 
 
