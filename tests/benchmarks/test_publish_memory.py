@@ -1,6 +1,7 @@
 """benchmarks/publish_memory.py end to end (torchrun, 2 gloo FSDP2 ranks on SmolLM2, a receiver process): a streamed
 publish keeps rank 0's peak extra memory within 3 buckets; one assembled in host memory in the serve's bf16 (a delta's
-state) takes less than half of the float32 model gathered whole; every update arrives identical in all three ways."""
+state) takes the model once and the buckets, less than the float32 model gathered whole; every update arrives
+identical in all three ways."""
 
 from __future__ import annotations
 
@@ -27,4 +28,6 @@ def test_a_streamed_publish_from_two_fsdp_ranks_peaks_within_three_buckets_and_e
     assert streamed <= 3 * result["bucket_bytes"], f"streamed peak {streamed / 2**20:.0f} MiB is over 3 buckets"
     assert streamed < gathered / 2, "streaming saved less than half of the gathered path's peak"
     assembled = result["summary"]["assembled"]["peak_bytes"]
-    assert assembled < gathered / 2, f"assembled peak {assembled / 2**20:.0f} MiB, gathered {gathered / 2**20:.0f}"
+    # the model once in bf16 and the buckets (seen: 330 MiB of 257 + 2 x 64), where gathered whole it was 730 MiB
+    bound = result["model_bytes"] + 3 * result["bucket_bytes"]
+    assert assembled <= bound < gathered, f"assembled peak {assembled / 2**20:.0f} MiB, bound {bound / 2**20:.0f}"
