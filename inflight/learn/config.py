@@ -102,8 +102,8 @@ class PublishKnobs:
         1,
         "delta updates: N > 1 = a full update every N versions and between them only the elements that changed in "
         "the serves' dtype (a serve that joins or missed an update gets a full one); worth it where the weights "
-        "cross a slow network. Costs each serve a copy of the weights in its dtype and device, and both sides a "
-        "compare per update. 1 = every update full (default)",
+        "cross a slow network. Costs each serve a copy of the weights in its dtype and device, the learner's rank 0 "
+        "one in host memory, and both sides a compare per update. 1 = every update full (default)",
     )
     timeout_s: float = knob(60.0, "timeout of every weights-group collective")
 
