@@ -68,6 +68,16 @@ def _cpu_linear_from_parameters() -> None:
         _custom_ops._supports_onednn = False
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process under that pid: it exists
+        return True
+    return True
+
+
 def _freeze_heap_at_exit() -> None:
     """In vLLM's child processes (EngineCore, workers): freeze the heap as the interpreter exits, so its last cyclic
     collection does not walk gigabytes of objects the exit frees at once anyway. That walk was most of an engine's
@@ -83,19 +93,21 @@ def _exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
 
     A serve killed with -9 cannot stop its engine; vLLM's EngineCore does not notice and would keep its weights and KV
     cache (GBs) for ever, and a supervisor that restarts the serve would pile them up. A daemon thread watches the
-    parent pid; when it changes (re-parented), SIGTERM runs vLLM's own shutdown, and after `grace_s` the process exits
-    regardless.
+    parent as multiprocessing recorded it when it started this process: its sentinel (a pipe that closes with it)
+    and its pid; when either says it is gone, SIGTERM runs vLLM's own shutdown, and after `grace_s` the process exits
+    regardless. Not the parent pid read here: a serve killed while its EngineCore was still importing vLLM has already
+    left it re-parented, a pid read then names the new parent, which never goes (an EngineCore outlived a Ray job so).
     """
     watching = any(t.name == "inflight-parent-watch" for t in threading.enumerate())
-    if multiprocessing.parent_process() is None or watching:
+    parent = multiprocessing.parent_process()
+    if parent is None or watching:
         return
-    parent = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while parent.is_alive() and _exists(parent.pid):
             time.sleep(poll_s)
         print(
-            f"inflight: parent process {parent} is gone; stopping {multiprocessing.current_process().name} "
+            f"inflight: parent process {parent.pid} is gone; stopping {multiprocessing.current_process().name} "
             f"(pid {os.getpid()})",
             file=sys.stderr,
             flush=True,
