@@ -298,7 +298,7 @@ def plan_update(
         sparse = encoding != "full"
         payload_checksum = bytes_checksum(payload, checksum_kind) if checksums and sparse else 0
         payload_tag = bytes_tag(payload.cpu().numpy(), key) if key is not None and sparse else b""
-        payloads[name] = payload.to(kept.device)
+        payloads[name] = kept if encoding == "full" else payload.to(kept.device)  # no copy back of what is here
         entries.append(
             TensorEntry(
                 name,
