@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+import psutil  # a dependency of vLLM
+
 from vllm_patches.kv_age import KvAgeTracker, install
 from vllm_patches.update_enginecore import inflight_commit, inflight_park
 
@@ -68,16 +70,6 @@ def _cpu_linear_from_parameters() -> None:
         _custom_ops._supports_onednn = False
 
 
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process under that pid: it exists
-        return True
-    return True
-
-
 def _freeze_heap_at_exit() -> None:
     """In vLLM's child processes (EngineCore, workers): freeze the heap as the interpreter exits, so its last cyclic
     collection does not walk gigabytes of objects the exit frees at once anyway. That walk was most of an engine's
@@ -104,7 +96,7 @@ def _exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
         return
 
     def watch() -> None:
-        while parent.is_alive() and _exists(parent.pid):
+        while parent.is_alive() and psutil.pid_exists(parent.pid):
             time.sleep(poll_s)
         print(
             f"inflight: parent process {parent.pid} is gone; stopping {multiprocessing.current_process().name} "
