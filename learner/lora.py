@@ -137,8 +137,9 @@ def adapter_config(model: torch.nn.Module, base_model_path: str | Path) -> dict:
     config = model.hf.peft_config["default"]
     values = config.to_dict()
     values["base_model_name_or_path"] = str(base_model_path)
-    values["target_modules"] = sorted(values["target_modules"])  # a set in PEFT: sorted, for JSON and for reading
-    return values
+    # PEFT keeps some fields as sets (`target_modules`; `target_parameters`, empty, on a MoE model): sorted lists, for
+    # JSON and for reading
+    return {key: sorted(value) if isinstance(value, (set, frozenset)) else value for key, value in values.items()}
 
 
 def save_adapter(model: torch.nn.Module, base_model_path: str | Path, out: str | Path, version: int) -> Path | None:

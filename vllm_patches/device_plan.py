@@ -378,7 +378,9 @@ def cpu_threads_bind(allowed_cores: list[int], workers: int) -> str:
     if workers < 1 or len(cores) < workers:
         raise ValueError(
             f"--tensor-parallel-size {workers} on a CPU serve needs at least one core per worker; "
-            f"this process may use {len(cores)} ({cores})"
+            f"this process may use {len(cores)} ({cores}): give the serve {max(workers, 1)} cores (inflight.run's "
+            f"--serve-cores, e.g. 0-{max(workers, 1) - 1}; or start it under `taskset -c`) or a smaller "
+            "--tensor-parallel-size"
         )
     share = len(cores) // workers
     groups = [cores[i * share : (i + 1) * share] for i in range(workers)]

@@ -256,3 +256,16 @@ def test_a_moe_policy_adapts_its_attention_and_leaves_router_and_fused_experts_a
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
     metrics = train_step(model, make_optimizer(model, CFG), batch_for(model), CFG)
     assert metrics["grad_norm"] > 0 and all(not p.requires_grad for n, p in model.named_parameters() if ".mlp." in n)
+
+
+def test_a_moe_policy_saves_an_adapter_that_peft_loads_and_that_gives_the_same_logprobs(model_dirs, tmp_path) -> None:
+    # PEFT keeps `target_parameters` as a set on a MoE model: the export once died writing it as JSON
+    model = lora_policy(model_dirs["tiny-moe"], torch.float32)
+    batch = batch_for(model)
+    save_adapter(model, model_dirs["tiny-moe"], tmp_path, version=3)
+
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    base = AutoModelForCausalLM.from_pretrained(model_dirs["tiny-moe"], dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, tmp_path)
+    assert torch.equal(logprobs(PolicyModel(loaded.base_model.model), batch), logprobs(model, batch))

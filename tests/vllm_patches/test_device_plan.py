@@ -102,11 +102,12 @@ def test_a_cpu_tensor_parallel_serve_gives_each_worker_an_equal_share_of_its_cor
     assert cpu_threads_bind(cores, workers) == bind
 
 
-def test_more_cpu_workers_than_cores_is_refused_naming_the_flag():
+def test_more_cpu_workers_than_cores_is_refused_naming_the_flag_and_the_fix():
     from vllm_patches.device_plan import cpu_threads_bind
 
-    with pytest.raises(ValueError, match="--tensor-parallel-size 3 on a CPU serve"):
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 on a CPU serve") as refused:
         cpu_threads_bind([0, 1], 3)
+    assert "--serve-cores, e.g. 0-2" in str(refused.value)
 
 
 def test_a_layers_bytes_group_its_block_and_the_largest_tensor_and_layer_are_found():
