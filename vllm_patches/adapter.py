@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
+from inflight.machine import is_cuda
 from inflight.wire.weights import AdapterSpec, ManifestError
 from vllm_patches.device_plan import safetensors_header
+from vllm_patches.routes import checkpoint_settings, has_experts
 from vllm_patches.rpc import CommitApplied
 
 ADAPTER_ID = 1  # the serve's one adapter: vLLM's lora_int_id of every request
@@ -43,6 +45,21 @@ def engine_lora_rank(rank: int) -> int:
     if rank < 1 or not fits:
         raise ValueError(f"--lora-rank is {rank}: vLLM serves ranks 1 to {VLLM_MAX_LORA_RANKS[-1]}")
     return fits[0]
+
+
+def check_lora_kernels(model: str, device: str) -> None:
+    """Refuse an adapter on a MoE checkpoint off CUDA, before the engine starts. With LoRA enabled, vLLM 0.32 runs
+    every MoE layer through its Triton LoRA experts kernel, whatever the adapter targets
+    (vllm/model_executor/layers/fused_moe/oracle/unquantized.py: `is_lora_enabled`), and a CPU worker cannot run
+    Triton: it would die at the first forward pass."""
+    settings = checkpoint_settings(model)
+    if settings is None or is_cuda(device) or not has_experts(settings):
+        return
+    raise ValueError(
+        f"--lora-rank on {model} ({settings.get('model_type', 'a MoE model')}) needs a CUDA serve: with LoRA enabled "
+        "vLLM runs the MoE layers through its Triton LoRA kernel, which a CPU serve cannot run. Serve it on a GPU "
+        "(--serve-gpus), or train the whole model (--lora-rank 0)"
+    )
 
 
 @dataclass(frozen=True)

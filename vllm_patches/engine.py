@@ -26,7 +26,7 @@ import psutil
 from inflight.config import EngineSizing
 from inflight.machine import is_cuda, serve_device
 from inflight.wire.weights import UPDATE_MEMORY
-from vllm_patches.adapter import engine_lora_rank, lora_request
+from vllm_patches.adapter import ServedAdapter, check_lora_kernels, engine_lora_rank, lora_request
 from vllm_patches.device_plan import DTYPE_BYTES, LEARNER_BUCKET_BYTES, GpuMemoryPlan, checkpoint_staging_plan
 from vllm_patches.generation import RunningRequests, ServedVersion, VersionedGeneration
 from vllm_patches.routes import check_routed_checkpoint, route_capture
@@ -139,6 +139,8 @@ def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
     step whose output is processed is the step that ran (vLLM's async scheduling overlaps the next step with it).
     """
     check_engine_config(cfg)
+    if cfg.lora_dir is not None:
+        check_lora_kernels(cfg.model, device)
     route_capture(device, cfg.routing_replay, cfg.enforce_eager, {})  # refuses graphs that would record no route
     return {
         "hf_overrides": {"head_dtype": cfg.head_dtype},
@@ -159,10 +161,22 @@ def engine_kwargs(cfg: EngineConfig, device: str) -> dict:
 
 
 def lora_kwargs(cfg: EngineConfig) -> dict:
-    """vLLM's LoRA arguments: one adapter slot, vLLM's smallest max_lora_rank that holds `lora_rank`; none without."""
+    """vLLM's LoRA arguments: one adapter slot, vLLM's smallest max_lora_rank that holds `lora_rank`, and the served
+    adapter's modules as vLLM's deployment-time `lora_target_modules`; none without an adapter.
+
+    The target filter is what keeps an MoE model servable with LoRA: without it vLLM wraps every fused-experts layer
+    for LoRA too (vllm/lora/layers/fused_moe.py), whose kernel is Triton's (a CPU worker dies at the first forward),
+    although the adapter never touches the experts; and no module outside the adapter gets LoRA buffers."""
     if cfg.lora_dir is None:
         return {}
-    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": engine_lora_rank(cfg.lora_rank)}
+    targets = ServedAdapter.read(cfg.lora_dir).spec.targets
+    return {
+        "enable_lora": True,
+        "max_loras": 1,
+        "max_lora_rank": engine_lora_rank(cfg.lora_rank),
+        # PEFT's "all-linear" or a regex is no list of module names: vLLM's default (every LoRA-capable module) then
+        "lora_target_modules": list(targets) if all(t.isidentifier() for t in targets) else None,
+    }
 
 
 def arena_sizes(cfg: EngineConfig) -> tuple[int, int]:

@@ -60,15 +60,27 @@ def id_dtype(num_experts: int) -> np.dtype:
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+def checkpoint_settings(model: str) -> dict | None:
+    """A local checkpoint's config.json settings (a multimodal one's `text_config`), None for no local checkpoint."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    settings = json.loads(config.read_text())
+    return settings.get("text_config", settings)
+
+
+def has_experts(settings: dict) -> bool:
+    """Whether a checkpoint's config.json settings name MoE experts."""
+    return any(settings.get(key) for key in EXPERT_COUNT_KEYS)
+
+
 def check_routed_checkpoint(model: str) -> None:
     """Refuse routing replay for a local checkpoint whose config.json names no experts, before the engine starts (the
     worker refuses a model without a router it can capture too, but only once the weights are loaded)."""
-    config = Path(model) / "config.json"
-    if not config.is_file():
+    settings = checkpoint_settings(model)
+    if settings is None:
         return  # not a local checkpoint: the worker's check decides
-    settings = json.loads(config.read_text())
-    settings = settings.get("text_config", settings)
-    if not any(settings.get(key) for key in EXPERT_COUNT_KEYS):
+    if not has_experts(settings):
         raise ValueError(
             f"routing replay is on but {model} ({settings.get('model_type', 'unknown type')}) has no MoE router: "
             f"its config.json has none of {list(EXPERT_COUNT_KEYS)}; serve it with --routing-replay off"

@@ -57,3 +57,39 @@ def test_the_serves_default_targets_are_the_learners_for_the_same_model(name):
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir(name), torch_dtype=torch.float32)
     assert decoder_linear_targets(model_dir(name)) == decoder_linear_names(hf)
+
+
+def test_vllm_is_told_the_served_adapters_modules_so_the_experts_and_the_router_get_no_lora(tmp_path):
+    """vLLM's deployment-time target filter, asked through its own function with Qwen3-MoE's packed modules: the fused
+    experts stay unwrapped (the adapter never touches them) and no module outside the adapter gets LoRA buffers."""
+    from vllm.lora.utils import is_in_target_modules
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    from vllm_patches.engine import EngineConfig, lora_kwargs
+
+    attention = ["k_proj", "o_proj", "q_proj", "v_proj"]
+    adapter = write_zero_adapter(model_dir("tiny-moe"), tmp_path / "a", AdapterSpec(8, 16.0, attention))
+    knobs = {"enforce_eager": True, "dtype": "bfloat16", "head_dtype": "model", "update_memory": "double"}
+    cfg = EngineConfig(model=str(model_dir("tiny-moe")), lora_dir=str(adapter), lora_rank=8, routing_replay=False,
+                       **knobs)  # fmt: skip
+    kwargs = lora_kwargs(cfg)
+    assert kwargs["lora_target_modules"] == attention and kwargs["max_lora_rank"] == 8
+    packed = dict(Qwen3MoeForCausalLM.packed_modules_mapping)
+    wrapped = {m: is_in_target_modules(f"model.layers.0.{m}", kwargs["lora_target_modules"], packed)
+               for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts", "mlp.gate")}  # fmt: skip
+    assert wrapped == {"self_attn.qkv_proj": True, "self_attn.o_proj": True, "mlp.experts": False, "mlp.gate": False}
+
+
+@pytest.mark.parametrize(("name", "device", "refused"), [
+    ("tiny-moe", "cpu", True), ("tiny-moe", "cuda", False), ("tiny-moe", "cuda:1", False), ("tiny-qwen2", "cpu", False),
+])  # fmt: skip
+def test_an_adapter_on_a_moe_model_is_refused_off_cuda_before_the_engine_starts_naming_the_fix(name, device, refused):
+    """With LoRA on, vLLM 0.32 runs MoE layers only through its Triton LoRA kernel: a CPU worker died at its first
+    forward pass (AttributeError in triton_moe.py) before this refusal."""
+    from vllm_patches.adapter import check_lora_kernels
+
+    if not refused:
+        check_lora_kernels(str(model_dir(name)), device)
+        return
+    with pytest.raises(ValueError, match=r"--lora-rank on .*tiny-moe \(qwen3_moe\) needs a CUDA serve.*--serve-gpus"):
+        check_lora_kernels(str(model_dir(name)), device)
