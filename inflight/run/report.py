@@ -211,13 +211,21 @@ def summarize(summaries: list[dict]) -> str:
         if not s["steps"]:
             rows.append(f"| {s['mode']} | 0 | no step trained: {s.get('no_step_trained', '?')} |")
             continue
+        f = _figure
         rows.append(
-            f"| {s['mode']} | {s['steps']} | {s['wall_s']:.0f} | {s['reward_first']:.3f} ± {s['reward_first_se']:.3f} "
-            f"| {s['reward_last']:.3f} ± {s['reward_last_se']:.3f} | {s['rise_se']:+.1f} | {s['updates']} "
-            f"| {1e3 * s['stall_mean_s']:.0f} / {1e3 * s['stall_p99_s']:.0f} | {s['lag_mean']:.2f} "
-            f"| {s['gated_fraction']:.3f} | {s['mismatch_lag0']:.2e} | {s['ess']:.3f} | {s['gen_tokens_per_s']:.0f} |"
+            f"| {s['mode']} | {s['steps']} | {f(s['wall_s'], '.0f')} | {f(s['reward_first'], '.3f')} ± "
+            f"{f(s['reward_first_se'], '.3f')} | {f(s['reward_last'], '.3f')} ± {f(s['reward_last_se'], '.3f')} "
+            f"| {f(s['rise_se'], '+.1f')} | {s['updates']} | {f(1e3 * s['stall_mean_s'], '.0f')} / "
+            f"{f(1e3 * s['stall_p99_s'], '.0f')} | {f(s['lag_mean'], '.2f')} | {f(s['gated_fraction'], '.3f')} "
+            f"| {f(s['mismatch_lag0'], '.2e')} | {f(s['ess'], '.3f')} | {f(s['gen_tokens_per_s'], '.0f')} |"
         )
     return "\n".join(rows)
+
+
+def _figure(value: float, spec: str) -> str:
+    """A table cell: `value` in `spec`, or "n/a" for NaN, a figure there is no data for (the standard error of a
+    fifth of the steps that is one step, a stall without updates), where a reader would otherwise see "nan"."""
+    return "n/a" if math.isnan(value) else format(value, spec)
 
 
 def plot(run_dir: Path) -> list[Path]:

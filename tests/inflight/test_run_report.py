@@ -63,6 +63,16 @@ def test_summary_figures_match_hand_computation(tmp_path):
     assert table.count("| never-stop |") == 2 and "0.100 ± 0.100" in table
 
 
+def test_a_short_runs_figures_without_data_read_n_a_in_the_table_not_nan(tmp_path):
+    # five steps: each fifth is one step, whose standard error (and so the rise in SE) has no data; no update either
+    write_run(tmp_path / "r", [0.0, 0.5, 0.5, 0.5, 1.0], [{0: 4}] * 5, [a_progress(time=1.0, tokens=9)])
+    s = compute_summary(tmp_path / "r")
+    assert math.isnan(s["reward_first_se"]) and math.isnan(s["rise_se"]) and math.isnan(s["stall_mean_s"])
+    row = summarize([s]).splitlines()[-1]
+    assert "nan" not in row
+    assert "| 0.000 ± n/a | 1.000 ± n/a | n/a | 0 | n/a / n/a |" in row
+
+
 def test_the_gated_fraction_counts_every_token_of_the_batch_not_only_the_trained_ones(tmp_path):
     # 10 tokens, 4 of them gated at lag 5: `tokens` is the 6 that trained, the batch is the lag histogram's 10.
     write_run(tmp_path / "r", [0.5], [{0: 6, 5: 4}], [])
