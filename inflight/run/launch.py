@@ -247,20 +247,26 @@ class Side:
         with self.lock:
             return "\n".join(list(self.tail)[-n:])
 
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
+    def signal(self, sig: int, group: bool = True) -> None:
+        """`sig` to the side's process, or to its whole process group (everything it started)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a group with no process left
+            if group:
                 os.killpg(self.proc.pid, sig)
+            elif self.proc.poll() is None:
+                os.kill(self.proc.pid, sig)
 
     def stop(self, timeout_s: float) -> int:
-        """SIGTERM, wait up to `timeout_s`, then SIGKILL; the exit code (negative = killed by that signal)."""
-        self.signal(signal.SIGTERM)
+        """SIGTERM to the side's own process, wait up to `timeout_s`, then SIGKILL to its whole group; the exit code
+        (negative = killed by that signal). The side stops its children itself, in order: a serve signalled as a
+        group had its vLLM worker exit in the middle of an engine step, which vLLM reports as the EngineCore's fatal
+        error. Whatever of the group outlives the side's exit is killed."""
+        self.signal(signal.SIGTERM, group=False)
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             print(f"[run] {self.name} did not exit {timeout_s:.0f}s after SIGTERM; killing it", file=sys.stderr)
-            self.signal(signal.SIGKILL)
-            self.proc.wait()
+        self.signal(signal.SIGKILL)
+        self.proc.wait()
         self.reader.join(5)
         self.log.close()
         return self.proc.returncode

@@ -40,6 +40,14 @@ def children(launcher: ServeProcess) -> dict[str, psutil.Process]:
     return found
 
 
+def assert_engine_stopped_in_order(run_dir) -> None:
+    """The serve stopped its engine itself: signalled as a process group (the serve, its EngineCore and its worker at
+    once), the worker exited in the middle of an engine step, which vLLM reports as the EngineCore's fatal error."""
+    serve_log = (run_dir / "serve.log").read_text()
+    assert "EngineCore encountered a fatal error" not in serve_log and "died unexpectedly" not in serve_log
+    assert "EngineCore: exiting busy loop" in serve_log  # its shutdown ran to the end
+
+
 def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     # --fused-loss on: the learner trains through learner/fused_loss.py (its torch row pass here; Triton on CUDA), and
@@ -70,6 +78,7 @@ def test_run_trains_on_split_cores_every_update_reaches_the_serve_and_fills_the_
     assert json.loads((run_dir / "learn-config.json").read_text())["fused_loss"] == "on"
     assert f"step {STEPS} v{STEPS}" in (run_dir / "learn.log").read_text()  # the learner's whole log is kept
     assert "| mode |" in launcher.tail(60)  # the final table is printed
+    assert_engine_stopped_in_order(run_dir)
 
     # Every step trained on real tokens, published one version to the one serve, and the serve committed each in order.
     steps = read_jsonl(run_dir / "metrics.jsonl")
@@ -148,6 +157,7 @@ def test_run_with_a_taskset_only_verifiers_environment_on_a_built_in_harness_tra
     assert last.get("env_errors", 0) == 0 and last.get("groups_dropped", 0) == 0, last
     if harness == "bash":
         assert "harness 'bash' executes model-written code" in (run_dir / "serve.log").read_text()
+    assert_engine_stopped_in_order(run_dir)  # episodes still ran when the run stopped the serve
 
 
 def test_ctrl_c_stops_the_learner_first_then_the_serve_and_keeps_the_run(tmp_path):
