@@ -154,11 +154,13 @@ def compute_summary(run_dir: Path) -> dict:
 
 
 def _episodes_and_why(steps: list[StepMetrics], last: ServeProgress | None) -> dict:
-    """`episodes` from serves that count episodes (older runs' summaries stay what they were); `no_step_trained`
-    when no step trained."""
+    """`episodes` from serves that count episodes (older runs' summaries stay what they were), `reward_errors` when a
+    reward failed; `no_step_trained` when no step trained."""
     out = {}
     if last is not None and (last.turns or last.env_errors or last.groups_dropped):
         out["episodes"] = episode_summary(last)
+    if last is not None and last.reward_errors:  # each scored 0.0: a run that learned nothing may say why here
+        out["reward_errors"] = last.reward_errors
     if not steps:
         out["no_step_trained"] = why_no_step(last)
     return out

@@ -49,6 +49,21 @@ class Reward:
     fn: Callable
     convention: str
     weight: float = 1.0
+    failures: int = field(default=0, compare=False)  # so far, in this process (`failed`)
+
+    def failed(self, where: str, exc: Exception) -> None:
+        """Count a failure; log the first with its traceback (what the reward's author needs), then the 10th, 100th,
+        ... with the count: a broken reward fails on every sample, and a line per sample buried the run's terminal.
+        Every failure is counted all the same (the serve's progress line: `reward errors`)."""
+        self.failures += 1
+        if self.failures == 1:
+            log.error(
+                "reward %s failed on %s (scored 0.0; its next failures are logged at the 10th, 100th, ...): %r",
+                self.name, where, exc, exc_info=exc,
+            )  # fmt: skip
+        elif str(self.failures).rstrip("0") == "1":
+            log.error("reward %s has failed %d times (each scored 0.0), the latest on %s: %r", self.name,
+                      self.failures, where, exc)  # fmt: skip
 
 
 @dataclass
@@ -167,7 +182,7 @@ async def _sample_value(r: Reward, problem: Problem, text: str) -> tuple[float, 
     try:
         return _number(await call(r.fn, text, problem), allow_none=False), 0
     except Exception as exc:  # a buggy reward must not lose the sample: score 0, count, log
-        log.error("reward %s failed on %s (scored 0.0): %r", r.name, problem.id, exc)
+        r.failed(problem.id, exc)
         return 0.0, 1
 
 
@@ -187,7 +202,7 @@ async def _group_values(
             raise TypeError(f"returned {out!r:.80}, expected a list of {n} floats or None (one per completion)")
         return [_number(v, allow_none=True) for v in out], 0
     except Exception as exc:
-        log.error("reward %s failed on group of %s (scored 0.0): %r", r.name, problem.id, exc)
+        r.failed(f"group of {problem.id}", exc)
         return [0.0] * n, 1
 
 

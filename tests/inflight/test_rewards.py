@@ -156,3 +156,20 @@ def test_two_weighted_rewards_give_the_records_and_progress_means_a_hand_computa
     assert last.reward_means == pytest.approx(expected)
     shown = f"(answer_tenth {expected['answer_tenth']:.3f}, share_if_odd_answer {expected['share_if_odd_answer']:.3f})"
     assert any(shown in line for line in serve.lines), serve.tail()  # the means on the stderr progress line too
+
+
+def test_a_broken_reward_logs_its_first_failure_with_the_traceback_then_only_the_10th_and_100th(caplog):
+    def broken(text, problem):
+        raise KeyError("no such column")
+
+    reward = Reward("broken", broken, "sample")
+    for _ in range(25):  # 25 groups of 4: 100 failures, each scored 0 and counted
+        scores = asyncio.run(score_group([reward], PROBLEM, ["a", "b", "c", "d"]))
+        assert scores.total == [0.0] * 4 and scores.errors == 4
+    lines = [r for r in caplog.records if r.name == "inflight.rewards"]
+    assert [r.getMessage().split(" (")[0].split(",")[0] for r in lines] == [
+        f"reward broken failed on {PROBLEM.id}",
+        "reward broken has failed 10 times",
+        "reward broken has failed 100 times",
+    ]
+    assert lines[0].exc_info is not None and "KeyError" in caplog.text and reward.failures == 100

@@ -63,10 +63,11 @@ def test_summary_figures_match_hand_computation(tmp_path):
     assert table.count("| never-stop |") == 2 and "0.100 ± 0.100" in table
 
 
-def test_a_short_runs_figures_without_data_read_n_a_in_the_table_not_nan(tmp_path):
+def test_a_short_runs_figures_without_data_read_n_a_and_its_reward_errors_are_in_the_summary(tmp_path):
     # five steps: each fifth is one step, whose standard error (and so the rise in SE) has no data; no update either
-    write_run(tmp_path / "r", [0.0, 0.5, 0.5, 0.5, 1.0], [{0: 4}] * 5, [a_progress(time=1.0, tokens=9)])
+    write_run(tmp_path / "r", [0.0, 0.5, 0.5, 0.5, 1.0], [{0: 4}] * 5, [a_progress(time=1.0, reward_errors=7)])
     s = compute_summary(tmp_path / "r")
+    assert s["reward_errors"] == 7  # rewards that failed, each scored 0.0, from the serve's last progress line
     assert math.isnan(s["reward_first_se"]) and math.isnan(s["rise_se"]) and math.isnan(s["stall_mean_s"])
     row = summarize([s]).splitlines()[-1]
     assert "nan" not in row
