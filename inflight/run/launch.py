@@ -191,6 +191,12 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def ready_line(name: str) -> str:
+    """What a side prints once it is ready: its entry point's line (`inflight.serve ready`), the same for every serve
+    of a Ray run (`serve`, `serve-1`, ...) and every learner rank (`learn`, `learn-1`, ...)."""
+    return f"inflight.{name.partition('-')[0]} ready"
+
+
 class Side:
     """One running child: its process, its log and the last lines it printed."""
 
@@ -238,7 +244,7 @@ class Side:
             if line.strip():  # progress bars redraw with '\r', read here as blank lines: not worth quoting
                 with self.lock:
                     self.tail.append(line)
-            if f"inflight.{self.name} ready" in line:
+            if ready_line(self.name) in line:
                 self.ready.set()
             if self.echo == "all" or (self.echo == "progress" and any(m in line for m in _PROGRESS_MARKS)):
                 print(f"[{self.name}] {line}", file=sys.stderr, flush=True)

@@ -449,6 +449,21 @@ def test_the_idle_class_is_used_only_where_a_thread_may_leave_it_again(monkeypat
     assert ray_launcher.may_leave_idle_class() is False
 
 
+@pytest.mark.parametrize("name", ["serve", "serve-1", "learn-2"])
+def test_every_serve_of_a_run_is_ready_on_its_entry_points_ready_line(tmp_path, name):
+    """`--serves 2` from the start: the driver waits for each serve's actor to say its child is ready, and serve-1's
+    waited for "inflight.serve-1 ready", which no serve prints (the run failed once its start timeout passed)."""
+    from inflight.run.launch import Side
+
+    role = name.partition("-")[0]
+    child = f"print('inflight.{role} ready', flush=True); import time; time.sleep(60)"
+    side = Side(name, [sys.executable, "-c", child], dict(os.environ), None, tmp_path / f"{name}.log", "none")
+    try:
+        assert side.ready.wait(30), side.last_lines()
+    finally:
+        side.stop(10)
+
+
 def test_stopping_a_side_waits_as_long_as_its_actor_may_take_to_stop_it():
     """The actor's `stop` waits up to --stop-timeout-s for its process; the driver's wait for that answer covers it (a
     learner finishing a 40 s step on a busy machine outlasted a fixed 30 s wait, and the driver died of the timeout)."""
