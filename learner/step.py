@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -161,7 +162,8 @@ def make_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
 
 def _batch_routes(samples: Sequence[Sample], shape: tuple[int, int]) -> torch.Tensor | None:
     """The samples' routes as one [B, L, layers, top_k] tensor (NO_ROUTE where a row has none); None if none has."""
-    given = [torch.as_tensor(s.routes, dtype=torch.int64) for s in samples if s.routes is not None]
+    # int64 copies: a record's routes are a read-only view of its message (torch warns on those, and must not write)
+    given = [torch.from_numpy(np.array(s.routes, dtype=np.int64)) for s in samples if s.routes is not None]
     if not given:
         return None
     layout = given[0].shape[1:]

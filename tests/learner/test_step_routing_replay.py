@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -92,3 +93,17 @@ def test_a_step_without_probe_tokens_runs_no_unreplayed_forward(tiny_moe):
                          probe_mask=torch.zeros_like(batch.mask), replay=replay)  # fmt: skip
     assert "probe_abs_logratio_sum_unreplayed" not in metrics and len(calls) == 1
     assert metrics["route_total"] > 0
+
+
+def test_routes_read_only_as_a_received_record_holds_them_batch_without_a_warning(tiny_moe):
+    replay = RoutingReplay(tiny_moe.hf)
+    try:
+        given = samples(tiny_moe, replay)
+    finally:
+        replay.remove()
+    for s in given:  # a decoded record's routes: a view of the message's bytes (inflight/wire/rollouts.py)
+        s.routes.setflags(write=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "The given NumPy array is not writable" reached every learner's log
+        batch = make_batch(given, pad_id=0)
+    assert int(batch.routes[0, 0, 0, 0]) == int(given[0].routes[0, 0, 0])
