@@ -163,15 +163,13 @@ def make_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
 def _batch_routes(samples: Sequence[Sample], shape: tuple[int, int]) -> torch.Tensor | None:
     """The samples' routes as one [B, L, layers, top_k] tensor (NO_ROUTE where a row has none); None if none has."""
     # int64 copies: a record's routes are a read-only view of its message (torch warns on those, and must not write)
-    given = [torch.from_numpy(np.array(s.routes, dtype=np.int64)) for s in samples if s.routes is not None]
+    given = {row: torch.from_numpy(np.array(s.routes, dtype=np.int64)) for row, s in enumerate(samples)
+             if s.routes is not None}  # fmt: skip
     if not given:
         return None
-    layout = given[0].shape[1:]
+    layout = next(iter(given.values())).shape[1:]
     routes = torch.full((*shape, *layout), NO_ROUTE, dtype=torch.int64)
-    for row, s in enumerate(samples):
-        if s.routes is None:
-            continue
-        r = torch.as_tensor(s.routes, dtype=torch.int64)
+    for row, r in given.items():
         if r.shape[1:] != layout or r.shape[0] > shape[1]:
             raise ValueError(
                 f"samples[{row}].routes has shape {tuple(r.shape)}, expected at most {shape[1]} positions of "
