@@ -163,8 +163,11 @@ def make_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
 def _batch_routes(samples: Sequence[Sample], shape: tuple[int, int]) -> torch.Tensor | None:
     """The samples' routes as one [B, L, layers, top_k] tensor (NO_ROUTE where a row has none); None if none has."""
     # int64 copies: a record's routes are a read-only view of its message (torch warns on those, and must not write)
-    given = {row: torch.from_numpy(np.array(s.routes, dtype=np.int64)) for row, s in enumerate(samples)
-             if s.routes is not None}  # fmt: skip
+    given = {
+        row: torch.from_numpy(np.array(s.routes, dtype=np.int64))
+        for row, s in enumerate(samples)
+        if s.routes is not None
+    }
     if not given:
         return None
     layout = next(iter(given.values())).shape[1:]

@@ -57,13 +57,11 @@ class Reward:
         Every failure is counted all the same (the serve's progress line: `reward errors`)."""
         self.failures += 1
         if self.failures == 1:
-            log.error(
-                "reward %s failed on %s (scored 0.0; its next failures are logged at the 10th, 100th, ...): %r",
-                self.name, where, exc, exc_info=exc,
-            )  # fmt: skip
+            first = "reward %s failed on %s (scored 0.0; its next failures are logged at the 10th, 100th, ...): %r"
+            log.error(first, self.name, where, exc, exc_info=exc)
         elif str(self.failures).rstrip("0") == "1":
-            log.error("reward %s has failed %d times (each scored 0.0), the latest on %s: %r", self.name,
-                      self.failures, where, exc)  # fmt: skip
+            again = "reward %s has failed %d times (each scored 0.0), the latest on %s: %r"
+            log.error(again, self.name, self.failures, where, exc)
 
 
 @dataclass
