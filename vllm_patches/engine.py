@@ -164,9 +164,10 @@ def lora_kwargs(cfg: EngineConfig) -> dict:
     """vLLM's LoRA arguments: one adapter slot, vLLM's smallest max_lora_rank that holds `lora_rank`, and the served
     adapter's modules as vLLM's deployment-time `lora_target_modules`; none without an adapter.
 
-    The target filter is what keeps an MoE model servable with LoRA: without it vLLM wraps every fused-experts layer
-    for LoRA too (vllm/lora/layers/fused_moe.py), whose kernel is Triton's (a CPU worker dies at the first forward),
-    although the adapter never touches the experts; and no module outside the adapter gets LoRA buffers."""
+    The target filter gives LoRA buffers to the adapter's modules only: without it vLLM wraps every fused-experts
+    layer of a MoE model for LoRA too (vllm/lora/layers/fused_moe.py: buffers per expert and slot), although the
+    learner's adapter never touches the experts. A MoE model with LoRA still needs a CUDA serve
+    (`check_lora_kernels`)."""
     if cfg.lora_dir is None:
         return {}
     targets = ServedAdapter.read(cfg.lora_dir).spec.targets
