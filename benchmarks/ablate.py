@@ -35,6 +35,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks import RESULTS
 from inflight.run.report import lag_tokens, progress_lines, ready_time
 from inflight.serve.config import MODES
 from inflight.wire.records import read_steps
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, extra = split_run_flags(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ablate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=300.0, help="training budget per mode (default 300)")
-    parser.add_argument("--out", default="benchmarks/results/ablate", help="parent of the per-mode run directories")
+    parser.add_argument("--out", default=str(RESULTS / "ablate"), help="parent of the per-mode run directories")
     parser.add_argument("--modes", default="all", help=f"'all' or a comma-separated subset of {', '.join(MODES)}")
     parser.add_argument("--target", type=float, default=0.5, help="reward for the time-to-target column")
     parser.add_argument("--reuse", action="store_true", help="report finished runs with the same flags, not re-run")

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import RESULTS
+
 BUCKET_BYTES = 64 << 20
 
 
@@ -218,7 +220,7 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the serve's dtype")
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/delta_updates.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "delta_updates.json")
     args = parser.parse_args(argv)
     args.lrs = [demo_lr, *args.lr]
     if args.steps < 1:

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import RESULTS
+
 PROMPTS = ["What is {a} + {b}? Reply with only the number.", "Name a fruit that starts with the letter {c}.",
            "Write one sentence about the number {a}.", "Count from {b} to {a}."]  # fmt: skip
-OUT = Path(__file__).resolve().parent / "results" / "head_precision.json"
+OUT = RESULTS / "head_precision.json"
 
 
 def prompt_ids(tokenizer, n: int) -> list[list[int]]:

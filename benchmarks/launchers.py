@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks import RESULTS
 from inflight.run.app import main as run_main
 from inflight.run.demo import DEMO_FLAGS, split_run_flags
 from inflight.run.report import ready_time, write_report
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=180.0, help="training budget per run (default 180)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per arm, the arms interleaved (default 1)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"which arms, comma-separated (default {ARMS})")
-    parser.add_argument("--out", default="benchmarks/results/launchers", help="parent of the run directories")
+    parser.add_argument("--out", default=str(RESULTS / "launchers"), help="parent of the run directories")
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     if unknown := sorted(set(arms) - set(ARMS)):

@@ -29,13 +29,13 @@ import resource
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks import RESULTS
+
 MiB = 1 << 20
 TENSOR_ROWS, TENSOR_COLS = 1024, 1024  # 4 MiB of float32 each
 

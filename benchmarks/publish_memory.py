@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import RESULTS
 from benchmarks.receiver import Receiver
 
 MiB = 1 << 20
@@ -151,7 +152,7 @@ def parse_args(argv):
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the serve's dtype")
     parser.add_argument("--repeats", type=int, default=3, help="publishes per mode (the first is not counted)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/publish_memory.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "publish_memory.json")
     return parser.parse_args(argv)
 
 

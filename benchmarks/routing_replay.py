@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks import RESULTS
+
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 QUESTIONS = ["What is {a} + {b}?", "Name {a} colours.", "Count from {a} to {b}.", "Write {a} words about rain."]
 
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--out", default="benchmarks/results/routing_replay.json")
+    parser.add_argument("--out", default=str(RESULTS / "routing_replay.json"))
     behind_help = "the one-version-behind learner's weights: the sampler's + N(0, (this · std)^2); 0 = skip that part"
     parser.add_argument("--behind", type=float, default=0.02, help=behind_help)
     args = parser.parse_args(argv)

@@ -38,6 +38,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks import RESULTS
 from inflight.wire.records import UpdateEvent, read_serve_events, read_steps
 
 MODES = ("never-stop", "keep-pause", "drain", "abort-resume", "blocking")
@@ -444,11 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("probe", help="measure decode cost on a real engine")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--core", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/decode-probe.json")
+    p.add_argument("--out", default=str(RESULTS / "decode-probe.json"))
     p.add_argument("--dtype", default="bfloat16", help="the serve's dtype (the ablation serves bf16)")
     q = sub.add_parser("predict", help="calibrate from runs and simulate")
-    q.add_argument("--runs", default="benchmarks/results/ablate")
-    q.add_argument("--probe", default="benchmarks/results/decode-probe.json")
+    q.add_argument("--runs", default=str(RESULTS / "ablate"))
+    q.add_argument("--probe", default=str(RESULTS / "decode-probe.json"))
     q.add_argument("--sizes", default="8,64,512")
     q.add_argument("--steps", type=int, default=40)
     q.add_argument("--out", default="", help="also write the report here (markdown)")

@@ -24,9 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import RESULTS
 from benchmarks.weight_swap import TESTS_DIR, PeakRss
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 async def _one_update(engine, sender, state, pids: list[int]) -> dict:

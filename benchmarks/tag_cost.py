@@ -15,14 +15,14 @@ import argparse
 import json
 import time
 import zlib
-from pathlib import Path
 
 import torch
 
+from benchmarks import RESULTS
 from inflight.wire.secure import weights_key
 from inflight.wire.weights import bytes_tag, update_key
 
-OUT = Path(__file__).resolve().parent / "results" / "tag_cost.json"
+OUT = RESULTS / "tag_cost.json"
 
 
 def seconds_per_gb(fn, tensors: list, repeats: int) -> float:

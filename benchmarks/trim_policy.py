@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import RESULTS
 from inflight.run.report import committed_updates, load_run
 
 SOAK = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-minutes", type=float, default=1.0)
     parser.add_argument("--policies", default="never,0,30", help="comma-separated INFLIGHT_TRIM_EVERY_S values")
     parser.add_argument("--run-dir", default="runs/trim-policy")
-    parser.add_argument("--out", default="benchmarks/results/trim_policy.md")
+    parser.add_argument("--out", default=str(RESULTS / "trim_policy.md"))
     args = parser.parse_args(argv)
     rows = []
     for policy in args.policies.split(","):

@@ -39,6 +39,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import RESULTS
+
 MiB = 1 << 20
 TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"  # support.Sender and the checkpoint helpers live there
 
@@ -539,7 +541,7 @@ def parse_args(argv: list[str] | None):
     kv_help = "KV cache per engine, GiB; 0.25 holds 16 x 512 tokens and is zeroed faster at start than vLLM's 1"
     parser.add_argument("--kv-cache-gib", type=float, default=0.25, help=kv_help)
     out_help = "markdown file the tables are appended to; one JSON line per figure goes to the same name .jsonl"
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weight_swap.md"), help=out_help)
+    parser.add_argument("--out", type=Path, default=RESULTS / "weight_swap.md", help=out_help)
     args = parser.parse_args(argv)
     if args.cycles < 0 or args.half <= 0 or args.concurrency < 1:
         given = f"--cycles {args.cycles}, --half {args.half}, --concurrency {args.concurrency}"
