@@ -19,6 +19,7 @@ from inflight.machine import is_cuda
 from inflight.serve.latency import parse_latency
 from inflight.wire.contract import RunContract, SecretKnob, SharedKnobs
 from inflight.wire.memory import trim_every_s
+from inflight.wire.secure import is_loopback
 from inflight.wire.weights import UPDATE_MEMORY
 
 if TYPE_CHECKING:
@@ -242,7 +243,9 @@ class ServeConfig(EngineKnobs, AdmissionKnobs, EnvKnobs, EvalKnobs, TaskKnobs, S
     rollouts: str = knob("tcp://127.0.0.1:5555", "learner's rollout address (ZeroMQ PUSH to it)")
     control: str = knob("tcp://127.0.0.1:5556", "learner's control address (ZeroMQ DEALER)")
     http_port: int = knob(0, "also answer vLLM's OpenAI API on this port; 0 = off")
-    http_host: str = knob("127.0.0.1", "bind address of the OpenAI API")
+    http_host: str = knob(
+        "127.0.0.1", "bind address of the OpenAI API; beyond loopback only with VLLM_API_KEY set (vLLM's API key)"
+    )
     metrics: str = knob("", "append one JSON line of progress metrics per interval to this file")
     progress_s: float = knob(5.0, "seconds between progress lines")
 
@@ -255,6 +258,14 @@ class ServeConfig(EngineKnobs, AdmissionKnobs, EnvKnobs, EvalKnobs, TaskKnobs, S
         self.validate_env()
         self.validate_engine()
         self.validate_secret()
+        # Beyond loopback the OpenAI API answers whoever connects: vLLM's own API key then (AuthenticationMiddleware).
+        require(
+            not self.http_port or is_loopback(self.http_host) or bool(os.environ.get("VLLM_API_KEY")),
+            "http_host",
+            self.http_host,
+            "127.0.0.1, or VLLM_API_KEY set in the serve's environment to serve the API beyond loopback "
+            "(vLLM's API key: clients send 'Authorization: Bearer <key>')",
+        )
 
     def contract(self, base_model: str = "") -> RunContract:
         """What this serve samples with, for `Hello` (inflight/wire/contract.py); once `main` resolved `--dtype`.

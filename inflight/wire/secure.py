@@ -18,6 +18,7 @@ untrusted networks run it on a private network or VPN. Its messages are still ne
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,16 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 MIN_SECRET_BYTES = 16
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` listens on this machine only: `localhost` or a loopback address (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 @dataclass(frozen=True)

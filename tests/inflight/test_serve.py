@@ -19,6 +19,7 @@ pytestmark = pytest.mark.engine
 GROUP = 4
 MAX_TOKENS = 12
 ANSWERS = {"q-a": 3, "q-b": 7, "q-c": 11}
+API_KEY = "serve-test-key"  # VLLM_API_KEY of the serve: its OpenAI API is bound beyond loopback
 
 
 class LearnerSide:
@@ -81,8 +82,8 @@ def running(model_dirs, tmp_path_factory):
         "--model", str(model_dirs["tiny-llama"]), "--rollouts", side.rx.address, "--control", side.ctl.address,
         "--task", f"jsonl:{prompts}", "--reward", "serve_rewards:answer_tenth", "--group-size", str(GROUP),
         "--max-tokens", str(MAX_TOKENS), "--admit-lag", "-1", "--max-inflight", "8", "--max-outstanding", "16",
-        "--http-port", str(port), "--metrics", str(tmp / "metrics.jsonl"),
-    ])  # fmt: skip
+        "--http-port", str(port), "--http-host", "0.0.0.0", "--metrics", str(tmp / "metrics.jsonl"),
+    ], env={"VLLM_API_KEY": API_KEY})  # fmt: skip
     serve.wait_for("inflight.serve ready")
     yield side, serve, port, tmp
     assert serve.stop() == 0, serve.tail()
@@ -146,10 +147,14 @@ def test_malformed_and_unknown_schema_control_messages_are_logged_and_serve_keep
 
 
 def test_openai_client_gets_a_chat_completion_while_rollouts_stream(running):
+    """The API is bound to every interface, as a served model is, so only a client with the serve's key is answered."""
     import openai
 
     side, serve, port, _ = running
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+    stranger = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-the-key", timeout=120)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, timeout=120)
     got = len(side.rollouts)
     raw = client.chat.completions.with_raw_response.create(
         model="tiny-llama", messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=8

@@ -206,3 +206,19 @@ def test_a_config_the_engine_refuses_ends_the_serve_in_one_line_naming_the_flag_
         main(["--model", str(model_dirs["tiny-llama"]), *flags])
     message = str(exited.value.code)
     assert message.startswith("inflight.serve: ") and fix in message and "\n" not in message.strip()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5", "::", "train0"])
+def test_an_openai_api_bound_beyond_loopback_without_vllms_api_key_is_refused_naming_the_key(host, monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"--http-host is .* VLLM_API_KEY"):
+        ServeConfig(http_port=8000, http_host=host).validate()
+    monkeypatch.setenv("VLLM_API_KEY", "a-key")
+    ServeConfig(http_port=8000, http_host=host).validate()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_an_openai_api_on_loopback_or_no_api_at_all_needs_no_key(host, monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    ServeConfig(http_port=8000, http_host=host).validate()
+    ServeConfig(http_port=0, http_host="0.0.0.0").validate()  # --http-host without --http-port binds nothing
