@@ -28,6 +28,10 @@ from inflight.wire.contract import SharedKnobs
 # Lines worth a terminal when --echo progress: our own loggers, the serve's progress line, readiness and trouble.
 _PROGRESS_MARKS = ("inflight.", "[serve ", "Traceback", "Error", "ERROR", "CRITICAL")
 
+# nanobind's report of Triton objects alive at interpreter exit (torch and vLLM import Triton; ~30 lines per process
+# that ran a kernel), printed after the traceback of a side that fails: never the reason, so never its last lines.
+_EXIT_NOISE = ("nanobind: ", " - leaked ", " - ... skipped remainder", "See https://nanobind.readthedocs.io")
+
 
 # --dtype of the run -> the learner's --autocast: fp32 master weights always, the decoder in the run's precision.
 LEARN_AUTOCAST = {"auto": "auto", "float32": "none", "bfloat16": "bfloat16"}
@@ -197,6 +201,12 @@ def ready_line(name: str) -> str:
     return f"inflight.{name.partition('-')[0]} ready"
 
 
+def worth_quoting(line: str) -> bool:
+    """Whether a side's output line may be among the last lines a failure quotes (the log keeps every line): not
+    blank (progress bars redraw with '\r', read here as blank lines) and not Triton's exit-time leak report."""
+    return bool(line.strip()) and not line.startswith(_EXIT_NOISE)
+
+
 class Side:
     """One running child: its process, its log and the last lines it printed."""
 
@@ -241,7 +251,7 @@ class Side:
         for line in self.proc.stdout:
             self.log.write(line)
             line = line.rstrip("\n")
-            if line.strip():  # progress bars redraw with '\r', read here as blank lines: not worth quoting
+            if worth_quoting(line):
                 with self.lock:
                     self.tail.append(line)
             if ready_line(self.name) in line:

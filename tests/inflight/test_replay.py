@@ -230,3 +230,27 @@ def test_replaying_a_live_serve_and_learner_run_reaches_the_learners_weights_bit
         replay.stop()
     assert replay.count("differs from the recording") == 0, replay.tail()
     assert_same_training(live_dir, replay_dir)
+
+
+def test_a_learner_that_fails_after_training_is_quoted_by_its_error_not_by_tritons_exit_report(model_dirs, tmp_path):
+    """A side's last lines, which a failed run prints, end with its traceback: the ~30 lines nanobind prints at exit
+    about Triton objects (a process that ran torch's kernels) stay in the log only. Here a replay learner trains a step,
+    then cannot export, since its run directory holds a file named hf-final."""
+    import os
+    import sys
+
+    from inflight.run.launch import Side
+
+    RolloutJournal(tmp_path / "rec" / "journal").append(interleaved_records(groups=2))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "hf-final").write_text("in the way")
+    argv = [sys.executable, "-m", "inflight.learn", "--model", str(model_dirs["tiny-llama"]), "--run-dir",
+            str(run_dir), "--replay", str(tmp_path / "rec"), "--steps", "1", *TRAINING]  # fmt: skip
+    side = Side("learn", argv, dict(os.environ), None, tmp_path / "learn.log", "none")
+    assert side.proc.wait(300) == 1
+    side.reader.join(10)
+    log = (tmp_path / "learn.log").read_text()
+    assert "step 1 v1" in log and "nanobind: leaked" in log.split("FileExistsError")[-1], log[-3000:]
+    quoted = side.last_lines()
+    assert "FileExistsError" in quoted.splitlines()[-1] and "leaked" not in quoted, quoted
