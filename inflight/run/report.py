@@ -202,20 +202,23 @@ def episode_summary(last) -> dict:
     }
 
 
-def summarize(summaries: list[dict]) -> str:
-    """One markdown table, a row per run."""
+def summarize(summaries: list[dict], by_run: bool = False) -> str:
+    """One markdown table, a row per run; `by_run`: each row starts with the run's directory (runs of one mode, a
+    sweep, read alike otherwise)."""
     head = (
         "| mode | steps | wall s | reward first 20% | reward last 20% | rise (SE) | updates | stall ms (mean/p99) "
         "| lag mean | gated | mismatch lag0 | ESS | gen tok/s |"
     )
+    head = "| run " + head if by_run else head
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
+        lead = f"| {s['run_dir']} " if by_run else ""
         if not s["steps"]:
-            rows.append(f"| {s['mode']} | 0 | no step trained: {s.get('no_step_trained', '?')} |")
+            rows.append(f"{lead}| {s['mode']} | 0 | no step trained: {s.get('no_step_trained', '?')} |")
             continue
         f = _figure
         rows.append(
-            f"| {s['mode']} | {s['steps']} | {f(s['wall_s'], '.0f')} | {f(s['reward_first'], '.3f')} ± "
+            f"{lead}| {s['mode']} | {s['steps']} | {f(s['wall_s'], '.0f')} | {f(s['reward_first'], '.3f')} ± "
             f"{f(s['reward_first_se'], '.3f')} | {f(s['reward_last'], '.3f')} ± {f(s['reward_last_se'], '.3f')} "
             f"| {f(s['rise_se'], '+.1f')} | {s['updates']} | {f(1e3 * s['stall_mean_s'], '.0f')} / "
             f"{f(1e3 * s['stall_p99_s'], '.0f')} | {f(s['lag_mean'], '.2f')} | {f(s['gated_fraction'], '.3f')} "
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"no learner metrics (metrics.jsonl) in {', '.join(missing)}: is that a run directory?", file=sys.stderr)
         return 2
-    print(summarize([write_report(d) for d in dirs]))
+    print(summarize([write_report(d) for d in dirs], by_run=len(dirs) > 1))
     return 0
 
 

@@ -94,6 +94,17 @@ def test_report_writes_pngs_and_the_cli_refuses_a_non_run(tmp_path, capsys):
     assert "no learner metrics" in capsys.readouterr().err
 
 
+def test_the_cli_table_of_several_runs_names_each_row_by_its_run_directory(tmp_path, capsys):
+    for name, rewards in (("lr-1e-5", [0.1, 0.2]), ("lr-3e-5", [0.3, 0.4])):  # a sweep: one mode, two runs
+        write_run(tmp_path / name, rewards, [{0: 5}] * 2, [a_progress(time=101.0)])
+    assert main([str(tmp_path / "lr-1e-5"), str(tmp_path / "lr-3e-5")]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0].startswith("| run | mode | steps |")
+    assert rows[2].startswith(f"| {tmp_path / 'lr-1e-5'} | never-stop | 2 |") and "| 0.100 ± n/a |" in rows[2]
+    assert rows[3].startswith(f"| {tmp_path / 'lr-3e-5'} | never-stop | 2 |") and "| 0.300 ± n/a |" in rows[3]
+    assert all(row.count("|") == rows[0].count("|") for row in rows)
+
+
 def test_core_and_gpu_lists_and_side_environments():
     assert parse_cores("0") == [0] and parse_cores("0,2-3") == [0, 2, 3]
     for bad in ("", "a", "3-1", "0,-1"):
