@@ -151,7 +151,12 @@ class RunConfig(RunKnobs, LearnForwards, ServeForwards, SharedKnobs):  # type: i
         require(0 <= self.http_port < 65536, "http_port", self.http_port, "0 (off) or a TCP port")
         require(self.learn_procs >= 1, "learn_procs", self.learn_procs, ">= 1")
         require(self.serves >= 1, "serves", self.serves, ">= 1")
-        require(self.serves == 1 or self.launcher == "ray", "serves", self.serves, "1 with --launcher local")
+        require(
+            self.serves == 1 or self.launcher == "ray",
+            "serves",
+            self.serves,
+            "1 with --launcher local (several serves run under --launcher ray)",
+        )
         require(self.serve_restarts >= -1, "serve_restarts", self.serve_restarts, ">= 0, or -1 = no limit")
         require(0 <= self.port_base < 65534, "port_base", self.port_base, "0 (free ports) or a TCP port below 65534")
         for name in ("serve_cores", "learn_cores"):

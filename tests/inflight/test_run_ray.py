@@ -196,7 +196,7 @@ def refused_beside(cluster: dict, run_dir: Path, *flags: str, address: str) -> s
 def test_several_serves_need_the_ray_launcher(tmp_path):
     bad = ServeProcess(["--run-dir", str(tmp_path), "--serves", "2", *FAST], module="inflight.run")
     assert bad.proc.wait(60) == 2
-    assert "--serves is 2, expected 1 with --launcher local" in bad.tail()
+    assert "--serves is 2, expected 1 with --launcher local (several serves run under --launcher ray)" in bad.tail()
 
 
 @pytest.fixture
