@@ -277,12 +277,26 @@ def learner_commands(cfg: RunConfig, run_dir: Path, host: str, ports: list[int],
 
 
 def serve_argv(base: list[str], cfg: RunConfig, run_dir: Path, index: int) -> list[str]:
-    """Serve `index`'s argv: the first is the local launcher's serve exactly; the others get their own metrics file
-    and task/sampling seed (two serves on one seed would generate the same prompts)."""
+    """Serve `index`'s argv: the first is the local launcher's serve exactly; the others get their own metrics file,
+    task/sampling seed (two serves on one seed would generate the same prompts) and OpenAI API port (`--http-port` +
+    index: serves may share a node, and the second could not bind the first's port)."""
     if index == 0:
         return base
     seed = str(cfg.seed + index)
-    return [*base, "--metrics", str(run_dir / f"serve-{index}-metrics.jsonl"), "--task-seed", seed, "--seed", seed]
+    argv = [*base, "--metrics", str(run_dir / f"serve-{index}-metrics.jsonl"), "--task-seed", seed, "--seed", seed]
+    http_port = int(flag_value(base, "--http-port") or 0)
+    return argv + ["--http-port", str(http_port + index)] if http_port else argv
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value the last `flag` in `argv` gives (`--flag V` or `--flag=V`), as the side's parser reads it; None."""
+    value = None
+    for k, arg in enumerate(argv):
+        if arg == flag and k + 1 < len(argv):
+            value = argv[k + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def rank_env(rank: int, world: int, local_rank: int, local_world: int, master: tuple[str, int]) -> dict[str, str]:

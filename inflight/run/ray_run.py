@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from inflight.run.config import RunConfig
+from inflight.run.launch import worth_quoting
 from inflight.run.ray_actor import ProcessHost, _reason
 from inflight.run.ray_launcher import (
     LaunchError,
@@ -260,7 +261,13 @@ def wait_ready(run: RayRun, actor, name: str) -> None:
     while time.monotonic() < deadline:
         if run.interrupted:
             raise LaunchError("interrupted before the run was ready")
-        state = run.call(actor, "poll")
+        try:
+            state = run.call(actor, "poll")
+        except run.ray.exceptions.RayActorError:  # ActorUnavailableError (restarting) too
+            # A serve's actor ends itself once its child exits (so that Ray restarts it): gone before its first ready
+            # line, the side is said by its log, as a child that exited is.
+            lines = log_tail(run.run_dir / f"{name}.log")
+            raise LaunchError(f"{name} exited before it was ready; its last lines:\n{lines}") from None
         if state["ready"]:
             return
         if state["code"] is not None:
@@ -272,3 +279,12 @@ def wait_ready(run: RayRun, actor, name: str) -> None:
             raise LaunchError(f"the learner ended before {name} was ready")
         time.sleep(POLL_S)
     raise LaunchError(f"{name} was not ready after {run.cfg.start_timeout_s:.0f}s (--start-timeout-s)")
+
+
+def log_tail(path: Path, n: int = 20) -> str:
+    """The last `n` lines of a side's log worth quoting (inflight/run/launch.py:worth_quoting)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(no log: {exc.strerror})"
+    return "\n".join([line for line in lines if worth_quoting(line)][-n:])

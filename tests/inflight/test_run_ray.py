@@ -239,8 +239,10 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_af
     two_nodes, tmp_path
 ):
     run_dir, env = tmp_path / "run", {"RAY_ADDRESS": two_nodes["address"]}
+    http_port = free_ports(1, "127.0.0.1")[0]  # serve-1, added on the same node, answers on the next port
     flags = [*FAST, "--ray-learn-resource", "learn_node", "--ray-serve-resource", "serve_node", "--steps", "0",
-             "--learn-args", f"--checkpoint-every 2 --timeout-s {TIMEOUT_S}"]  # fmt: skip
+             "--http-port", str(http_port), "--learn-args",
+             f"--checkpoint-every 2 --timeout-s {TIMEOUT_S}"]  # fmt: skip
     sides_before = {p.pid for p in side_processes()}
     run = launcher(run_dir, *flags, env=env)
     resumed = None
@@ -265,6 +267,7 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_af
         assert scale.returncode == 0, scale.stderr
         run.wait_for("[serve-1] inflight.serve ready", 300)
         assert placed(run_dir)["serve-1"] == two_nodes["serve"]
+        assert f"OpenAI API on http://127.0.0.1:{http_port + 1}/v1" in (run_dir / "serve-1.log").read_text()
         assert [e["serves"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "scaled"] == [2]
         grown = len(read_jsonl(run_dir / "metrics.jsonl"))
         deadline = time.monotonic() + 300
@@ -479,6 +482,53 @@ def test_stopping_a_side_waits_as_long_as_its_actor_may_take_to_stop_it():
     run.ray, run.cfg = ray, RunConfig(stop_timeout_s=120.0)
     assert stop_side(run, types.SimpleNamespace(stop=method)) == 0
     assert waits == [(("stop", (120.0,)), 120.0 + CALL_TIMEOUT_S)]
+
+
+def test_a_serve_whose_actor_is_gone_before_it_was_ready_fails_the_run_with_its_logs_last_lines(tmp_path):
+    """A serve's actor ends itself once its child exits (so that Ray restarts it); the driver, waiting for the serve
+    to be ready, got Ray's ActorUnavailableError from its poll and died of the traceback. Now the run says which
+    serve and quotes its log. (The whole path by hand: `--serves 2 --http-port P` with P+1 taken, 2026-12-06.)"""
+    import types
+
+    import ray.exceptions
+
+    from inflight.run.config import RunConfig
+    from inflight.run.ray_launcher import LaunchError
+    from inflight.run.ray_run import RayRun, wait_ready
+
+    (tmp_path / "serve-1.log").write_text(
+        "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 18001): address already in use\n"
+        "nanobind: leaked 4 instances!\n# [ray] serve-1 exited with code 3: ending its actor so Ray restarts it\n"
+    )
+
+    def restarting(ref, timeout):
+        raise ray.exceptions.ActorUnavailableError("The actor is restarting", None)
+
+    run = RayRun.__new__(RayRun)
+    run.ray = types.SimpleNamespace(get=restarting, exceptions=ray.exceptions)
+    run.cfg, run.run_dir, run.interrupted = RunConfig(), tmp_path, []
+    actor = types.SimpleNamespace(poll=types.SimpleNamespace(remote=lambda: "poll"))
+    said = r"serve-1 exited before it was ready; its last lines:\n.*already in use"
+    with pytest.raises(LaunchError, match=said) as e:
+        wait_ready(run, actor, "serve-1")
+    assert "nanobind" not in str(e.value)
+
+
+def test_every_serve_after_the_first_gets_its_own_openai_api_port_whichever_way_the_port_was_given(tmp_path):
+    """Serves may share a node (placed SPREAD over fewer nodes, or added by inflight.run.scale): serve i answers on
+    --http-port + i, so the second no longer dies binding the first's port."""
+    from inflight.run.config import RunConfig
+    from inflight.run.ray_launcher import serve_argv
+
+    base = ["-m", "inflight.serve", "--model", "tiny-llama", "--http-port", "8000"]
+    cfg = RunConfig(seed=5)
+    assert serve_argv(base, cfg, tmp_path, 0) == base
+    for index in (1, 2):
+        argv = serve_argv(base, cfg, tmp_path, index)
+        assert argv[-2:] == ["--http-port", str(8000 + index)] and argv[argv.index("--seed") + 1] == str(5 + index)
+    given = ["-m", "inflight.serve", "--http-port=9000", "--kv-cache-gib", "0.25"]  # as --serve-args may give it
+    assert serve_argv(given, cfg, tmp_path, 1)[-2:] == ["--http-port", "9001"]
+    assert "--http-port" not in serve_argv(["-m", "inflight.serve"], cfg, tmp_path, 1)  # no API, no port
 
 
 def test_scale_returns_once_the_driver_takes_the_request_and_names_the_timeout_when_it_does_not(tmp_path):
