@@ -121,7 +121,7 @@ async def serve(cfg: ServeConfig) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     driver = RolloutDriver(engine, cfg, work.problems, work.rewards, stream, tokenizer, work.tool_latency)
     control = ControlClient(cfg.control, driver, tensors, keys=keys, contract=contract)
-    reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s)
+    reporter = ProgressReporter(driver, cfg.metrics, cfg.progress_s, control)
     control.on_update = reporter.update_event
     if work.held_out:
         driver.evaluation = Evaluation(
@@ -240,7 +240,11 @@ async def _asked(cfg: ServeConfig, contract: RunContract, keys: CurveKeys | None
         log.error("%s", exc)
         return False, 0
     if agreed is None:
-        log.info("no learner answered at %s yet: the contract is checked at Hello, once the engine runs", cfg.control)
+        log.info(
+            "no learner answered at %s yet (not running, or given another --secret-file): the contract is checked "
+            "at Hello, once the engine runs",
+            cfg.control,
+        )
         return True, 0
     return True, agreed.full_every
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from inflight.serve.driver import RolloutDriver
 from inflight.wire.contract import RunContract
@@ -92,6 +93,7 @@ class ControlClient:
         self._pending: UpdateWeights | None = None  # arrived while an update was running; starts when that one ends
         self._joining: asyncio.Task | None = None  # the last JoinGroup's join, which an update waits for
         self.on_update = None  # called with each UpdateDone (progress metrics)
+        self.address, self.started, self.heard = address, time.monotonic(), False  # heard: any message back
 
     async def send(self, message) -> None:
         await self._sock.send(encode_control(message))
@@ -126,6 +128,7 @@ class ControlClient:
         await self.send(self.hello())
         while True:
             data = await self._sock.recv()
+            self.heard = True
             try:
                 message = decode_control(data, to="serve")
             except ControlError as exc:

@@ -19,9 +19,13 @@ if TYPE_CHECKING:  # the driver imports vLLM
     from inflight.serve.driver import RolloutDriver
 
 
+# A learner that has not answered in this long is not loading a model: the progress line says what to check.
+UNHEARD_HINT_S = 30.0
+
+
 class ProgressReporter:
-    def __init__(self, driver: RolloutDriver, metrics_path: str, interval_s: float):
-        self.driver, self.interval_s = driver, interval_s
+    def __init__(self, driver: RolloutDriver, metrics_path: str, interval_s: float, control=None):
+        self.driver, self.interval_s, self.control = driver, interval_s, control
         self.path = Path(metrics_path) if metrics_path else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +114,7 @@ class ProgressReporter:
                 f" | outbox {s.outbox} | sent {s.rollouts_sent} | groups {s.groups_admitted}"
                 f" (consumed {s.groups_consumed}) | reward {s.mean_reward:.3f}{_each(s.reward_means)}"
                 f"{f' | reward errors {s.reward_errors}' if s.reward_errors else ''}{_episodes(s)}{_failed(s)}"
+                f"{_unheard(self.control)}"
             )
             print(line, file=sys.stderr, flush=True)
 
@@ -147,3 +152,15 @@ def _kinds(kinds: dict[str, int]) -> str:
     """ " (timeout before the first model call 3, harness bash exited 1 2)", most frequent first."""
     ranked = sorted(kinds.items(), key=lambda kv: -kv[1])
     return f" ({', '.join(f'{k} {n}' for k, n in ranked)})" if ranked else ""
+
+
+def _unheard(control) -> str:
+    """ " | no word from the learner at ADDRESS in 45 s: ..." while the learner never answered: a learner that is not
+    running, or one whose --secret-file differs from this serve's (CURVE drops every handshake without a word)."""
+    if control is None or control.heard or time.monotonic() - control.started < UNHEARD_HINT_S:
+        return ""
+    waited = time.monotonic() - control.started
+    return (
+        f" | no word from the learner at {control.address} in {waited:.0f} s: is it running there, with the same "
+        "--secret-file as this serve (or neither)?"
+    )

@@ -239,3 +239,22 @@ def test_a_serve_whose_engine_core_dies_exits_1_saying_so_instead_of_failing_eve
         serve.stop()
     assert serve.proc.returncode == 1, serve.tail()
     assert serve.count("vLLM's EngineCore died") == 1, serve.tail()
+
+
+def test_a_serve_that_never_hears_from_its_learner_says_what_to_check_on_its_progress_line(model_dirs, tmp_path):
+    """A serve given a --secret-file that its learner was not given (or another one) gets no message through, and
+    CURVE drops the handshakes without a word to either side: the serve used to print '0.0 tok/s' forever. After
+    30 s without one answer its progress line names the learner's address and the secret."""
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    side = LearnerSide()  # plain ZeroMQ: no secret
+    serve = ServeProcess(["--model", str(model_dirs["tiny-llama"]), "--rollouts", side.rx.address, "--control",
+                          side.ctl.address, "--secret-file", str(secret), "--progress-s", "2"])  # fmt: skip
+    try:
+        serve.wait_for("inflight.serve ready", timeout_s=180)
+        serve.wait_for(f"no word from the learner at {side.ctl.address} in", timeout_s=60)
+        assert "with the same --secret-file as this serve (or neither)?" in serve.tail(5)
+        side.pump(0.5)
+        assert side.control == [] and side.rollouts == []  # nothing got through either way
+    finally:
+        assert serve.stop() == 0, serve.tail()
