@@ -13,6 +13,7 @@ gloo and the decoder's precision is left to autocast, exactly as before this obj
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -66,11 +67,13 @@ class World:
 
         Without the barrier, a rank that finishes first (rank 1 returns from the HF export while rank 0 still writes
         files) exits with gloo's threads alive and the C++ runtime aborts it ("terminate called without an active
-        exception", SIGABRT)."""
+        exception", SIGABRT). FSDP state holds reference cycles: collected before the group goes, since one freed at
+        interpreter exit, after it, aborted a rank the same way (tests/learner/spawn_support.py does the same)."""
         if not dist.is_initialized():
             return
         if clean and dist.get_world_size() > 1:
             dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 

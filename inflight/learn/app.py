@@ -352,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         world.close(False)
         raise SystemExit(f"inflight.learn: {exc}") from None
 
+    stopping = learner.stopping
     for stop in (signal.SIGTERM, signal.SIGINT):  # stop after the step in progress, checkpointed and exported
-        signal.signal(stop, lambda *_: learner.stopping.set())
+        signal.signal(stop, lambda *_: stopping.set())
     clean = False
     try:
         code = learner.run()
@@ -361,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         learner.close()
+        del learner  # the model's FSDP reference cycles go while the group lives (World.close), not at exit
         world.close(clean)
 
 
