@@ -32,8 +32,10 @@ import time
 import uuid
 from pathlib import Path
 
+from inflight.config import parse_dataclass
 from inflight.run.config import RunConfig, parse_gpus
 from inflight.run.launch import side_commands, side_env
+from inflight.serve.config import ServeConfig
 
 INSTALL = "pip install 'inflight[ray]' (make setup installs it)"
 ROLE_RESOURCE = 0.001  # how much of --ray-*-resource each bundle asks: a marker, however many units a node advertises
@@ -284,19 +286,8 @@ def serve_argv(base: list[str], cfg: RunConfig, run_dir: Path, index: int) -> li
         return base
     seed = str(cfg.seed + index)
     argv = [*base, "--metrics", str(run_dir / f"serve-{index}-metrics.jsonl"), "--task-seed", seed, "--seed", seed]
-    http_port = int(flag_value(base, "--http-port") or 0)
+    http_port = parse_dataclass(ServeConfig, base[2:], "inflight.serve", "").http_port  # as the serve reads it
     return argv + ["--http-port", str(http_port + index)] if http_port else argv
-
-
-def flag_value(argv: list[str], flag: str) -> str | None:
-    """The value the last `flag` in `argv` gives (`--flag V` or `--flag=V`), as the side's parser reads it; None."""
-    value = None
-    for k, arg in enumerate(argv):
-        if arg == flag and k + 1 < len(argv):
-            value = argv[k + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def rank_env(rank: int, world: int, local_rank: int, local_world: int, master: tuple[str, int]) -> dict[str, str]:
