@@ -1,14 +1,14 @@
 """The serve process: engine + rollout driver + rollout stream + control client (+ OpenAI API), one event loop.
 
 `python -m inflight.serve` calls `main`. Shutdown (SIGINT/SIGTERM, or `--max-groups` reached and everything sent):
-stop admitting, cancel generating groups, give the outbox up to 10 s to reach the learner, stop the engine.
+stop admitting, cancel generating groups, give the outbox up to 10 s to reach the learner (none when no learner is
+connected: the launchers stop it first), stop the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import gc
 import logging
 import os
@@ -132,8 +132,7 @@ async def serve(cfg: ServeConfig) -> int:
         return await _run(cfg, driver, stream, control, reporter)
     finally:
         await driver.stop()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stream.drained.wait(), 10.0)
+        await stream.flush(10.0)
         if http is not None:
             http.cancel()
         control.close()
@@ -280,6 +279,7 @@ async def _run(
         for n, c in (
             ("driver", driver.run()),
             ("stream", stream.pump(driver.notify)),
+            ("peer", stream.watch()),
             ("control", control.serve()),
             ("heartbeat", control.heartbeat()),
             ("progress", reporter.run()),

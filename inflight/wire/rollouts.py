@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from inflight.wire.secure import CurveKeys, bind_socket, connect_socket, secure_server
 
@@ -317,6 +318,8 @@ class RolloutStream:
         self._wake = asyncio.Event()
         self.drained = asyncio.Event()  # set whenever the outbox becomes empty
         self.drained.set()
+        self.connected = False  # a learner is connected now (`watch`)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
 
     def offer(self, record: bytes, group_id: str) -> None:
         self.outbox.append((record, group_id))
@@ -358,8 +361,35 @@ class RolloutStream:
             if on_sent is not None:
                 on_sent()
 
+    async def watch(self) -> None:
+        """Keeps `connected` current, forever, from ZeroMQ's socket monitor: a learner that exits or dies closes its
+        TCP connection, and the DISCONNECTED event arrives at once (a cut link is seen only when TCP gives up)."""
+        while True:
+            self._on_event(await self._monitor.recv_multipart())
+
+    def _on_event(self, frames: list[bytes]) -> None:
+        self.connected = parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+    async def flush(self, timeout_s: float = 10.0, poll_s: float = 0.05) -> None:
+        """A stopping serve's last sends: the outbox, for at most `timeout_s`, and only while a learner is connected.
+        The launchers stop the learner before the serves, so the usual learner is already gone; waiting for it
+        would only delay the stop (by `timeout_s`, then the socket's linger)."""
+        while await self._monitor.poll(0):  # what happened since `watch` last ran
+            self._on_event(await self._monitor.recv_multipart())
+        tasks = [asyncio.create_task(self.watch()), asyncio.create_task(self.pump())]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self.outbox and self.connected and time.monotonic() < deadline:
+                await asyncio.sleep(poll_s)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     def close(self, linger_s: float = 5.0) -> None:
-        self._sock.close(linger=int(linger_s * 1000))
+        """Records ZeroMQ still holds get `linger_s` to reach a connected learner; none when no learner is."""
+        self._monitor.close(linger=0)
+        self._sock.close(linger=int(linger_s * 1000) if self.connected else 0)
         self._ctx.term()
 
 
