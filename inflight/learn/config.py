@@ -210,10 +210,11 @@ class LearnConfig(
         self.validate_secret()
         # A wildcard address listens on every interface, public ones included: only behind CURVE (docs/multi-node.md).
         require(
-            self.host not in WILDCARD_HOSTS or bool(self.secret_file),
+            self.host not in WILDCARD_HOSTS or bool(self.secret_file or self.socket_secret_file),
             "host",
             self.host,
-            "a specific address (127.0.0.1, or this node's own address), or a wildcard together with --secret-file",
+            "a specific address (127.0.0.1, or this node's own address), or a wildcard together with --secret-file "
+            "or --socket-secret-file",
         )
 
     def contract(self) -> RunContract:

@@ -41,6 +41,7 @@ _NOT_TRAINING = frozenset(
         "report_to",
         "log_samples_every",
         "secret_file",
+        "socket_secret_file",
         "timeout_s",
         "bucket_mb",
         "full_every",

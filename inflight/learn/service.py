@@ -37,7 +37,7 @@ from inflight.learn.store import RolloutBuffer, RolloutJournal
 from inflight.wire.control import ControlServer
 from inflight.wire.records import StepMetrics, encode_line, to_record
 from inflight.wire.rollouts import Rollout, RolloutError, RolloutReceiver, decode_rollout
-from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
+from inflight.wire.secure import CurveKeys, derive_keys, weights_key
 from inflight.wire.weights import AdapterSpec
 
 log = logging.getLogger("inflight.learn")
@@ -157,8 +157,8 @@ class LearnerService:
         adapter: AdapterSpec | None = None,
     ):
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        secret = read_secret(cfg.secret_file) if cfg.secret_file else None
-        keys = derive_keys(secret) if secret is not None else None
+        socket_secret, tag_secret = cfg.secrets()
+        keys = derive_keys(socket_secret) if socket_secret is not None else None
         self.intake = RolloutIntake(cfg, consumed, by_server, keys)
         self.control = ControlServer(cfg.host, cfg.control_port, keys=keys)
         self.publisher: WeightPublisher = open_publisher(
@@ -169,7 +169,7 @@ class LearnerService:
             cfg.timeout_s,
             device=weights_device,
             bucket_bytes=cfg.bucket_mb << 20,
-            weights_key=weights_key(secret) if secret is not None else None,
+            weights_key=weights_key(tag_secret) if tag_secret is not None else None,
             full_every=cfg.full_every,
             adapter=adapter,
             consumed=self.intake.buffer.consumed_by_server,  # a live view: each update says what each serve had trained
@@ -185,7 +185,13 @@ class LearnerService:
     def _announce(self) -> None:
         """Log and print the ready line (`inflight.learn ready: ...`) launchers and tests wait for."""
         source, store_port = self.intake.source, self.plane.rendezvous.store_port
-        log.info("learner listening: %s, control %s, weights store port %d", source, self.control.address, store_port)
+        log.info(
+            "learner listening: %s, control %s, weights store port %d; sockets: %s",
+            source,
+            self.control.address,
+            store_port,
+            sockets_said(self.cfg),
+        )
         print(
             f"inflight.learn ready: {source} control {self.control.address} weights {self.cfg.host}:{store_port}",
             file=sys.stderr,
@@ -266,3 +272,12 @@ class LearnerService:
         self.control.close()
         self.metrics_file.close()
         self.intake.close()
+
+
+def sockets_said(cfg: LearnConfig) -> str:
+    """How the rollout and control sockets are protected, for the listening line."""
+    if cfg.secret_file:
+        return "CURVE, and keyed tags on every weight update (--secret-file)"
+    if cfg.socket_secret_file:
+        return "CURVE (--socket-secret-file; weight updates carry checksums, not keyed tags)"
+    return "plain TCP, no secret"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -34,9 +35,11 @@ from pathlib import Path
 
 from inflight.config import parse_dataclass
 from inflight.run.config import RunConfig, parse_gpus
+from inflight.run.config_file import SIDE_CONFIGS
 from inflight.run.launch import side_commands, side_env
 from inflight.serve.config import ServeConfig
 
+RUN_SECRET = "socket-secret"  # in the run directory: see with_run_secret
 INSTALL = "pip install 'inflight[ray]' (make setup installs it)"
 ROLE_RESOURCE = 0.001  # how much of --ray-*-resource each bundle asks: a marker, however many units a node advertises
 
@@ -274,8 +277,26 @@ def main(cfg: RunConfig, tables: dict[str, dict], run_dir: Path, interrupted: li
 
 
 def learner_commands(cfg: RunConfig, run_dir: Path, host: str, ports: list[int], tables) -> dict[str, list[str]]:
-    """Both sides' argv (inflight/run/launch.py:side_commands) with the learner at `host` on `ports`."""
-    return side_commands(dataclasses.replace(cfg, host=host), run_dir, tuple(ports[:3]), tables)  # type: ignore[arg-type]
+    """Both sides' argv (inflight/run/launch.py:side_commands) with the learner at `host` on `ports`, and the run's
+    socket secret (`with_run_secret`)."""
+    commands = side_commands(dataclasses.replace(cfg, host=host), run_dir, tuple(ports[:3]), tables)  # type: ignore[arg-type]
+    return with_run_secret(commands, run_dir)
+
+
+def with_run_secret(commands: dict[str, list[str]], run_dir: Path) -> dict[str, list[str]]:
+    """Both sides given a secret made for this run (`--socket-secret-file`, ZeroMQ CURVE on the learner's rollout and
+    control sockets) unless either side was given one: under Ray the learner binds a cluster address, where only this
+    run's serves may reach it. The file lies in the run directory, which every node sees, readable by its owner only.
+    CURVE only: --secret-file's keyed weight tags cost ~1 s per GB on the host, so they stay the user's choice."""
+    given = [parse_dataclass(SIDE_CONFIGS[side], argv[2:], f"--{side}-args", "") for side, argv in commands.items()]
+    if any(c.secret_file or c.socket_secret_file for c in given):
+        return commands
+    path = run_dir / RUN_SECRET
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode through O_TRUNC
+        f.write(secrets.token_hex(32) + "\n")
+    return {side: [*argv, "--socket-secret-file", str(path)] for side, argv in commands.items()}
 
 
 def serve_argv(base: list[str], cfg: RunConfig, run_dir: Path, index: int) -> list[str]:

@@ -36,7 +36,7 @@ from inflight.wire.contract import RunContract
 from inflight.wire.control import Ask, TensorSpec
 from inflight.wire.group import WEIGHTS_MAX_CTAS
 from inflight.wire.rollouts import RolloutStream
-from inflight.wire.secure import CurveKeys, derive_keys, read_secret, weights_key
+from inflight.wire.secure import CurveKeys, derive_keys, weights_key
 from vllm_patches.device_plan import (
     LEARNER_BUCKET_BYTES,
     checkpoint_staging_plan,
@@ -99,8 +99,8 @@ async def serve(cfg: ServeConfig) -> int:
     # what the learner checks at Hello, asked before the engine starts: a refused serve stops before loading its model
     contract = cfg.contract(checkpoint_fingerprint(model_path) if cfg.lora_rank else "")
     config = served_engine_config(cfg, model_path)  # no deltas planned yet: a refused flag answers at once
-    secret = read_secret(cfg.secret_file) if cfg.secret_file else None
-    keys = derive_keys(secret) if secret is not None else None
+    socket_secret, tag_secret = cfg.secrets()
+    keys = derive_keys(socket_secret) if socket_secret is not None else None
     asked, full_every = await _asked(cfg, contract, keys)
     if not asked:
         return 1
@@ -112,8 +112,8 @@ async def serve(cfg: ServeConfig) -> int:
         expected = (await engine.llm.collective_rpc("inflight_expected_tensors"))[0]
         tensors = [TensorSpec(n, d, s) for n, (d, s) in sorted(expected.items())]
         http = await _maybe_http(cfg, engine, model_path)
-        if secret is not None:  # the engine verifies updates by keyed tags, not checksums
-            await engine.set_weights_key(weights_key(secret))
+        if tag_secret is not None:  # the engine verifies updates by keyed tags, not checksums
+            await engine.set_weights_key(weights_key(tag_secret))
     except BaseException:
         engine.shutdown()
         raise
@@ -240,7 +240,7 @@ async def _asked(cfg: ServeConfig, contract: RunContract, keys: CurveKeys | None
         return False, 0
     if agreed is None:
         log.info(
-            "no learner answered at %s yet (not running, or given another --secret-file): the contract is checked "
+            "no learner answered at %s yet (not running, or given another secret): the contract is checked "
             "at Hello, once the engine runs",
             cfg.control,
         )

@@ -156,11 +156,11 @@ def _kinds(kinds: dict[str, int]) -> str:
 
 def _unheard(control) -> str:
     """ " | no word from the learner at ADDRESS in 45 s: ..." while the learner never answered: a learner that is not
-    running, or one whose --secret-file differs from this serve's (CURVE drops every handshake without a word)."""
+    running, or one whose secret differs from this serve's (CURVE drops every handshake without a word)."""
     waited = 0.0 if control is None or control.heard else time.monotonic() - control.started
     if waited < UNHEARD_HINT_S:
         return ""
     return (
         f" | no word from the learner at {control.address} in {waited:.0f} s: is it running there, with the same "
-        "--secret-file as this serve (or neither)?"
+        "--secret-file or --socket-secret-file as this serve (or neither)?"
     )

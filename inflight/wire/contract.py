@@ -272,6 +272,22 @@ class SecretKnob:
         "weight update, verified by the serves; both sides must be given the same file",
     )
 
+    socket_secret_file: str = knob(
+        "",
+        "shared secret (>= 16 bytes) for ZeroMQ CURVE on the rollout and control sockets only, "
+        "without --secret-file's weight tags; --launcher ray makes one for every run unless "
+        "--secret-file is given (which, when given, is used instead)",
+    )
+
     def validate_secret(self) -> None:
+        for flag, path in (("--secret-file", self.secret_file), ("--socket-secret-file", self.socket_secret_file)):
+            if path:
+                read_secret(path, flag)  # a missing or short file is refused at start, naming the flag
+
+    def secrets(self) -> tuple[bytes | None, bytes | None]:
+        """(the sockets' CURVE secret, the weight tags' secret): --secret-file is both; --socket-secret-file only the
+        first, since keyed tags hash every update's bytes on the host (BENCHMARKS.md, "Authenticated updates")."""
         if self.secret_file:
-            read_secret(self.secret_file)  # a missing or short file is refused at start, naming the flag
+            secret = read_secret(self.secret_file)
+            return secret, secret
+        return (read_secret(self.socket_secret_file, "--socket-secret-file") if self.socket_secret_file else None), None

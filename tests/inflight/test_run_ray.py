@@ -22,10 +22,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq
 from serve_support import TEST_KV_GIB, ServeProcess
 
 from inflight.run.launch import free_ports
-from inflight.run.ray_launcher import may_leave_idle_class
+from inflight.run.ray_launcher import RUN_SECRET, may_leave_idle_class
+from inflight.wire.secure import derive_keys, read_secret, secure_client
 
 TESTS = Path(__file__).parent
 TIMEOUT_S = 10  # the learner's --timeout-s: how long a weights collective waits on a dead serve
@@ -223,6 +225,22 @@ def two_nodes(monkeypatch):
     assert_nothing_left(before)
 
 
+def handshakes(address: str, keys=None, wait_s: float = 3.0) -> bool:
+    """Whether a DEALER (a CURVE client with `keys`, else plain) completes ZeroMQ's handshake with `address`."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    if keys is not None:
+        secure_client(sock, keys)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    try:
+        return bool(monitor.poll(int(wait_s * 1000)))
+    finally:
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        ctx.term()
+
+
 def placed(run_dir: Path) -> dict[str, str]:
     return {e["actor"]: e["node_id"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "placed"}
 
@@ -250,6 +268,10 @@ def test_a_run_on_two_ray_nodes_survives_a_killed_serve_grows_a_serve_resumes_af
         run.wait_for("step 2 v2", 400)
         # placement: the learner on the head node, the serve on the other one, and rollouts crossed between them
         assert placed(run_dir) == {"learn": two_nodes["head"], "serve": two_nodes["serve"]}, placed(run_dir)
+        # the learner's sockets on the cluster address take only this run's serves: CURVE, from the run's own secret
+        control = (run_dir / "serve.cmd").read_text().split("--control ", 1)[1].split()[0]
+        assert not handshakes(control) and handshakes(control, derive_keys(read_secret(str(run_dir / RUN_SECRET))))
+        assert "sockets: CURVE (--socket-secret-file" in (run_dir / "learn.log").read_text()
         first = serve_pid(run_dir)
         # not at Ray's worker niceness (15): the sides run at normal priority, as under the local launcher
         learner = [p for p in ours("-m inflight.learn") if str(run_dir) in " ".join(p.cmdline())]
@@ -529,6 +551,29 @@ def test_every_serve_after_the_first_gets_its_own_openai_api_port_whichever_way_
     given = ["-m", "inflight.serve", "--http-port=9000", "--kv-cache-gib", "0.25"]  # as --serve-args may give it
     assert serve_argv(given, cfg, tmp_path, 1)[-2:] == ["--http-port", "9001"]
     assert "--http-port" not in serve_argv(["-m", "inflight.serve"], cfg, tmp_path, 1)  # no API, no port
+
+
+def test_a_ray_run_gives_both_sides_a_socket_secret_of_its_own_unless_one_was_given(tmp_path):
+    """Under Ray the learner binds a cluster address: its sockets take only this run's serves (CURVE), from a secret
+    the launcher writes into the run directory, readable by its owner only; a secret the user gave is left alone."""
+    from inflight.run.config import RunConfig
+    from inflight.run.launch import side_commands
+    from inflight.run.ray_launcher import with_run_secret
+
+    commands = side_commands(RunConfig(model="tiny-llama"), tmp_path, (20001, 20002, 20003))
+    given = with_run_secret(commands, tmp_path)
+    path = tmp_path / RUN_SECRET
+    assert all(argv[-2:] == ["--socket-secret-file", str(path)] for argv in given.values())
+    assert path.stat().st_mode & 0o777 == 0o600 and len(read_secret(str(path))) >= 32
+    again = read_secret(str(path))
+    with_run_secret(commands, tmp_path)
+    assert read_secret(str(path)) != again  # a new run, a new secret
+
+    own = tmp_path / "mine"
+    own.write_text("a secret of the user's own, 16+ bytes\n")
+    mine = RunConfig(model="tiny-llama", learn_args=f"--secret-file {own}", serve_args=f"--secret-file {own}")
+    commands = side_commands(mine, tmp_path, (20001, 20002, 20003))
+    assert with_run_secret(commands, tmp_path) == commands
 
 
 def test_scale_returns_once_the_driver_takes_the_request_and_names_the_timeout_when_it_does_not(tmp_path):

@@ -253,7 +253,7 @@ def test_a_serve_that_never_hears_from_its_learner_says_what_to_check_on_its_pro
     try:
         serve.wait_for("inflight.serve ready", timeout_s=180)
         serve.wait_for(f"no word from the learner at {side.ctl.address} in", timeout_s=60)
-        assert "with the same --secret-file as this serve (or neither)?" in serve.tail(5)
+        assert "with the same --secret-file or --socket-secret-file as this serve (or neither)?" in serve.tail(5)
         side.pump(0.5)
         assert side.control == [] and side.rollouts == []  # nothing got through either way
     finally:

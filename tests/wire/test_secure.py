@@ -92,3 +92,17 @@ def test_bad_secret_files_are_refused_naming_the_flag(tmp_path):
     assert read_secret(str(good)) == SECRET
     a, b = derive_keys(SECRET), derive_keys(SECRET)
     assert a == b and a.server_public != a.client_public and derive_keys(SECRET + b"x") != a
+
+
+def test_a_socket_secret_gives_curve_keys_without_weight_tags_and_a_secret_file_gives_both(tmp_path):
+    from inflight.wire.contract import SecretKnob
+
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    assert SecretKnob(secret_file=str(path)).secrets() == (SECRET, SECRET)
+    assert SecretKnob(socket_secret_file=str(path)).secrets() == (SECRET, None)  # checksums, not keyed tags
+    assert SecretKnob(secret_file=str(path), socket_secret_file=str(tmp_path / "other")).secrets() == (SECRET, SECRET)
+    assert SecretKnob().secrets() == (None, None)
+    (tmp_path / "short").write_bytes(b"tiny")
+    with pytest.raises(ValueError, match="--socket-secret-file .* holds 4 bytes"):
+        SecretKnob(socket_secret_file=str(tmp_path / "short")).validate_secret()
